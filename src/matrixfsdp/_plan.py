@@ -18,6 +18,7 @@ order", materialization and reduction are one piece of segment math for both (se
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import hashlib
@@ -145,20 +146,102 @@ def _imbalance(values: list[float]) -> float:
     return max(values) / avg if avg > 0 else 1.0
 
 
-def _tight_lower_bound(role_loads: list[float], divisible: float, world_size: int) -> float:
-    """Lower bound on the most loaded rank's load.
-
-    Owned roles are atomic; ``divisible`` load (even shards) spreads as ``divisible / W`` per rank.
-    The atomic bound is the max of: the average, the largest role, and the sum of the W-th and
-    (W+1)-th largest roles (with W+1 roles on W ranks, two of the W+1 largest share a rank).
-    """
-    roles = sorted(role_loads, reverse=True)
+def _three_term_bound(roles: list[float], world_size: int) -> float:
+    """max(average, largest role, W-th + (W+1)-th largest role): with W+1 roles on W ranks, two of
+    the W+1 largest share a rank. ``roles`` sorted descending."""
     bound = sum(roles) / world_size
     if roles:
         bound = max(bound, roles[0])
     if len(roles) > world_size:
         bound = max(bound, roles[world_size - 1] + roles[world_size])
-    return bound + divisible / world_size
+    return bound
+
+
+def _l2_bins(asc: list[float], prefix: list[float], cap: float) -> int:
+    """Martello-Toth L2 lower bound on the bins of capacity ``cap`` that items ``asc`` need."""
+    n = len(asc)
+    half = bisect.bisect_right(asc, cap / 2)  # asc[:half] <= cap/2 < asc[half:]
+    best = 0
+    # K ranges over 0 and the distinct item sizes <= cap/2; J3 = [K, cap/2], J2 = (cap/2, cap-K],
+    # J1 = (cap-K, inf).
+    ks = [0.0] + sorted(set(asc[:half]))
+    for k in ks:
+        j1_start = bisect.bisect_right(asc, cap - k)
+        j3_start = bisect.bisect_left(asc, k)
+        n1 = n - j1_start
+        n2 = j1_start - half
+        s2 = prefix[j1_start] - prefix[half]
+        s3 = prefix[half] - prefix[j3_start]
+        extra = (s3 - (n2 * cap - s2)) / cap
+        bins = n1 + n2 + max(0, math.ceil(extra - 1e-9))
+        best = max(best, bins)
+    return best
+
+
+def _best_bin_load(sizes: list[tuple[float, int]], cap: float, limit: int = 50_000) -> float | None:
+    """Largest load <= ``cap`` one rank can hold (subset sum over sizes with multiplicities), or
+    ``None`` when the set of sums grows past ``limit`` (then no conclusion is drawn)."""
+    sums = {0.0}
+    for size, count in sizes:
+        if size <= 0:
+            continue
+        new = set(sums)
+        for x in sums:
+            y = x
+            for _ in range(count):
+                y += size
+                if y > cap:
+                    break
+                new.add(y)
+        sums = new
+        if len(sums) > limit:
+            return None
+    return max(sums)
+
+
+def _tight_lower_bound(role_loads: list[float], divisible: float, world_size: int) -> float:
+    """Lower bound on the most loaded rank's load.
+
+    Owned roles are atomic; ``divisible`` load (even shards) adds ``divisible / W`` to every rank.
+    Starts from the three-term bound and raises it by bisection to the smallest makespan ``T``
+    that neither of two bin-packing arguments proves infeasible on W ranks:
+
+    * Martello-Toth L2: a lower bound on the number of bins of capacity ``T`` the roles need;
+    * capacity: ``W`` times the fullest load one rank can reach under ``T`` (a subset sum) must
+      cover the total. This is what makes few-distinct-size instances (transformer blocks) tight.
+
+    Every value returned is the three-term bound or was proven unreachable, so it stays valid.
+    """
+    roles = sorted(role_loads, reverse=True)
+    lo = _three_term_bound(roles, world_size)
+    if len(roles) > world_size and lo > 0:
+        asc = roles[::-1]
+        prefix = [0.0]
+        for x in asc:
+            prefix.append(prefix[-1] + x)
+        total = prefix[-1]
+        counts: dict[float, int] = {}
+        for x in roles:
+            counts[x] = counts.get(x, 0) + 1
+        sizes = sorted(counts.items(), reverse=True)
+
+        def infeasible(t: float) -> bool:
+            if _l2_bins(asc, prefix, t) > world_size:
+                return True
+            best = _best_bin_load(sizes, t)
+            return best is not None and best * world_size < total * (1 - 1e-12)
+
+        if infeasible(lo):
+            hi = 2 * lo
+            while infeasible(hi):
+                lo, hi = hi, 2 * hi
+            for _ in range(30):
+                mid = (lo + hi) / 2
+                if infeasible(mid):
+                    lo = mid
+                else:
+                    hi = mid
+    return lo + divisible / world_size
 
 
 @dataclass(frozen=True, kw_only=True)

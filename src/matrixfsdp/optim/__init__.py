@@ -1,0 +1,16 @@
+"""Local matrix optimizers for matrixfsdp: Muon, Shampoo and SOAP.
+
+Each is one ``torch.optim.Optimizer`` that routes 2D parameters to its matrix rule and every other
+parameter to AdamW, per param group (key ``"algorithm"``: ``"auto"``, the rule's name or
+``"adamw"``; see :mod:`matrixfsdp.optim._base`). Under matrixfsdp each 2D weight lives whole on
+one rank and is empty elsewhere, so ``step()`` runs on local tensors only, with no communication.
+
+    >>> from matrixfsdp.optim import Muon
+    >>> opt = Muon(model.parameters(), lr=0.02, ns_dtype=torch.float32)
+"""
+
+from ._muon import Muon
+from ._shampoo import Shampoo
+from ._soap import SOAP
+
+__all__ = ["Muon", "Shampoo", "SOAP"]

@@ -1,0 +1,254 @@
+"""Shared machinery of the matrix optimizers: routing, the AdamW rule, local tensors, state dicts.
+
+Every optimizer here is one ``torch.optim.Optimizer`` that holds *all* of a model's parameters and
+routes each one, per param group, either to its matrix rule (Muon, Shampoo, SOAP) or to AdamW:
+
+* ``group["algorithm"] == "auto"`` (default): 2D parameters get the matrix rule, the rest AdamW;
+* ``group["algorithm"] == <rule name>``: every parameter of the group gets the matrix rule, and a
+  non-2D parameter is a ``ValueError`` at construction;
+* ``group["algorithm"] == "adamw"``: every parameter gets AdamW (embeddings, output heads, ...).
+
+The AdamW rule reads ``adamw_lr`` / ``adamw_betas`` / ``adamw_eps`` / ``adamw_weight_decay`` from
+the same group; ``adamw_lr=None`` and ``adamw_weight_decay=None`` (the defaults) mean "the group's
+``lr`` / ``weight_decay``", read at every step, so LR schedulers that edit ``group["lr"]`` drive
+both rules.
+
+[Note: local tensors]
+Under matrixfsdp a parameter may be a ``DTensor``. Routing looks at its *global* shape
+(``p.ndim``/``p.shape``); the update runs in place on the local tensor (``to_local()`` under
+``no_grad`` aliases the local shard). A 2D matrix is owned whole by one rank: its local tensor is
+either the full matrix (owner) or empty ``[0, n]`` (everyone else). Empty local tensors are
+skipped before any state is created, so non-owners pay nothing. A matrix rule seeing any other
+local shape raises. ``step()`` only touches plain local tensors, so it never communicates.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterator
+from itertools import chain
+from typing import Any, Callable, ClassVar, NoReturn
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ._adamw import adamw_step, new_step_counter
+
+try:  # torch builds without distributed have no DTensor; then nothing is one.
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # pragma: no cover
+    _DTensor = None
+
+__all__ = ["MatrixOptimizer", "local_tensor", "wide_dtype", "is_real", "ADAMW_DEFAULTS"]
+
+#: Default AdamW hyperparameters of the element-wise rule (documented on each optimizer).
+ADAMW_DEFAULTS: dict[str, Any] = {
+    "adamw_lr": None,
+    "adamw_betas": (0.9, 0.999),
+    "adamw_eps": 1e-8,
+    "adamw_weight_decay": None,
+}
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The local tensor of a DTensor (an alias under ``no_grad``), or ``t`` itself."""
+    if _DTensor is not None and isinstance(t, _DTensor):
+        return t.to_local()
+    return t
+
+
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of Shampoo/SOAP statistics: at least float32 (bf16 factors lose the spectrum)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+class MatrixOptimizer(Optimizer):
+    """Base class: routes each parameter to ``_matrix_step`` or to AdamW (see module docstring).
+
+    Subclasses set ``rule`` (the name accepted in ``group["algorithm"]``), implement
+    ``_matrix_step`` and ``_check_rule_hparams``, and set ``wide_state`` when their matrix state is
+    kept in :func:`wide_dtype` rather than the parameter's dtype.
+    """
+
+    rule: ClassVar[str]
+    wide_state: ClassVar[bool] = False
+
+    def __init__(self, params: Any, defaults: dict[str, Any], adamw: dict[str, Any]) -> None:
+        defaults = {**defaults, "algorithm": "auto", **adamw}
+        # Constructor arguments first, so their errors name no group.
+        self._check_hparams(defaults, "")
+        super().__init__(params, defaults)
+
+    # ----------------------------------------------------------------------------- validation
+    def _fail(self, msg: str, where: str) -> NoReturn:
+        raise ValueError(f"{type(self).__name__}: {msg}{where}")
+
+    def _check_nonneg(self, group: dict[str, Any], key: str, where: str, *, optional: bool = False) -> None:
+        v = group[key]
+        if optional and v is None:
+            return
+        if not is_real(v) or not v >= 0:
+            self._fail(f"{key} must be a float >= 0, got {key}={v!r}", where)
+
+    def _check_betas(self, group: dict[str, Any], key: str, where: str, *, allow_one: bool = False) -> None:
+        v = group[key]
+        ok = isinstance(v, (tuple, list)) and len(v) == 2 and all(is_real(b) for b in v)
+        if ok:
+            ok = all(0.0 <= b < 1.0 for b in v) if not allow_one else (0.0 <= v[0] < 1.0 and 0.0 <= v[1] <= 1.0)
+        if not ok:
+            rng = "[0, 1) and [0, 1]" if allow_one else "[0, 1)"
+            self._fail(f"{key} must be two floats in {rng}, got {key}={v!r}", where)
+
+    def _check_beta(self, group: dict[str, Any], key: str, where: str, *, optional: bool = False) -> None:
+        v = group[key]
+        if optional and v is None:
+            return
+        if not is_real(v) or not 0.0 <= v < 1.0:
+            self._fail(f"{key} must be a float in [0, 1), got {key}={v!r}", where)
+
+    def _check_int(self, group: dict[str, Any], key: str, where: str, lo: int, hi: int | None = None) -> None:
+        v = group[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v >= hi):
+            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
+            self._fail(f"{key} must be an int {rng}, got {key}={v!r}", where)
+
+    def _check_hparams(self, group: dict[str, Any], where: str) -> None:
+        algorithms = ("auto", self.rule, "adamw")
+        if group["algorithm"] not in algorithms:
+            self._fail(f"algorithm must be one of {algorithms}, got algorithm={group['algorithm']!r}", where)
+        self._check_nonneg(group, "lr", where)
+        self._check_nonneg(group, "weight_decay", where)
+        self._check_nonneg(group, "adamw_lr", where, optional=True)
+        self._check_betas(group, "adamw_betas", where)
+        self._check_nonneg(group, "adamw_eps", where)
+        self._check_nonneg(group, "adamw_weight_decay", where, optional=True)
+        self._check_rule_hparams(group, where)
+
+    def _check_rule_hparams(self, group: dict[str, Any], where: str) -> None:
+        raise NotImplementedError
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)  # fills in the defaults
+        try:
+            self._check_group(len(self.param_groups) - 1)
+        except Exception:
+            self.param_groups.pop()  # leave the optimizer as it was
+            raise
+
+    def _check_group(self, index: int) -> None:
+        group = self.param_groups[index]
+        where = f" (param group {index})"
+        self._check_hparams(group, where)
+        for p in group["params"]:
+            if torch.is_complex(p):
+                self._fail(f"complex parameters are not supported, got dtype={p.dtype}", where)
+            if self._route(group, p) != "adamw":
+                if p.ndim != 2:
+                    self._fail(
+                        f"param group {index} asks for the {self.rule!r} rule, which only takes 2D "
+                        f"matrices, but holds a parameter of shape {tuple(p.shape)}; put it in a "
+                        "group with algorithm='adamw'",
+                        "",
+                    )
+                self._check_whole(p, local_tensor(p), index)
+
+    # ----------------------------------------------------------------------------- routing
+    def _route(self, group: dict[str, Any], p: Tensor) -> str:
+        """``"adamw"`` or ``self.rule``; ``p.ndim`` is the global one for a DTensor."""
+        algorithm = group["algorithm"]
+        if algorithm == "auto":
+            return self.rule if p.ndim == 2 else "adamw"
+        return algorithm
+
+    def _check_whole(self, p: Tensor, local: Tensor, index: int) -> None:
+        if local.numel() != 0 and local.shape != p.shape:
+            raise ValueError(
+                f"{type(self).__name__}: the {self.rule!r} rule needs the whole matrix on one rank "
+                f"(or an empty local tensor on non-owners), but a parameter of param group {index} "
+                f"has global shape {tuple(p.shape)} and local shape {tuple(local.shape)}"
+            )
+
+    def _routed(self) -> Iterator[tuple[int, dict[str, Any], Tensor, str]]:
+        for index, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                yield index, group, p, self._route(group, p)
+
+    # ----------------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Performs a single optimization step; purely local (no communication)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group, p, route in self._routed():
+            if p.grad is None:
+                continue
+            param = local_tensor(p)
+            if param.numel() == 0:
+                continue  # non-owner of a matrix (or an empty shard): no state, no compute
+            grad = local_tensor(p.grad)
+            if grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            if route == "adamw":
+                self._adamw_step(param, grad, self.state[p], group)
+            else:
+                self._check_whole(p, param, index)
+                self._matrix_step(param, grad, self.state[p], group)
+        return loss
+
+    def _adamw_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        if not state:
+            state["step"] = new_step_counter()
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        lr = group["adamw_lr"] if group["adamw_lr"] is not None else group["lr"]
+        wd = group["adamw_weight_decay"]
+        beta1, beta2 = group["adamw_betas"]
+        adamw_step(
+            param,
+            grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            state["step"],
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["adamw_eps"],
+            weight_decay=wd if wd is not None else group["weight_decay"],
+        )
+
+    def _matrix_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        """Update one whole, non-empty matrix ``param`` (a plain tensor) in place."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------------------- state dict
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Torch's loader, except that wide (float32) matrix statistics keep their dtype.
+
+        ``Optimizer.load_state_dict`` casts every floating state tensor to its parameter's dtype,
+        which would round Shampoo/SOAP float32 factors of a bf16 parameter to bf16.
+        """
+        super().load_state_dict(state_dict)
+        if not self.wide_state:
+            return
+        id_map = dict(
+            zip(
+                chain.from_iterable(g["params"] for g in state_dict["param_groups"]),
+                chain.from_iterable(g["params"] for g in self.param_groups),
+            )
+        )
+        routes = {id(p): route for _, _, p, route in self._routed()}
+        for key, saved in state_dict["state"].items():
+            p = id_map.get(key)
+            if p is None or routes[id(p)] == "adamw":
+                continue
+            device = local_tensor(p).device
+            for name, value in saved.items():
+                if name != "step" and isinstance(value, Tensor) and value.is_floating_point():
+                    self.state[p][name] = value.to(device=device, dtype=wide_dtype(p.dtype), copy=True)

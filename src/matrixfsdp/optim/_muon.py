@@ -1,0 +1,192 @@
+"""Muon: momentum orthogonalized by a Newton-Schulz iteration, for whole 2D matrices.
+
+The matrix rule reproduces ``torch.optim.Muon`` (torch 2.13) op for op: with the default
+``ns_dtype=torch.bfloat16`` the parameter and momentum buffer bits match torch's. The Newton-Schulz
+iteration is our own copy of torch's op sequence (same casts, transposes and ``addmm`` calls), not
+an import of torch's private helper.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import ADAMW_DEFAULTS, MatrixOptimizer, is_real
+
+__all__ = ["Muon"]
+
+_NS_DTYPES = (torch.bfloat16, torch.float32)
+_ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def zeropower_via_newtonschulz(
+    x: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float, dtype: torch.dtype
+) -> Tensor:
+    """Approximate ``U V^T`` of ``x = U S V^T`` with ``ns_steps`` quintic Newton-Schulz steps in ``dtype``.
+
+    Returns a new tensor of ``dtype``; ``x`` is never written (``copy=True``: with ``dtype`` equal
+    to ``x.dtype`` a plain cast would alias ``x`` -- the momentum buffer when ``nesterov=False`` --
+    and the in-place normalization below would corrupt it).
+    """
+    a, b, c = ns_coefficients
+    y = x.to(dtype, copy=True)
+    tall = x.size(0) > x.size(1)
+    if tall:  # iterate on the smaller Gram matrix
+        y = y.T
+    y.div_(y.norm().clamp(min=eps))  # spectral norm <= Frobenius norm <= 1
+    for _ in range(ns_steps):
+        gram = y @ y.T
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        y = torch.addmm(y, gram_update, y, beta=a)
+    return y.T if tall else y
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """Muon's per-shape learning rate, as torch's ``_adjust_lr``; ``shape`` is the global one."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, rows / cols))  # Keller Jordan's scaling
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(rows, cols))  # Moonshot: update RMS ~ AdamW's
+    else:
+        ratio = 1.0
+    return lr * ratio
+
+
+class Muon(MatrixOptimizer):
+    r"""Muon for 2D matrices, AdamW for everything else, in one optimizer.
+
+    Matrix rule (per 2D parameter :math:`W` with gradient :math:`G`), identical to
+    ``torch.optim.Muon`` (torch 2.13)::
+
+        B  <- momentum * B + (1 - momentum) * G           (B = state["momentum_buffer"], B_0 = 0)
+        U  <- G.lerp(B, momentum) if nesterov else B
+        O  <- NewtonSchulz(U; ns_coefficients, ns_steps, eps) computed in ns_dtype
+        W  <- W * (1 - lr * weight_decay)
+        W  <- W - adjust(lr, shape) * O
+
+    with ``adjust(lr) = lr * sqrt(max(1, rows/cols))`` for ``adjust_lr_fn=None``/``"original"`` and
+    ``lr * 0.2 * sqrt(max(rows, cols))`` for ``"match_rms_adamw"``.
+
+    Routing and the AdamW rule are described in :mod:`matrixfsdp.optim._base`: by default
+    (``algorithm="auto"``) 2D parameters get Muon and all others AdamW; a group with
+    ``algorithm="adamw"`` sends its 2D parameters (embeddings, output head) to AdamW too, and a
+    group with ``algorithm="muon"`` must hold only 2D parameters. The AdamW rule is bitwise
+    ``torch.optim.AdamW(foreach=False)``.
+
+    Args:
+        params: parameters or param groups; a group may set any argument below plus ``algorithm``.
+        lr: Muon learning rate (default 1e-3).
+        weight_decay: decoupled weight decay, ``W *= 1 - lr * weight_decay`` (default 0.1).
+        momentum: momentum factor (default 0.95).
+        nesterov: Nesterov-style momentum (default True).
+        ns_coefficients: quintic Newton-Schulz coefficients ``(a, b, c)``
+            (default ``(3.4445, -4.775, 2.0315)``).
+        eps: floor of the Frobenius norm that normalizes the input of Newton-Schulz (default 1e-7).
+        ns_steps: Newton-Schulz iterations, in ``[0, 100)`` (default 5).
+        adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"`` (default None).
+        ns_dtype: dtype of the Newton-Schulz iteration, ``torch.bfloat16`` (default; bitwise
+            torch) or ``torch.float32`` (more accurate; much faster than bf16 on most CPUs).
+        adamw_lr: AdamW learning rate; ``None`` (default) means the group's ``lr`` at each step.
+        adamw_betas: AdamW betas (default ``(0.9, 0.999)``).
+        adamw_eps: AdamW eps (default 1e-8).
+        adamw_weight_decay: AdamW decoupled weight decay; ``None`` (default) means the group's
+            ``weight_decay``.
+
+    State (per matrix): ``momentum_buffer``, in the parameter's dtype, as torch's.
+
+    Difference from torch: Newton-Schulz never writes its input. torch casts with ``.bfloat16()``,
+    which for a bf16 parameter with ``nesterov=False`` aliases the momentum buffer and normalizes it
+    in place; here the buffer stays the plain EMA of gradients.
+
+    Example::
+
+        >>> from matrixfsdp.optim import Muon
+        >>> model = torch.nn.Sequential(torch.nn.Embedding(100, 32), torch.nn.Linear(32, 32))
+        >>> opt = Muon(
+        ...     [
+        ...         {"params": model[0].parameters(), "algorithm": "adamw"},  # embedding: AdamW
+        ...         {"params": model[1].parameters()},  # weight: Muon, bias: AdamW
+        ...     ],
+        ...     lr=0.02,
+        ...     adamw_lr=3e-4,
+        ... )
+        >>> model(torch.randint(0, 100, (4,))).sum().backward()
+        >>> opt.step()
+    """
+
+    rule = "muon"
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        *,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        adamw_lr: float | None = ADAMW_DEFAULTS["adamw_lr"],
+        adamw_betas: tuple[float, float] = ADAMW_DEFAULTS["adamw_betas"],
+        adamw_eps: float = ADAMW_DEFAULTS["adamw_eps"],
+        adamw_weight_decay: float | None = ADAMW_DEFAULTS["adamw_weight_decay"],
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": ns_coefficients,
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+            "ns_dtype": ns_dtype,
+        }
+        adamw = {
+            "adamw_lr": adamw_lr,
+            "adamw_betas": adamw_betas,
+            "adamw_eps": adamw_eps,
+            "adamw_weight_decay": adamw_weight_decay,
+        }
+        super().__init__(params, defaults, adamw)
+
+    def _check_rule_hparams(self, group: dict[str, Any], where: str) -> None:
+        self._check_nonneg(group, "momentum", where)
+        self._check_nonneg(group, "eps", where)
+        self._check_int(group, "ns_steps", where, 0, 100)
+        if not isinstance(group["nesterov"], bool):
+            self._fail(f"nesterov must be a bool, got nesterov={group['nesterov']!r}", where)
+        coeffs = group["ns_coefficients"]
+        if not (isinstance(coeffs, (tuple, list)) and len(coeffs) == 3 and all(map(is_real, coeffs))):
+            self._fail(f"ns_coefficients must be three floats, got ns_coefficients={coeffs!r}", where)
+        if group["adjust_lr_fn"] not in _ADJUST_LR_FNS:
+            self._fail(
+                f"adjust_lr_fn must be one of {_ADJUST_LR_FNS}, got adjust_lr_fn={group['adjust_lr_fn']!r}", where
+            )
+        if group["ns_dtype"] not in _NS_DTYPES:
+            self._fail(
+                f"ns_dtype must be torch.bfloat16 or torch.float32, got ns_dtype={group['ns_dtype']!r}", where
+            )
+
+    def _matrix_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"]
+        momentum, lr = group["momentum"], group["lr"]
+        buf.lerp_(grad, 1 - momentum)
+        update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+        ortho = zeropower_via_newtonschulz(
+            update, group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"]
+        )
+        # The local tensor is the whole matrix here, so its shape is the global one.
+        step_lr = adjusted_lr(lr, group["adjust_lr_fn"], param.shape)
+        param.mul_(1 - lr * group["weight_decay"])
+        param.add_(ortho, alpha=-step_lr)
+
