@@ -199,10 +199,11 @@ def _best_bin_load(sizes: list[tuple[float, int]], cap: float, limit: int = 50_0
     return max(sums)
 
 
-def _tight_lower_bound(role_loads: list[float], divisible: float, world_size: int) -> float:
+def _tight_lower_bound(role_loads: list[float], base: list[float] | float, world_size: int) -> float:
     """Lower bound on the most loaded rank's load.
 
-    Owned roles are atomic; ``divisible`` load (even shards) adds ``divisible / W`` to every rank.
+    Owned roles are atomic; ``base[r]`` is the fixed load of rank ``r`` from even shards (a float
+    means that much per rank). The bound is ``max(roles bound + min(base), max(base), total / W)``.
     Starts from the three-term bound and raises it by bisection to the smallest makespan ``T``
     that neither of two bin-packing arguments proves infeasible on W ranks:
 
@@ -241,7 +242,9 @@ def _tight_lower_bound(role_loads: list[float], divisible: float, world_size: in
                     lo = mid
                 else:
                     hi = mid
-    return lo + divisible / world_size
+    if not isinstance(base, list):
+        base = [float(base)] * world_size
+    return max(lo + min(base), max(base), (sum(roles) + sum(base)) / world_size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -365,8 +368,9 @@ class OwnerPlan:
 
     def _bound(self, attr: str) -> float:
         roles = _role_loads(self.params, attr)
-        divisible = sum(getattr(p, attr) for p in self.params if p.owner is None)
-        return _tight_lower_bound(list(roles.values()), divisible, self.world_size)
+        W = self.world_size
+        base = [sum(getattr(p, attr) * p.share(r, W) for p in self.params if p.owner is None) for r in range(W)]
+        return _tight_lower_bound(list(roles.values()), base, W)
 
     @property
     def bytes_imbalance(self) -> float:
@@ -456,8 +460,11 @@ class OwnerPlan:
         """Inverse of :meth:`to_json`; raises ``ValueError`` on a malformed or tampered plan."""
         try:
             d = json.loads(text)
-            if d.get("format") != _FORMAT_VERSION:
-                raise ValueError(f"unsupported format {d.get('format')!r}")
+            if not isinstance(d, dict) or d.get("format") != _FORMAT_VERSION:
+                got = d.get("format") if isinstance(d, dict) else type(d).__name__
+                raise ValueError(
+                    f"OwnerPlan.from_json: expected plan format {_FORMAT_VERSION}, got format={got!r}"
+                )
             plan = cls(
                 world_size=d["world_size"],
                 policy=d["policy"],

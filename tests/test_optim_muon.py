@@ -1,0 +1,170 @@
+"""Muon's matrix rule: bitwise torch.optim.Muon with bf16 Newton-Schulz, fp32 NS, validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from matrixfsdp.optim import Muon
+from matrixfsdp.optim._muon import zeropower_via_newtonschulz
+
+NS = (3.4445, -4.775, 2.0315)
+
+
+def _pair(shape, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.nn.Parameter(torch.randn(shape, generator=g, dtype=dtype))
+    return a, torch.nn.Parameter(a.detach().clone())
+
+
+def _run_both(shape, steps, seed=0, **kw):
+    ours, ref = _pair(shape, seed)
+    opt = Muon([ours], **kw)
+    torch_opt = torch.optim.Muon([ref], **kw)
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        grad = torch.randn(shape, generator=g)
+        ours.grad, ref.grad = grad.clone(), grad.clone()
+        opt.step()
+        torch_opt.step()
+    return ours, ref, opt.state[ours], torch_opt.state[ref]
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (48, 32), (16, 16)], ids=["wide", "tall", "square"])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+def test_bitwise_torch_muon(shape, nesterov, adjust_lr_fn):
+    ours, ref, state, torch_state = _run_both(
+        shape, 4, lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn
+    )
+    assert torch.equal(ours, ref)
+    assert torch.equal(state["momentum_buffer"], torch_state["momentum_buffer"])
+    assert not torch.equal(ours, _pair(shape)[0])  # it moved
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 40),
+    lr=st.floats(1e-4, 0.1),
+    weight_decay=st.sampled_from([0.0, 0.01, 0.3]),
+    momentum=st.floats(0.0, 0.99),
+    nesterov=st.booleans(),
+    ns_steps=st.integers(0, 6),
+    adjust_lr_fn=st.sampled_from([None, "original", "match_rms_adamw"]),
+    seed=st.integers(0, 2**16),
+)
+def test_bitwise_torch_muon_property(rows, cols, lr, weight_decay, momentum, nesterov, ns_steps, adjust_lr_fn, seed):
+    ours, ref, state, torch_state = _run_both(
+        (rows, cols),
+        3,
+        seed=seed,
+        lr=lr,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        nesterov=nesterov,
+        ns_steps=ns_steps,
+        adjust_lr_fn=adjust_lr_fn,
+    )
+    assert torch.equal(ours, ref)
+    assert torch.equal(state["momentum_buffer"], torch_state["momentum_buffer"])
+
+
+def _ns_reference(x: torch.Tensor, steps: int) -> torch.Tensor:
+    """The quintic iteration written out in float64: X <- aX + (bA + cA^2)X, A = X X^T."""
+    a, b, c = NS
+    x = x.double()
+    flip = x.shape[0] > x.shape[1]
+    if flip:
+        x = x.T
+    x = x / max(x.norm().item(), 1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if flip else x
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (48, 32)])
+def test_fp32_newton_schulz_matches_float64_reference(shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    out = zeropower_via_newtonschulz(x, NS, 5, 1e-7, torch.float32)
+    assert out.dtype == torch.float32 and out.shape == shape
+    torch.testing.assert_close(out.double(), _ns_reference(x, 5), rtol=0, atol=2e-5)
+    # It orthogonalizes: singular values land near 1 (the quintic's band, roughly [0.7, 1.2]).
+    s = torch.linalg.svdvals(out)
+    assert 0.5 < s.min() and s.max() < 1.5
+
+
+def test_fp32_step_equals_closed_form():
+    p, _ = _pair((24, 40))
+    start = p.detach().clone()
+    opt = Muon([p], lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=True, ns_dtype=torch.float32,
+               adjust_lr_fn="match_rms_adamw")
+    grad = torch.randn(24, 40, generator=torch.Generator().manual_seed(7))
+    p.grad = grad
+    opt.step()
+    buf = 0.1 * grad.double()
+    update = grad.double() + 0.9 * (buf - grad.double())  # nesterov: grad.lerp(buf, momentum)
+    lr_adj = 0.05 * 0.2 * math.sqrt(40)
+    expected = start.double() * (1 - 0.05 * 0.1) - lr_adj * _ns_reference(update, 5)
+    torch.testing.assert_close(p.detach().double(), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_newton_schulz_never_writes_the_momentum_buffer(ns_dtype, dtype):
+    """nesterov=False hands the buffer itself to NS; it must stay the gradient EMA (torch's
+    ``.bfloat16()`` aliases it for bf16 params and normalizes it in place)."""
+    p = torch.nn.Parameter(torch.randn(8, 6, dtype=dtype))
+    opt = Muon([p], momentum=0.5, nesterov=False, ns_dtype=ns_dtype)
+    grad = torch.randn(8, 6, dtype=dtype)
+    p.grad = grad
+    opt.step()
+    assert torch.equal(opt.state[p]["momentum_buffer"], torch.zeros_like(grad).lerp_(grad, 0.5))
+
+
+def test_ns_dtype_float32_differs_from_bf16_but_is_close():
+    shape = (24, 40)
+    a, b = _pair(shape)
+    oa, ob = Muon([a], lr=0.02), Muon([b], lr=0.02, ns_dtype=torch.float32)
+    grad = torch.randn(shape)
+    a.grad, b.grad = grad.clone(), grad.clone()
+    oa.step()
+    ob.step()
+    assert not torch.equal(a, b)
+    torch.testing.assert_close(a, b, rtol=0, atol=0.02 * 0.05)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"momentum": -0.5}, r"momentum must be a float >= 0, got momentum=-0.5"),
+        ({"ns_steps": 100}, r"ns_steps must be an int in \[0, 100\), got ns_steps=100"),
+        ({"ns_steps": 2.0}, r"ns_steps must be an int in \[0, 100\), got ns_steps=2.0"),
+        ({"adjust_lr_fn": "sqrt"}, r"adjust_lr_fn must be one of \(None, 'original', 'match_rms_adamw'\), got adjust_lr_fn='sqrt'"),
+        ({"ns_dtype": torch.float16}, r"ns_dtype must be torch.bfloat16 or torch.float32, got ns_dtype=torch.float16"),
+        ({"ns_dtype": "bf16"}, r"ns_dtype must be torch.bfloat16 or torch.float32, got ns_dtype='bf16'"),
+        ({"ns_coefficients": (1.0, 2.0)}, r"ns_coefficients must be three floats, got ns_coefficients=\(1.0, 2.0\)"),
+        ({"nesterov": 1}, r"nesterov must be a bool, got nesterov=1"),
+        ({"eps": -1.0}, r"eps must be a float >= 0, got eps=-1.0"),
+    ],
+)
+def test_validation(kwargs, message):
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match=rf"^Muon: {message}$"):
+        Muon([p], **kwargs)
+
+
+def test_defaults_match_torch():
+    import inspect
+
+    ours = inspect.signature(Muon).parameters
+    theirs = inspect.signature(torch.optim.Muon).parameters
+    for name, param in theirs.items():
+        assert ours[name].default == param.default, name
+    assert list(ours)[: len(theirs)] == list(theirs)
+    assert ours["ns_dtype"].default is torch.bfloat16
