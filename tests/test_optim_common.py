@@ -13,6 +13,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from matrixfsdp.optim import SOAP, Muon, Shampoo
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices gain nothing from intra-op threads, and spinning threads on a busy 2-core box
+    make this module ~15x slower; restore the setting for other modules."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 ALL = [Muon, Shampoo, SOAP]
 # Small, fast settings; Shampoo preconditions from step 1 so every code path runs.
 FAST = {
@@ -382,3 +392,14 @@ def test_dtensor_routing_uses_global_shape(mesh):
     empty = _dtensor_param(torch.zeros(0, 8), mesh, shape=(16, 8))
     opt = Muon([{"params": [empty], "algorithm": "muon"}])  # no "must be 2D" error
     assert opt._route(opt.param_groups[0], empty) == "muon"
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_bf16_params_with_default_settings(cls):
+    """Mixed-dtype paths (bf16 params, fp32 statistics, AdamW warm-up of Shampoo) run and stay finite."""
+    w, b = _params((8, 6), (6,), dtype=torch.bfloat16)
+    opt = cls([w, b])
+    for grads in _grads([w, b], 12):
+        _step([(opt, [w, b])], grads)
+    assert w.dtype == b.dtype == torch.bfloat16
+    assert w.isfinite().all() and b.isfinite().all()

@@ -12,6 +12,16 @@ from hypothesis import strategies as st
 from matrixfsdp.optim import Muon
 from matrixfsdp.optim._muon import zeropower_via_newtonschulz
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices gain nothing from intra-op threads, and spinning threads on a busy 2-core box
+    make this module ~15x slower; restore the setting for other modules."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 NS = (3.4445, -4.775, 2.0315)
 
 

@@ -11,6 +11,16 @@ from matrixfsdp.optim import Shampoo
 from matrixfsdp.optim._linalg import inverse_root
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices gain nothing from intra-op threads, and spinning threads on a busy 2-core box
+    make this module ~15x slower; restore the setting for other modules."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _grads(shape, n, seed=1, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=g, dtype=dtype) for _ in range(n)]

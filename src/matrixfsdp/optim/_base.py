@@ -11,7 +11,13 @@ routes each one, per param group, either to its matrix rule (Muon, Shampoo, SOAP
 The AdamW rule reads ``adamw_lr`` / ``adamw_betas`` / ``adamw_eps`` / ``adamw_weight_decay`` from
 the same group; ``adamw_lr=None`` and ``adamw_weight_decay=None`` (the defaults) mean "the group's
 ``lr`` / ``weight_decay``", read at every step, so LR schedulers that edit ``group["lr"]`` drive
-both rules.
+both rules. Hyperparameters are Python numbers (a tensor ``lr`` is rejected), validated at
+construction and in ``add_param_group``; errors name the optimizer, the value seen and, for a
+per-group value, the group index.
+
+State dicts are torch's. Step counters are 0-dim float32 CPU tensors, as in ``torch.optim.AdamW``;
+:meth:`MatrixOptimizer.load_state_dict` keeps Shampoo/SOAP statistics in their saved float32
+instead of casting them to a bf16 parameter's dtype.
 
 [Note: local tensors]
 Under matrixfsdp a parameter may be a ``DTensor``. Routing looks at its *global* shape
