@@ -1,0 +1,61 @@
+"""``python -m matrixfsdp.plan``: presets, Hugging Face configs, JSON output, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from matrixfsdp import OwnerPlan
+from matrixfsdp.plan import main
+
+QWEN3_0_6B_HF = {  # the published Qwen/Qwen3-0.6B config.json, shape fields
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+    "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+}
+
+
+def test_hf_config_plans_like_the_preset(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(QWEN3_0_6B_HF))
+    assert main(["--hf-config", str(cfg), "--world", "8", "--json"]) == 0
+    from_hf = OwnerPlan.from_json(capsys.readouterr().out)
+    assert main(["--model", "qwen3-0.6b", "--world", "8", "--json"]) == 0
+    from_preset = OwnerPlan.from_json(capsys.readouterr().out)
+    assert from_hf == from_preset
+    assert from_hf.world_size == 8 and len(from_hf.blocks) == 28
+
+
+def test_llama_style_config_without_head_dim(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "vocab_size": 32000, "hidden_size": 512,
+                               "intermediate_size": 1376, "num_hidden_layers": 2, "num_attention_heads": 8}))
+    assert main(["--hf-config", str(cfg), "--world", "3", "--no-ranks"]) == 0
+    out = capsys.readouterr().out
+    assert "OwnerPlan  world_size=3" in out and "model.layers.1" in out
+    assert "q_norm" not in out
+
+
+def test_report_lists_ranks_bounds_and_gamma(capsys):
+    assert main(["--model", "qwen3-1.7b", "--world", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "lower bound" in out and "gamma_B" in out
+    assert sum(1 for line in out.splitlines() if line.strip().split(" ")[0].isdigit()) >= 16
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--world", "0"], "--world must be >= 1, got 0"),
+    (["--hf-config", "/nonexistent/config.json", "--world", "2"], "config_from_hf: cannot read"),
+])
+def test_bad_input(argv, msg, capsys):
+    assert main(argv) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_incomplete_hf_config(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"vocab_size": 10}))
+    assert main(["--hf-config", str(cfg), "--world", "2"]) == 2
+    assert "lacks ['hidden_size'" in capsys.readouterr().err
