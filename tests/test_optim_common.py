@@ -318,12 +318,19 @@ def mesh():
         dist.destroy_process_group()
 
 
-def _dtensor_param(local, mesh, shape=None):
+def _dtensor_param(local, mesh, shape=None, owned="matrix"):
+    """A DTensor parameter with the local tensor we choose; ``owned`` attaches matrixfsdp's
+    ``Owned`` metadata (what ``fully_shard`` does), ``None`` leaves an evenly sharded one."""
     from torch.distributed.tensor import DTensor, Shard
+
+    from matrixfsdp import Owned
 
     shape = torch.Size(shape if shape is not None else local.shape)
     stride = torch.empty(shape, device="meta").stride()
-    return torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride))
+    p = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride))
+    if owned is not None:
+        p._matrixfsdp_owned = Owned(owner=0, kind=owned)
+    return p
 
 
 def _dtensor_grad(p, local):
@@ -354,7 +361,7 @@ def test_dtensor_params_update_local_tensors_without_communication(cls, mesh):
     w, b = _params((24, 40), (40,))
     plain = _clone([w, b])
     owned = _dtensor_param(w.detach().clone(), mesh)
-    shard = _dtensor_param(b.detach().clone(), mesh)  # an "even" 1D shard, AdamW
+    shard = _dtensor_param(b.detach().clone(), mesh, owned=None)  # an "even" 1D shard, AdamW
     empty = _dtensor_param(torch.zeros(0, 40), mesh, shape=(48, 40))  # non-owner of a 48x40 matrix
     opt = cls([owned, shard, empty], **FAST[cls])
     ref = cls(plain, **FAST[cls])
@@ -403,3 +410,15 @@ def test_bf16_params_with_default_settings(cls):
         _step([(opt, [w, b])], grads)
     assert w.dtype == b.dtype == torch.bfloat16
     assert w.isfinite().all() and b.isfinite().all()
+
+
+def test_auto_routing_follows_the_owner_plan(mesh):
+    """Under fully_shard, "auto" obeys the plan: owned matrices -> the matrix rule; owned tails and
+    evenly sharded 2D tensors (embeddings, heads the planner's matrix_filter excluded) -> AdamW."""
+    matrix = _dtensor_param(torch.zeros(4, 8), mesh, owned="matrix")
+    tail_2d = _dtensor_param(torch.zeros(4, 8), mesh, owned="tail")
+    even_2d = _dtensor_param(torch.zeros(4, 8), mesh, owned=None)
+    plain_2d = torch.nn.Parameter(torch.zeros(4, 8))
+    opt = Muon([matrix, tail_2d, even_2d, plain_2d])
+    g = opt.param_groups[0]
+    assert [opt._route(g, p) for p in (matrix, tail_2d, even_2d, plain_2d)] == ["muon", "adamw", "adamw", "muon"]

@@ -1,8 +1,24 @@
-"""matrixfsdp: whole-matrix optimizers (Muon, Shampoo, SOAP) under FSDP2 with owner placement."""
+"""matrixfsdp: whole-matrix optimizers (Muon, Shampoo, SOAP) under FSDP2 with owner placement.
 
+Each 2D weight is owned whole by one data-parallel rank (the others hold empty shards), so the
+backward reduction lands the full averaged gradient on its owner and the optimizer step runs
+locally with zero communication.
+
+    plan = matrixfsdp.plan_owners(model, mesh, block_types=(Block,))
+    for block in model.blocks:
+        matrixfsdp.fully_shard(block, mesh=mesh, plan=plan)
+    matrixfsdp.fully_shard(model, mesh=mesh, plan=plan)
+    opt = matrixfsdp.optim.Muon(model.parameters(), lr=0.02)
+"""
+
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from . import optim
 from ._decoder import PRESETS, Decoder, DecoderConfig, DecoderLayer
+from ._owned import Owned, owned_of
 from ._plan import OwnerPlan, ParamPlan
 from ._planner import plan_owners
+from ._runtime import MatrixFSDPModule, fully_shard
 
 __version__ = "0.1.0"
 
@@ -10,6 +26,12 @@ __all__ = [
     "plan_owners",
     "OwnerPlan",
     "ParamPlan",
+    "fully_shard",
+    "MatrixFSDPModule",
+    "MixedPrecisionPolicy",
+    "Owned",
+    "owned_of",
+    "optim",
     "Decoder",
     "DecoderConfig",
     "DecoderLayer",

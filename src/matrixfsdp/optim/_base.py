@@ -4,6 +4,8 @@ Every optimizer here is one ``torch.optim.Optimizer`` that holds *all* of a mode
 routes each one, per param group, either to its matrix rule (Muon, Shampoo, SOAP) or to AdamW:
 
 * ``group["algorithm"] == "auto"`` (default): 2D parameters get the matrix rule, the rest AdamW;
+  on a model sharded by ``matrixfsdp.fully_shard`` the owner plan decides instead (placement
+  ``"matrix"`` gets the matrix rule; owned tails and evenly sharded tensors get AdamW);
 * ``group["algorithm"] == <rule name>``: every parameter of the group gets the matrix rule, and a
   non-2D parameter is a ``ValueError`` at construction;
 * ``group["algorithm"] == "adamw"``: every parameter gets AdamW (embeddings, output heads, ...).
@@ -39,6 +41,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .._owned import owned_of
 from ._adamw import adamw_step, new_step_counter
 
 try:  # torch builds without distributed have no DTensor; then nothing is one.
@@ -165,9 +168,20 @@ class MatrixOptimizer(Optimizer):
 
     # ----------------------------------------------------------------------------- routing
     def _route(self, group: dict[str, Any], p: Tensor) -> str:
-        """``"adamw"`` or ``self.rule``; ``p.ndim`` is the global one for a DTensor."""
+        """``"adamw"`` or ``self.rule``; ``p.ndim`` is the global one for a DTensor.
+
+        ``"auto"`` follows the owner plan when the parameter was sharded by
+        ``matrixfsdp.fully_shard``: the matrix rule for placement ``"matrix"``, AdamW for owned
+        tails and for evenly sharded tensors (embeddings, heads: the plan's ``matrix_filter``
+        decided). A plain tensor goes by its shape: 2D gets the matrix rule.
+        """
         algorithm = group["algorithm"]
         if algorithm == "auto":
+            info = owned_of(p)
+            if info is not None:
+                return self.rule if info.kind == "matrix" else "adamw"
+            if _DTensor is not None and isinstance(p, _DTensor):
+                return "adamw"  # evenly sharded: the plan made it element-wise
             return self.rule if p.ndim == 2 else "adamw"
         return algorithm
 

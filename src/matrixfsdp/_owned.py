@@ -1,0 +1,177 @@
+"""Owned parameters: how a whole-tensor-on-one-rank shard is stored and described.
+
+[Note: owned parameter representation]
+An owned parameter (plan placement ``"matrix"`` or ``"tail"``) is an ``nn.Parameter`` DTensor with
+placements ``[Replicate()]`` on a *one-rank owner sub-mesh* containing just the owner. On the owner
+its local tensor is the whole parameter; on every other rank (not a member of that mesh) it is an
+empty ``[0, *shape[1:]]`` tensor. The plan's metadata rides along as :class:`Owned`, reachable with
+:func:`owned_of` (stored as an attribute of the parameter).
+
+Why this and not a custom ``Placement`` or a tensor wrapper (measured on torch 2.13, see
+``/work/shared/notes/torch-2.13-cpu-facts.md``):
+
+* A Python ``Placement`` subclass cannot be redistributed (``full_tensor()`` and any op mixing it
+  with a regular DTensor fail) and DCP treats unknown placements like ``Replicate``: when DCP's
+  save de-duplication picked a non-owner (empty local tensor) as the writer, the checkpoint was
+  silently corrupt.
+* ``[Replicate()]`` on a one-rank mesh is plain DTensor semantics: ``full_tensor()`` on the owner is
+  its local tensor (no communication); elementwise ops and optimizers run locally on the owner and
+  are no-ops elsewhere (DTensor skips ranks outside a mesh), so ``optimizer.step()`` on these
+  parameters issues no collective; DCP saves the tensor once, from the owner, and reshards it into
+  any other layout (measured: saved at W=4, reloaded at W=2 with another owner map, into a
+  ``Shard(0)`` DTensor and in a single process).
+* A tensor wrapper implementing ``__create_write_items__``/``__create_chunk_list__``/
+  ``__get_tensor_shard__`` also checkpoints correctly, but would need its own op coverage for
+  optimizers; the DTensor gets that for free.
+
+The one-rank sub-meshes are created once per data-parallel mesh by :func:`owner_meshes` (``W``
+``new_group`` calls, issued in the same order on every rank). Evenly sharded parameters are plain
+``Shard(0)`` DTensors on the data-parallel mesh, exactly like stock FSDP2's.
+
+Parameters are constructed with ``DTensor(..., requires_grad=...)`` and marked as parameters
+directly: ``nn.Parameter(dtensor)`` would run ``detach`` through DTensor dispatch, which on a rank
+outside the owner mesh replaces the local tensor by a shapeless ``[0]`` tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+__all__ = [
+    "Owned",
+    "owned_of",
+    "is_owned",
+    "owner_meshes",
+    "make_sharded_param",
+    "make_sharded_grad",
+    "local_tensor",
+    "full_tensor",
+]
+
+_OWNED_ATTR = "_matrixfsdp_owned"
+
+
+@dataclass(frozen=True)
+class Owned:
+    """Placement metadata of an owned parameter: rank ``owner`` of the data-parallel ``mesh``
+    stores it whole, every other rank stores an empty ``[0, *shape[1:]]`` tensor.
+
+    ``kind`` is the plan placement (``"matrix"`` or ``"tail"``).
+
+    Example::
+
+        info = matrixfsdp.owned_of(model.blocks[0].attn.q_proj.weight)
+        if info is not None and info.owner == mesh.get_local_rank():
+            ...  # the whole matrix is p.to_local()
+    """
+
+    owner: int
+    kind: str
+    mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+
+
+def owned_of(t: Any) -> Owned | None:
+    """The :class:`Owned` metadata of a matrixfsdp-owned parameter, else ``None``."""
+    return getattr(t, _OWNED_ATTR, None)
+
+
+def is_owned(t: Any) -> bool:
+    """Whether ``t`` is a matrixfsdp-owned parameter."""
+    return owned_of(t) is not None
+
+
+_OWNER_MESHES: dict[DeviceMesh, tuple[DeviceMesh, ...]] = {}
+
+
+def owner_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
+    """The one-rank sub-meshes ``[mesh.mesh[r]]`` for every ``r`` (created once, collectively).
+
+    Every rank must call this the first time for a given ``mesh`` (``fully_shard`` does).
+    """
+    subs = _OWNER_MESHES.get(mesh)
+    if subs is None:
+        ranks = mesh.mesh.flatten().tolist()
+        subs = tuple(
+            DeviceMesh(mesh.device_type, [g], mesh_dim_names=("owner",)) for g in ranks
+        )
+        _OWNER_MESHES[mesh] = subs
+    return subs
+
+
+def _spec(mesh: DeviceMesh, placement: Any, shape: tuple[int, ...], dtype: torch.dtype) -> DTensorSpec:
+    stride = torch.empty(shape, device="meta").stride() if shape else ()
+    return DTensorSpec(mesh, (placement,), TensorMeta(torch.Size(shape), tuple(stride), dtype))
+
+
+def make_sharded_param(
+    local: torch.Tensor,
+    *,
+    shape: tuple[int, ...],
+    mesh: DeviceMesh,
+    owner: int | None,
+    kind: str,
+    requires_grad: bool,
+) -> nn.Parameter:
+    """Wrap ``local`` (this rank's row segment) as the sharded parameter.
+
+    ``owner=None``: an evenly sharded ``Shard(0)`` DTensor on ``mesh``; otherwise an owned
+    parameter (see [Note: owned parameter representation]) carrying :class:`Owned`.
+    ``local`` is used as is (no copy): on the owner it may be the original parameter's storage.
+    """
+    if owner is None:
+        spec = _spec(mesh, Shard(0), shape, local.dtype)
+    else:
+        spec = _spec(owner_meshes(mesh)[owner], Replicate(), shape, local.dtype)
+    dt = DTensor(local.detach(), spec, requires_grad=requires_grad)
+    dt._is_param = True  # makes isinstance(dt, nn.Parameter) true, as nn.Parameter(dt) would
+    if owner is not None:
+        setattr(dt, _OWNED_ATTR, Owned(owner=owner, kind=kind, mesh=mesh))
+    return dt  # type: ignore[return-value]
+
+
+def make_sharded_grad(param: DTensor, local_grad: torch.Tensor) -> DTensor:
+    """A gradient DTensor with ``param``'s layout around ``local_grad`` (same local shape)."""
+    spec = param._spec
+    if local_grad.dtype != spec.tensor_meta.dtype:
+        spec = _spec(spec.mesh, spec.placements[0], tuple(spec.shape), local_grad.dtype)
+    return DTensor(local_grad, spec, requires_grad=False)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (the tensor itself otherwise), without autograd."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The full value of a sharded parameter on every rank (a collective: call on all ranks).
+
+    Owned parameters are broadcast from their owner over the data-parallel mesh (the owner gets
+    its own local tensor back, no copy); evenly sharded ones use ``DTensor.full_tensor()``; plain
+    tensors are returned unchanged.
+
+    Example::
+
+        w = matrixfsdp.full_tensor(model.blocks[0].mlp.up.weight)  # same on every rank
+    """
+    info = owned_of(param)
+    if info is None:
+        return param.full_tensor() if isinstance(param, DTensor) else param
+    mesh = info.mesh
+    if mesh is None:
+        raise RuntimeError("matrixfsdp.full_tensor: owned parameter has no data-parallel mesh")
+    local = local_tensor(param).detach()
+    if mesh.get_local_rank() == info.owner:
+        out = local
+    else:
+        out = torch.empty(tuple(param.shape), dtype=param.dtype, device=local.device)
+    from ._collectives import collectives_for
+
+    collectives_for(mesh.get_group()).broadcast(out, info.owner)
+    return out
