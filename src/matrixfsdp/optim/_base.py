@@ -19,7 +19,10 @@ per-group value, the group index.
 
 State dicts are torch's. Step counters are 0-dim float32 CPU tensors, as in ``torch.optim.AdamW``;
 :meth:`MatrixOptimizer.load_state_dict` keeps Shampoo/SOAP statistics in their saved float32
-instead of casting them to a bf16 parameter's dtype.
+instead of casting them to a bf16 parameter's dtype. For DTensor parameters ``state_dict()``
+presents the (local) state as DTensors with the parameter's layout, so ``torch.distributed.checkpoint``
+saves and reshards it like FSDP2's; see [Note: optimizer state in state dicts] in
+``matrixfsdp/_ckpt_state.py``.
 
 [Note: local tensors]
 Under matrixfsdp a parameter may be a ``DTensor``. Routing looks at its *global* shape
@@ -86,6 +89,9 @@ class MatrixOptimizer(Optimizer):
 
     rule: ClassVar[str]
     wide_state: ClassVar[bool] = False
+    #: State keys that appear later in training, ``{key: key it accompanies}``; see
+    #: [Note: optimizer state in state dicts].
+    _state_placeholders: ClassVar[dict[str, str]] = {}
 
     def __init__(self, params: Any, defaults: dict[str, Any], adamw: dict[str, Any]) -> None:
         defaults = {**defaults, "algorithm": "auto", **adamw}
@@ -248,12 +254,23 @@ class MatrixOptimizer(Optimizer):
         raise NotImplementedError
 
     # ----------------------------------------------------------------------------- state dict
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's state dict; state of DTensor parameters is presented as DTensors (aliasing
+        the local state) with the parameter's layout, so DCP can save and reshard it."""
+        from .._ckpt_state import present_state
+
+        return present_state(self, super().state_dict())
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Torch's loader, except that wide (float32) matrix statistics keep their dtype.
 
         ``Optimizer.load_state_dict`` casts every floating state tensor to its parameter's dtype,
-        which would round Shampoo/SOAP float32 factors of a bf16 parameter to bf16.
+        which would round Shampoo/SOAP float32 factors of a bf16 parameter to bf16. DTensor state
+        (from :meth:`state_dict` or DCP) is reduced to its local tensor first.
         """
+        from .._ckpt_state import accept_state
+
+        state_dict = accept_state(self, state_dict)
         super().load_state_dict(state_dict)
         if not self.wide_state:
             return

@@ -86,6 +86,8 @@ class Shampoo(MatrixOptimizer):
 
     rule = "shampoo"
     wide_state = True
+    # Roots exist only from start_preconditioning_step on; checkpoints always carry the keys.
+    _state_placeholders = {"L_inv_root": "L", "R_inv_root": "R"}
 
     def __init__(
         self,
