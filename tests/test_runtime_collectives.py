@@ -14,6 +14,7 @@ from matrixfsdp._collectives import (
     AllToAllCollectives,
     P2PCollectives,
     SegmentCollectives,
+    TwoPhaseCollectives,
     collectives_for,
 )
 
@@ -54,16 +55,20 @@ def check_segment_collectives(seed: int) -> dict:
     group = dist.group.WORLD
     out = {}
     g = torch.Generator().manual_seed(seed)
-    for kind in ("all_to_all", "p2p"):
+    impls = {"all_to_all": AllToAllCollectives, "p2p": P2PCollectives, "two_phase": TwoPhaseCollectives}
+    for kind, impl in impls.items():
         coll = collectives_for(group, kind)
         assert isinstance(coll, SegmentCollectives)
-        assert isinstance(coll, AllToAllCollectives if kind == "all_to_all" else P2PCollectives)
-        for trial in range(6):
+        assert isinstance(coll, impl)
+        for trial in range(8):
             for dtype in (torch.float32, torch.bfloat16):
                 # uneven chunk sizes, zeros included (same draw on every rank)
                 sizes = torch.randint(0, 5, (W,), generator=g).tolist()
                 if trial == 0:
                     sizes = [0] * W
+                if trial == 7:  # one owner holds the whole block (gamma_B = W)
+                    sizes = [0] * W
+                    sizes[W - 1] = 17
                 chunks = [torch.arange(n, dtype=torch.float32).to(dtype) + 100 * s + trial
                           for s, n in enumerate(sizes)]
                 coll.counter.reset()
@@ -74,8 +79,14 @@ def check_segment_collectives(seed: int) -> dict:
                 expect = torch.cat([chunks[s] for s in range(W) if s != rank])
                 assert torch.equal(recv, expect), (kind, sizes, recv, expect)
                 es = recv.element_size()
-                assert coll.counter.bytes_sent["all_gather_segments"] == sizes[rank] * (W - 1) * es
-                assert coll.counter.bytes_recv["all_gather_segments"] == sum(recv_splits) * es
+                N, c = sum(sizes), -(-sum(sizes) // W)
+                if kind != "two_phase":
+                    assert coll.counter.bytes_sent["all_gather_segments"] == sizes[rank] * (W - 1) * es
+                    assert coll.counter.bytes_recv["all_gather_segments"] == sum(recv_splits) * es
+                elif N:
+                    # bounded by the ring volume plus this rank's own chunk, whatever the skew
+                    sent = coll.counter.bytes_sent["two_phase_scatter"] + coll.counter.bytes_sent["two_phase_all_gather"]
+                    assert sent <= (c * (W - 1) + sizes[rank]) * es
 
                 # reduce-scatter: rank r contributes (r+1) * base to every destination chunk
                 base = [torch.arange(n, dtype=torch.float32) + 2 * d for d, n in enumerate(sizes)]  # exact in bf16
@@ -85,8 +96,12 @@ def check_segment_collectives(seed: int) -> dict:
                 h.wait()
                 expect = (base[rank] * sum(range(1, W + 1))).to(dtype)
                 assert torch.equal(res, expect), (kind, sizes, res, expect)
-                assert coll.counter.calls == {"all_gather_segments": 1, "reduce_scatter": 1}
-                assert coll.counter.bytes_sent["reduce_scatter"] == (sum(sizes) - sizes[rank]) * es
+                if kind != "two_phase":
+                    assert coll.counter.calls == {"all_gather_segments": 1, "reduce_scatter": 1}
+                    assert coll.counter.bytes_sent["reduce_scatter"] == (sum(sizes) - sizes[rank]) * es
+                elif N:
+                    recvd = coll.counter.bytes_recv["two_phase_reduce_scatter"] + coll.counter.bytes_recv["two_phase_gather"]
+                    assert recvd <= (c * (W - 1) + sizes[rank]) * es
         out[kind] = "ok"
     # argument checks
     coll = collectives_for(group)
@@ -102,4 +117,4 @@ def check_segment_collectives(seed: int) -> dict:
 @pytest.mark.parametrize("W", [2, 3, 4])
 def test_segment_collectives(W):
     res = get_pool(W).run(check_segment_collectives, seed=W)
-    assert all(r == {"all_to_all": "ok", "p2p": "ok"} for r in res)
+    assert all(r == {"all_to_all": "ok", "p2p": "ok", "two_phase": "ok"} for r in res)

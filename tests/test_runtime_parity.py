@@ -135,6 +135,8 @@ def test_parity_10_steps(W):
     (2, False, "matrix", "rank", "p2p"),
     (3, True, "matrix", "rank", "all_to_all"),
     (4, False, "even", "rank", "all_to_all"),
+    (3, True, "matrix", "rank", "two_phase"),
+    (4, False, "even", "step", "two_phase"),
 ])
 def test_parity_variants(W, raf, root, usage, coll):
     """reshard_after_forward on/off everywhere, owned root matrices (embedding/head),

@@ -17,6 +17,13 @@ Implementations:
   ``all_gather(list)`` with uneven sizes does not work, while these two do (including 0 sizes).
 * :class:`P2PCollectives`: the gather as one ``batch_isend_irecv`` fan-out (no replicated input
   buffer); same reduction.
+* :class:`TwoPhaseCollectives`: bandwidth-bounded whatever the owner imbalance. The gather is an
+  owner scatter (uneven ``all_to_all_single``: each rank spreads its chunk over the ``W`` equal
+  slices of the block) followed by an equal-chunk ``all_gather_into_tensor`` (ring); the reduction
+  is an equal-chunk ``reduce_scatter_tensor`` (ring) followed by an uneven ``all_to_all_single``
+  that moves each reduced slice to its owners. The busiest rank moves at most
+  ``(W-1)/W * (block + largest chunk)`` bytes, i.e. <= 2x a ring all-gather, instead of
+  ``gamma_B * (W-1)/W * block`` for the direct fan-out (see ``benchmarks/scaling_model.py``).
 
 Each instance owns a :class:`CommCounter`; tests and benchmarks read and reset it.
 
@@ -44,6 +51,7 @@ __all__ = [
     "SegmentCollectives",
     "AllToAllCollectives",
     "P2PCollectives",
+    "TwoPhaseCollectives",
     "collectives_for",
 ]
 
@@ -82,21 +90,26 @@ class CommCounter:
 
 
 class Handle:
-    """A waitable for one issued collective (wraps zero or more ``dist.Work``)."""
+    """A waitable for one issued collective (wraps zero or more ``dist.Work``); ``then`` runs once
+    after they complete (e.g. to unpack a staging buffer into the caller's output)."""
 
-    __slots__ = ("_works",)
+    __slots__ = ("_works", "_then")
 
-    def __init__(self, works: Sequence[Any] = ()):
+    def __init__(self, works: Sequence[Any] = (), then: Any = None):
         self._works = [w for w in works if w is not None]
+        self._then = then
 
     def wait(self) -> None:
         works, self._works = self._works, []
         for w in works:
             w.wait()
+        then, self._then = self._then, None
+        if then is not None:
+            then()
 
     @property
     def done(self) -> bool:
-        return not self._works
+        return not self._works and self._then is None
 
 
 @runtime_checkable
@@ -245,7 +258,129 @@ class P2PCollectives(_Base):
         return h
 
 
-_IMPLS = {"all_to_all": AllToAllCollectives, "p2p": P2PCollectives}
+def _overlaps(sizes: Sequence[int], chunk: int, W: int) -> list[list[tuple[int, int, int]]]:
+    """For pieces of ``sizes`` laid end to end, ``out[r]`` lists ``(q, lo, hi)``: the part
+    ``[lo, hi)`` of piece ``r`` (piece-local offsets) that falls in equal slice ``q`` of size
+    ``chunk``."""
+    out: list[list[tuple[int, int, int]]] = []
+    off = 0
+    for n in sizes:
+        parts = []
+        pos = off
+        while pos < off + n:
+            q = pos // chunk
+            end = min(off + n, (q + 1) * chunk)
+            parts.append((q, pos - off, end - off))
+            pos = end
+        out.append(parts)
+        off += n
+    assert len(out) == len(sizes) and all(q < W for p in out for q, _, _ in p)
+    return out
+
+
+class TwoPhaseCollectives(_Base):
+    """Owner scatter + ring all-gather; ring reduce-scatter + owner gather (see module docstring).
+
+    [Note: two-phase layout]
+    The block's chunks, in rank order, form a virtual flat buffer of ``N`` elements padded to
+    ``W * c`` with ``c = ceil(N / W)``; rank ``q`` is responsible for slice ``[q*c, (q+1)*c)``.
+    Gather: phase 1 sends every piece of a rank's chunk to the rank whose slice holds it, phase 2
+    all-gathers the slices, and the caller's ``recv`` is the buffer minus this rank's own chunk.
+    Reduction: phase 1 reduce-scatters the padded buffer by slices, phase 2 sends each part of a
+    reduced slice to the rank whose chunk it belongs to. Phase 1 is waited for before phase 2 is
+    issued, so every rank issues the same collectives in the same order ([Note: ordering of
+    collectives]).
+    """
+
+    def _sizes(self, own: int, others: Sequence[int]) -> list[int]:
+        sizes = list(others)
+        sizes[self.rank] = own
+        return sizes
+
+    def all_gather_segments(
+        self, send: torch.Tensor, recv: torch.Tensor, recv_splits: Sequence[int], *, async_op: bool
+    ) -> Handle:
+        self._check_gather(send, recv, recv_splits)
+        W, r = self.world_size, self.rank
+        if W == 1:
+            return Handle()
+        sizes = self._sizes(send.numel(), recv_splits)
+        N = sum(sizes)
+        if N == 0:
+            return Handle()
+        c = -(-N // W)
+        parts = _overlaps(sizes, c, W)
+        # phase 1: my pieces to the slice owners; I receive, from every rank, its part of my slice
+        in_splits = [0] * W
+        for q, lo, hi in parts[r]:
+            in_splits[q] += hi - lo
+        out_splits = [sum(hi - lo for q, lo, hi in parts[s] if q == r) for s in range(W)]
+        my_slice = send.new_zeros(c)
+        got = my_slice[: sum(out_splits)]
+        dist.all_to_all_single(got, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                               group=self.group)
+        # phase 2: ring all-gather of the slices
+        full = send.new_empty(W * c)
+        work = dist.all_gather_into_tensor(full, my_slice, group=self.group, async_op=async_op)
+        off = sum(sizes[:r])
+
+        def unpack() -> None:
+            # ``recv`` is the block's materialization buffer, which autograd may hold views of:
+            # write it outside autograd, like the collectives of the other implementations do
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(recv):
+                recv[:off].copy_(full[:off])
+                recv[off:].copy_(full[off + sizes[r]:N])
+
+        es = send.element_size()
+        self.counter.record("two_phase_scatter", (send.numel() - in_splits[r]) * es, (sum(out_splits) - out_splits[r]) * es)
+        self.counter.record("two_phase_all_gather", c * (W - 1) * es, c * (W - 1) * es)
+        h = Handle([work] if async_op else [], then=unpack)
+        if not async_op:
+            h.wait()
+        return h
+
+    def reduce_scatter_segments(
+        self, out: torch.Tensor, inp: torch.Tensor, splits: Sequence[int], *, async_op: bool
+    ) -> Handle:
+        splits = list(splits)
+        if len(splits) != self.world_size or sum(splits) != inp.numel():
+            raise ValueError(
+                f"reduce_scatter_segments: splits {splits} do not match W={self.world_size} "
+                f"and input numel {inp.numel()}"
+            )
+        if out.numel() != splits[self.rank]:
+            raise ValueError(
+                f"reduce_scatter_segments: out has {out.numel()} elements, chunk {self.rank} "
+                f"has {splits[self.rank]}"
+            )
+        W, r = self.world_size, self.rank
+        if W == 1:
+            out.copy_(inp)
+            return Handle()
+        N = inp.numel()
+        if N == 0:
+            return Handle()
+        c = -(-N // W)
+        padded = inp.new_zeros(W * c)
+        padded[:N] = inp
+        mine = inp.new_empty(c)
+        dist.reduce_scatter_tensor(mine, padded, op=dist.ReduceOp.SUM, group=self.group)
+        # phase 2: the parts of my reduced slice go to the ranks whose chunks they belong to
+        parts = _overlaps(splits, c, W)
+        in_splits = [sum(hi - lo for q, lo, hi in parts[d] if q == r) for d in range(W)]
+        out_splits = [0] * W
+        for q, lo, hi in parts[r]:
+            out_splits[q] += hi - lo
+        send = mine[: sum(in_splits)]
+        work = dist.all_to_all_single(out, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                      group=self.group, async_op=async_op)
+        es = inp.element_size()
+        self.counter.record("two_phase_reduce_scatter", c * (W - 1) * es, c * (W - 1) * es)
+        self.counter.record("two_phase_gather", (sum(in_splits) - in_splits[r]) * es, (out.numel() - out_splits[r]) * es)
+        return Handle([work] if async_op else [])
+
+
+_IMPLS = {"all_to_all": AllToAllCollectives, "p2p": P2PCollectives, "two_phase": TwoPhaseCollectives}
 # Process groups are not weak-referenceable; they live as long as the process group does anyway.
 _CACHE: dict[Any, dict[str, SegmentCollectives]] = {}
 
@@ -254,7 +389,8 @@ def collectives_for(group: Any, kind: str | None = None) -> SegmentCollectives:
     """The (cached, one per group and kind) :class:`SegmentCollectives` for ``group``.
 
     ``kind`` is ``"all_to_all"`` (default for every backend: gloo and NCCL both support uneven
-    ``all_to_all_single`` and list ``reduce_scatter``) or ``"p2p"``.
+    ``all_to_all_single`` and list ``reduce_scatter``), ``"p2p"`` or ``"two_phase"`` (bounded
+    bandwidth at large W, see :class:`TwoPhaseCollectives`).
 
     Example::
 

@@ -91,7 +91,8 @@ def fully_shard(
       parameters; owners keep their parameters and optimizer state in the original dtype and
       receive gradients reduced in ``reduce_dtype``.
     * ``shard_placement_fn`` is rejected (placement comes from the plan); ``offload_policy`` must
-      be left alone; ``collectives`` picks the gather implementation (``"all_to_all"``/``"p2p"``).
+      be left alone; ``collectives`` picks the implementation (``"all_to_all"``, ``"p2p"``, or ``"two_phase"``:
+      owner scatter + ring all-gather, bounded at <= 2x ring volume whatever gamma_B is).
 
     Example::
 
