@@ -422,3 +422,30 @@ def test_auto_routing_follows_the_owner_plan(mesh):
     opt = Muon([matrix, tail_2d, even_2d, plain_2d])
     g = opt.param_groups[0]
     assert [opt._route(g, p) for p in (matrix, tail_2d, even_2d, plain_2d)] == ["muon", "adamw", "adamw", "muon"]
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_dcp_state_init_step_changes_nothing(cls):
+    """torch's get_state_dict() on a fresh optimizer runs step() with zero grads and lr=0 to
+    create state; that must not move parameters, advance counters or seed SOAP's bases: training
+    afterwards is bitwise the same as without it (explicit adamw_lr and weight decay included)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Linear(20, 6))
+    twin = copy.deepcopy(model)
+    kw = {**FAST[cls], "weight_decay": 0.1, "adamw_lr": 1e-2, "adamw_weight_decay": 0.05}
+    opt, ref = cls(model.parameters(), **kw), cls(twin.parameters(), **kw)
+    before = [p.detach().clone() for p in model.parameters()]
+    _, osd = get_state_dict(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    assert len(osd["state"]) == 4  # templates exist for DCP to load into
+    x = torch.randn(5, 12)
+    for _ in range(4):
+        for m, o in ((model, opt), (twin, ref)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)

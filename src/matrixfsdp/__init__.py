@@ -13,7 +13,7 @@ locally with zero communication.
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from . import optim
+from . import checkpoint, optim
 from ._decoder import PRESETS, Decoder, DecoderConfig, DecoderLayer
 from ._owned import Owned, owned_of
 from ._plan import OwnerPlan, ParamPlan
@@ -32,6 +32,7 @@ __all__ = [
     "Owned",
     "owned_of",
     "optim",
+    "checkpoint",
     "Decoder",
     "DecoderConfig",
     "DecoderLayer",

@@ -212,6 +212,9 @@ class MatrixOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self.state and self._is_state_init_call():
+            self._init_states()
+            return loss
         for index, group, p, route in self._routed():
             if p.grad is None:
                 continue
@@ -228,11 +231,48 @@ class MatrixOptimizer(Optimizer):
                 self._matrix_step(param, grad, self.state[p], group)
         return loss
 
+    # [Note: state-initialization step]
+    # torch.distributed.checkpoint.state_dict.get_state_dict() "initializes" an optimizer with no
+    # state by setting every gradient to zeros and every group's lr to 0 and calling step(), so
+    # that DCP has state tensors to load into. A real step on zero gradients is not harmless here:
+    # an explicit adamw_lr still applies weight decay, step counters advance (bias corrections
+    # shift by one), and SOAP's first call would build its eigenbases from zero statistics. So
+    # such a call (no state yet, every lr 0, every gradient all-zero) creates exactly the state a
+    # first real step starts from -- zeros, counters at 0, SOAP marked "statistics pending" -- and
+    # leaves every parameter untouched.
+    def _is_state_init_call(self) -> bool:
+        if any(g["lr"] != 0 for g in self.param_groups):
+            return False
+        seen = False
+        for _, _, p, _ in self._routed():
+            if p.grad is not None:
+                seen = True
+                if local_tensor(p.grad).any():
+                    return False
+        return seen
+
+    def _init_states(self) -> None:
+        for _, group, p, route in self._routed():
+            param = local_tensor(p)
+            if p.grad is None or param.numel() == 0:
+                continue
+            if route == "adamw":
+                self._adamw_init_state(param, self.state[p])
+            else:
+                self._matrix_init_state(param, self.state[p], group)
+
+    def _adamw_init_state(self, param: Tensor, state: dict[str, Any]) -> None:
+        state["step"] = new_step_counter()
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+    def _matrix_init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        """Create the state a first ``_matrix_step`` would start from (see the Note above)."""
+        raise NotImplementedError
+
     def _adamw_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         if not state:
-            state["step"] = new_step_counter()
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            self._adamw_init_state(param, state)
         lr = group["adamw_lr"] if group["adamw_lr"] is not None else group["lr"]
         wd = group["adamw_weight_decay"]
         beta1, beta2 = group["adamw_betas"]

@@ -175,6 +175,9 @@ class Muon(MatrixOptimizer):
                 f"ns_dtype must be torch.bfloat16 or torch.float32, got ns_dtype={group['ns_dtype']!r}", where
             )
 
+    def _matrix_init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
     def _matrix_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)

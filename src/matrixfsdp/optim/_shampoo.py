@@ -137,18 +137,24 @@ class Shampoo(MatrixOptimizer):
         self._check_beta(group, "grafting_beta2", where)
         self._check_nonneg(group, "grafting_eps", where)
 
+    def _matrix_init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        dtype = wide_dtype(param.dtype)
+        max_dim = group["max_preconditioner_dim"]
+        rows, cols = param.shape
+        state["step"] = new_step_counter()
+        state["exp_avg"] = torch.zeros(param.shape, dtype=dtype, device=param.device)
+        state["grafting_exp_avg_sq"] = torch.zeros(param.shape, dtype=dtype, device=param.device)
+        if rows <= max_dim:
+            state["L"] = torch.zeros(rows, rows, dtype=dtype, device=param.device)
+        if cols <= max_dim:
+            state["R"] = torch.zeros(cols, cols, dtype=dtype, device=param.device)
+
     def _matrix_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         dtype = wide_dtype(param.dtype)
         max_dim = group["max_preconditioner_dim"]
         rows, cols = param.shape
         if not state:
-            state["step"] = new_step_counter()
-            state["exp_avg"] = torch.zeros(param.shape, dtype=dtype, device=param.device)
-            state["grafting_exp_avg_sq"] = torch.zeros(param.shape, dtype=dtype, device=param.device)
-            if rows <= max_dim:
-                state["L"] = torch.zeros(rows, rows, dtype=dtype, device=param.device)
-            if cols <= max_dim:
-                state["R"] = torch.zeros(cols, cols, dtype=dtype, device=param.device)
+            self._matrix_init_state(param, state, group)
         lr, wd = group["lr"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         graft_beta2 = group["grafting_beta2"]

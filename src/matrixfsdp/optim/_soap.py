@@ -174,7 +174,7 @@ class SOAP(MatrixOptimizer):
         beta1, beta2 = group["betas"]
         shampoo_beta = group["shampoo_beta"] if group["shampoo_beta"] is not None else beta2
         g = grad.to(dtype)
-        if not state:
+        if not state or state["step"].item() < 0:
             self._init_state(param, g, state, group["max_preconditioner_dim"], shampoo_beta)
             return  # the reference's first call: statistics only
         left, right = state.get("QL"), state.get("QR")
@@ -200,6 +200,16 @@ class SOAP(MatrixOptimizer):
             state["R"].lerp_(g.T @ g, 1 - shampoo_beta)
         if step % group["precondition_frequency"] == 0 and (left is not None or right is not None):
             self._refresh(state, left, right)
+
+    def _matrix_init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        """Zero templates of every state tensor, ``step = -1``: statistics still to be gathered by
+        the next (first real) call, which then runs the reference's statistics-only first step."""
+        self._init_state(param, torch.zeros(param.shape, dtype=wide_dtype(param.dtype), device=param.device),
+                         state, group["max_preconditioner_dim"], 0.0)
+        for key in ("QL", "QR"):
+            if key in state:
+                state[key].zero_()
+        state["step"] -= 1
 
     def _init_state(self, param: Tensor, g: Tensor, state: dict[str, Any], max_dim: int, shampoo_beta: float) -> None:
         rows, cols = param.shape

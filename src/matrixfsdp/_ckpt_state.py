@@ -1,0 +1,176 @@
+"""Optimizer state in checkpoint form: local state tensors <-> DTensors with the parameter's layout.
+
+[Note: optimizer state in state dicts]
+The matrix optimizers keep the state of a DTensor parameter as *plain local tensors* (``step()``
+never touches a DTensor, so it never communicates). DCP can only reshard what it can place in the
+global tensor, so ``MatrixOptimizer.state_dict()`` presents every state tensor of a DTensor
+parameter as a DTensor (:func:`present_state`), and ``load_state_dict`` accepts those DTensors
+(or plain local tensors, as before) and keeps their local tensors (:func:`accept_state`):
+
+* **owned parameter** (``matrixfsdp.owned_of(p)`` is set): every non-scalar state tensor
+  (momentum, Adam moments, Shampoo/SOAP factors ``L``/``R``, roots, eigenbases ``QL``/``QR``)
+  becomes a ``[Replicate()]`` DTensor on the parameter's one-rank owner mesh, with the state
+  tensor's own shape. Only the owner has state, so only the owner has these keys and DCP writes
+  each one once, as one full chunk, from the owner;
+* **evenly sharded (``Shard(0)``) or any other DTensor parameter** (also stock FSDP2's): a state
+  tensor with the local shard's shape becomes a DTensor with the parameter's mesh, placements and
+  global shape; DCP writes each rank's rows;
+* a parameter whose local tensor is empty (an owned one on a non-owner) gets an empty state
+  entry, so ``set_optimizer_state_dict(strict=True)`` finds nothing missing;
+* scalars (the 0-dim ``step`` counters) stay plain tensors. For an owned parameter only the owner
+  has one; for an even parameter every rank with a non-empty shard has the same value and DCP's
+  de-duplication writes it once.
+
+The DTensors alias the live state tensors (no copy): ``dcp.save`` reads them, ``dcp.load`` writes
+into them in place. Loading then reshards like any FSDP2 state: the saved chunk(s) of a tensor are
+read into whatever layout the *loading* optimizer presents (a new owner, ``Shard(0)`` rows, or a
+plain tensor in a single process), so optimizer state follows its parameter.
+
+State whose *keys* depend on history would not survive that template-driven load (DCP only loads
+keys the loading side presents): Shampoo's inverse roots appear only once preconditioning starts.
+``_state_placeholders`` (a class attribute, ``{key: key it accompanies}``) makes ``state_dict()``
+present such keys as zeros when absent, and ``load_state_dict`` drops them again when they are
+still all zero (a real inverse root is positive definite, never zero).
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ._owned import owned_of, owner_meshes
+
+if TYPE_CHECKING:
+    from .optim._base import MatrixOptimizer
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+except ImportError:  # pragma: no cover - torch without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+__all__ = ["present_state", "accept_state"]
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def _as_dtensor(opt_name: str, key: str, p: Tensor, value: Any) -> Any:
+    """``value`` (a local state tensor of DTensor parameter ``p``) as a DTensor; see the Note."""
+    if not isinstance(value, Tensor) or value.ndim == 0 or isinstance(value, DTensor):
+        return value
+    info = owned_of(p)
+    if info is not None:
+        if info.mesh is None:  # pragma: no cover - make_sharded_param always sets it
+            raise RuntimeError(f"{opt_name}.state_dict: owned parameter without a mesh ({key})")
+        mesh, placements, shape = owner_meshes(info.mesh)[info.owner], (Replicate(),), tuple(value.shape)
+    else:
+        local = p._local_tensor  # type: ignore[attr-defined]
+        if tuple(value.shape) != tuple(local.shape):
+            raise RuntimeError(
+                f"{opt_name}.state_dict: state {key!r} of a DTensor parameter with placements "
+                f"{p.placements} has shape {tuple(value.shape)}, not the local shard's shape "  # type: ignore[attr-defined]
+                f"{tuple(local.shape)}; only owned (whole-matrix) parameters may carry state of "
+                "another shape"
+            )
+        mesh, placements, shape = p.device_mesh, tuple(p.placements), tuple(p.shape)  # type: ignore[attr-defined]
+    meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), value.dtype)
+    return DTensor(value, DTensorSpec(mesh, placements, meta), requires_grad=False)
+
+
+def _param_list(opt: torch.optim.Optimizer) -> list[Tensor]:
+    return list(chain.from_iterable(g["params"] for g in opt.param_groups))
+
+
+def present_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
+    """Turn ``Optimizer.state_dict()``'s local state of DTensor parameters into DTensors.
+
+    Returns a new ``"state"`` mapping (the live per-parameter dicts are never mutated).
+    """
+    name = type(opt).__name__
+    params = _param_list(opt)
+    placeholders = getattr(opt, "_state_placeholders", {})
+    state: dict[Any, Any] = {}
+    for idx, st in sd["state"].items():
+        p = params[idx]
+        st = dict(st)
+        for key, dep in placeholders.items():
+            if key not in st and isinstance(st.get(dep), Tensor):
+                st[key] = torch.zeros_like(st[dep])
+        if DTensor is not None and isinstance(p, DTensor):
+            st = {k: _as_dtensor(name, f"state[{idx}][{k!r}]", p, v) for k, v in st.items()}
+        state[idx] = st
+    # A DTensor parameter whose local tensor is empty (an owned parameter on a non-owner, an
+    # empty even shard) never has state here; an explicit empty entry tells
+    # set_optimizer_state_dict(strict=True) that nothing is missing.
+    for idx, p in enumerate(params):
+        if idx not in state and DTensor is not None and isinstance(p, DTensor) and p.requires_grad \
+                and p._local_tensor.numel() == 0:  # type: ignore[attr-defined]
+            state[idx] = {}
+    return {**sd, "state": dict(sorted(state.items()))}
+
+
+def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`present_state` for ``load_state_dict``: DTensor values become their
+    local tensors (checked against the parameter's layout); state of an owned parameter on a
+    non-owner is dropped; placeholders still all zero are dropped."""
+    name = type(opt).__name__
+    saved_ids = list(chain.from_iterable(g["params"] for g in sd["param_groups"]))
+    id_map = dict(zip(saved_ids, _param_list(opt)))
+    placeholders = getattr(opt, "_state_placeholders", {})
+    state: dict[Any, Any] = {}
+    for key, st in sd["state"].items():
+        p = id_map.get(key)
+        if p is None or not isinstance(st, dict):
+            state[key] = st
+            continue
+        out: dict[str, Any] = {}
+        is_dt = DTensor is not None and isinstance(p, DTensor)
+        info = owned_of(p)
+        if is_dt and info is not None and info.mesh is not None and info.mesh.get_local_rank() != info.owner:
+            continue  # non-owners keep no state for an owned parameter
+        for k, v in st.items():
+            if DTensor is not None and isinstance(v, DTensor):
+                if not is_dt:
+                    v = v.full_tensor()  # a sharded state dict into a plain parameter
+                else:
+                    v = _check_local(name, key, k, p, v)
+            elif is_dt and isinstance(v, Tensor) and v.ndim > 0 and info is None:
+                local = p._local_tensor  # type: ignore[attr-defined]
+                if tuple(v.shape) != tuple(local.shape):
+                    raise ValueError(
+                        f"{name}.load_state_dict: state {k!r} of parameter {key!r} has shape "
+                        f"{tuple(v.shape)} but this rank's shard of the parameter has shape "
+                        f"{tuple(local.shape)}; load sharded state with torch.distributed.checkpoint"
+                    )
+            if k in placeholders and isinstance(v, Tensor) and not bool(torch.any(v)):
+                continue
+            out[k] = v
+        state[key] = out
+    return {**sd, "state": state}
+
+
+def _check_local(name: str, key: Any, k: str, p: Tensor, v: Any) -> Tensor:
+    info = owned_of(p)
+    if info is None and (v.device_mesh != p.device_mesh or tuple(v.placements) != tuple(p.placements)):
+        raise ValueError(
+            f"{name}.load_state_dict: state {k!r} of parameter {key!r} is a DTensor with "
+            f"placements {tuple(v.placements)} on {v.device_mesh}, but the parameter has "
+            f"{tuple(p.placements)} on {p.device_mesh}; load it with torch.distributed.checkpoint "
+            "(get_state_dict + dcp.load + set_state_dict), which reshards"
+        )
+    local = v._local_tensor
+    if info is None and v.shape != p.shape:
+        raise ValueError(
+            f"{name}.load_state_dict: state {k!r} of parameter {key!r} has global shape "
+            f"{tuple(v.shape)} but the parameter has {tuple(p.shape)}"
+        )
+    return local
