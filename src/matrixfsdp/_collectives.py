@@ -154,17 +154,7 @@ class _Base:
     def reduce_scatter_segments(
         self, out: torch.Tensor, inp: torch.Tensor, splits: Sequence[int], *, async_op: bool
     ) -> Handle:
-        splits = list(splits)
-        if len(splits) != self.world_size or sum(splits) != inp.numel():
-            raise ValueError(
-                f"reduce_scatter_segments: splits {splits} do not match W={self.world_size} "
-                f"and input numel {inp.numel()}"
-            )
-        if out.numel() != splits[self.rank]:
-            raise ValueError(
-                f"reduce_scatter_segments: out has {out.numel()} elements, chunk {self.rank} "
-                f"has {splits[self.rank]}"
-            )
+        splits = self._check_reduce(out, inp, splits)
         es = inp.element_size()
         self.counter.record(
             "reduce_scatter",
@@ -191,6 +181,20 @@ class _Base:
         self.counter.record("broadcast", n * (self.world_size - 1) if self.rank == src else 0,
                             0 if self.rank == src else n)
         dist.broadcast(t, group_src=src, group=self.group)
+
+    def _check_reduce(self, out: torch.Tensor, inp: torch.Tensor, splits: Sequence[int]) -> list[int]:
+        splits = list(splits)
+        if len(splits) != self.world_size or sum(splits) != inp.numel():
+            raise ValueError(
+                f"reduce_scatter_segments: splits {splits} do not match W={self.world_size} "
+                f"and input numel {inp.numel()}"
+            )
+        if out.numel() != splits[self.rank]:
+            raise ValueError(
+                f"reduce_scatter_segments: out has {out.numel()} elements, chunk {self.rank} "
+                f"has {splits[self.rank]}"
+            )
+        return splits
 
     def _check_gather(self, send: torch.Tensor, recv: torch.Tensor, recv_splits: Sequence[int]):
         if len(recv_splits) != self.world_size or recv_splits[self.rank] != 0:
@@ -342,17 +346,7 @@ class TwoPhaseCollectives(_Base):
     def reduce_scatter_segments(
         self, out: torch.Tensor, inp: torch.Tensor, splits: Sequence[int], *, async_op: bool
     ) -> Handle:
-        splits = list(splits)
-        if len(splits) != self.world_size or sum(splits) != inp.numel():
-            raise ValueError(
-                f"reduce_scatter_segments: splits {splits} do not match W={self.world_size} "
-                f"and input numel {inp.numel()}"
-            )
-        if out.numel() != splits[self.rank]:
-            raise ValueError(
-                f"reduce_scatter_segments: out has {out.numel()} elements, chunk {self.rank} "
-                f"has {splits[self.rank]}"
-            )
+        splits = self._check_reduce(out, inp, splits)
         W, r = self.world_size, self.rank
         if W == 1:
             out.copy_(inp)
