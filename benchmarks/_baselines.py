@@ -1,0 +1,715 @@
+"""The implementations compared by ``benchmarks/step_bench.py``: one small class each.
+
+Every implementation trains THE SAME model (``matrixfsdp.Decoder``, seeded init) on the same
+synthetic tokens with the same Muon/AdamW hyperparameters (:class:`BenchConfig`):
+
+* 2D hidden weights (``model.layers.*``) get Muon (fp32 Newton-Schulz on CPU, see below);
+* the embedding, the output head and every non-2D tensor (norms) get AdamW.
+
+Interface (what the runner calls, in this order)::
+
+    impl = Impl(cfg, ctx); impl.setup()
+    loss = impl.forward(tokens); impl.backward(loss)     # == impl.forward_backward(tokens)
+    impl.step(); impl.zero_grad()
+    impl.named_parameters()   # for the parity gather (FQNs as in the plain model)
+    impl.param_tensors(), impl.grad_tensors(), impl.optimizers(), impl.scratch_tensors()
+
+Numerics: ``matrixfsdp.optim.Muon(..., ns_dtype=torch.float32)`` (bitwise ``torch.optim.Muon``
+apart from the Newton-Schulz dtype; AdamW route bitwise ``torch.optim.AdamW(foreach=False)``) is
+the optimizer wherever it applies; the gather and DistMuon baselines reuse its Newton-Schulz and
+learning-rate adjustment (DistMuon's own NS kernel, patched to fp32, is the one exception; see
+:func:`patch_torchtitan_for_cpu`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import types
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+try:
+    import matrixfsdp  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    import matrixfsdp  # noqa: F401
+
+from matrixfsdp import Decoder, DecoderConfig, DecoderLayer
+from matrixfsdp.optim import Muon
+from matrixfsdp.optim._muon import adjusted_lr, zeropower_via_newtonschulz
+
+__all__ = [
+    "BenchConfig",
+    "Context",
+    "Impl",
+    "IMPLS",
+    "ADAMW_2D",
+    "build_model",
+    "batch_for_step",
+    "patch_torchtitan_for_cpu",
+]
+
+#: 2D parameters that go to AdamW in every implementation (embedding, output head).
+ADAMW_2D = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    # model (Qwen3-style; dims divisible by 4 so FSDP2 shards are even at W=2 and W=4)
+    vocab_size: int = 2048
+    hidden_size: int = 320
+    intermediate_size: int = 896
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 5
+    num_key_value_heads: int = 1
+    head_dim: int = 64
+    # data: a fixed global batch split evenly over ranks
+    seq_len: int = 128
+    global_batch: int = 8
+    model_seed: int = 1234
+    data_seed: int = 5678
+    # Muon (torch.optim.Muon's defaults except lr / weight_decay)
+    lr: float = 0.02
+    weight_decay: float = 0.01
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
+    eps: float = 1e-7
+    ns_steps: int = 5
+    adjust_lr_fn: str | None = None
+    ns_dtype: str = "float32"
+    # AdamW (embeddings, head, norms)
+    adamw_lr: float = 3e-3
+    adamw_betas: tuple[float, float] = (0.9, 0.95)
+    adamw_eps: float = 1e-8
+    adamw_weight_decay: float = 0.0
+
+    def model_config(self) -> DecoderConfig:
+        return DecoderConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+        )
+
+    @property
+    def ns_torch_dtype(self) -> torch.dtype:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.ns_dtype]
+
+    def muon_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``matrixfsdp.optim.Muon`` (and, minus the AdamW ones, DistMuon)."""
+        return dict(
+            lr=self.lr, weight_decay=self.weight_decay, momentum=self.momentum,
+            nesterov=self.nesterov, ns_coefficients=tuple(self.ns_coefficients), eps=self.eps,
+            ns_steps=self.ns_steps, adjust_lr_fn=self.adjust_lr_fn, ns_dtype=self.ns_torch_dtype,
+            adamw_lr=self.adamw_lr, adamw_betas=tuple(self.adamw_betas), adamw_eps=self.adamw_eps,
+            adamw_weight_decay=self.adamw_weight_decay,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Context:
+    rank: int
+    world: int
+    mesh: Any  # 1-D DeviceMesh named ("dp_shard",), shared by every implementation
+    matrixfsdp_source: str = "public"  # "public": matrixfsdp.fully_shard; "_runtime": private module
+
+
+def build_model(cfg: BenchConfig) -> Decoder:
+    model = Decoder(cfg.model_config())
+    model.reset_parameters(seed=cfg.model_seed)
+    return model
+
+
+def batch_for_step(cfg: BenchConfig, step: int, rank: int, world: int) -> torch.Tensor:
+    """This rank's ``[global_batch / world, seq_len + 1]`` tokens of step ``step`` (seeded)."""
+    if cfg.global_batch % world:
+        raise ValueError(f"global_batch={cfg.global_batch} is not divisible by world={world}")
+    g = torch.Generator().manual_seed(cfg.data_seed * 100_003 + step)
+    tokens = torch.randint(0, cfg.vocab_size, (cfg.global_batch, cfg.seq_len + 1), generator=g)
+    per = cfg.global_batch // world
+    return tokens[rank * per:(rank + 1) * per].contiguous()
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+
+
+def _strip(name: str) -> str:
+    for prefix in ("module.", "_orig_mod."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    return name
+
+
+def is_muon_param(name: str, p: torch.Tensor) -> bool:
+    return p.ndim == 2 and _strip(name) not in ADAMW_2D
+
+
+def muon_param_groups(named: Iterable[tuple[str, torch.Tensor]], *, auto: bool = False) -> list[dict[str, Any]]:
+    """Param groups for ``matrixfsdp.optim.Muon``, empty ones dropped.
+
+    ``auto=False`` (baselines): explicit routing, independent of how ``"auto"`` treats DTensors:
+    ``algorithm="muon"`` for the hidden 2D weights, ``"adamw"`` for embeddings/head and for every
+    non-2D tensor. ``auto=True`` (the matrixfsdp slot, as its README shows): ``"adamw"`` for the
+    embedding/head and ``"auto"`` for the rest, so routing follows the owner plan.
+    """
+    emb, mats, rest = [], [], []
+    for n, p in named:
+        if _strip(n) in ADAMW_2D:
+            emb.append(p)
+        elif auto or is_muon_param(n, p):
+            mats.append(p)
+        else:
+            rest.append(p)
+    groups = []
+    if emb:
+        groups.append({"params": emb, "algorithm": "adamw"})
+    if mats:
+        groups.append({"params": mats} if auto else {"params": mats, "algorithm": "muon"})
+    if rest:
+        groups.append({"params": rest, "algorithm": "adamw"})
+    return groups
+
+
+def check_routes(opt: torch.optim.Optimizer, named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Raise unless ``opt`` (a matrixfsdp optimizer) sends exactly the hidden 2D weights among its
+    parameters to Muon and everything else to AdamW; returns a one-line summary. Guards against
+    silent mis-routing (e.g. of DTensors under ``algorithm="auto"``)."""
+    names = {id(p): (_strip(n), p) for n, p in named}
+    counts: dict[str, int] = {}
+    wrong = []
+    for _, _, p, route in opt._routed():
+        name, _ = names.get(id(p), ("?", p))
+        want = "muon" if is_muon_param(name, p) else "adamw"
+        counts[route] = counts.get(route, 0) + 1
+        if route != want:
+            wrong.append(f"{name}: {route} (want {want})")
+    if wrong:
+        raise RuntimeError(f"optimizer routing differs from the benchmark's rule for {len(wrong)} tensors, "
+                           f"e.g. {wrong[:3]}")
+    return "routes: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+
+
+class Impl:
+    """Base class; subclasses set ``name`` and implement ``setup``."""
+
+    name = "?"
+    #: False for implementations that run a different optimizer (parity is then informational)
+    same_numerics = True
+
+    def __init__(self, cfg: BenchConfig, ctx: Context):
+        self.cfg, self.ctx = cfg, ctx
+        self.rank, self.world = ctx.rank, ctx.world
+        self.model: nn.Module | None = None
+        self.opts: list[torch.optim.Optimizer] = []
+        self.notes: list[str] = []
+
+    # -- protocol -------------------------------------------------------------------------
+    def setup(self) -> None:
+        raise NotImplementedError
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self.model, tokens)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
+        loss = self.forward(tokens)
+        self.backward(loss)
+        return loss
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self) -> None:
+        for o in self.opts:
+            o.zero_grad(set_to_none=True)
+        if self.model is not None:
+            for p in self.model.parameters():
+                p.grad = None
+
+    def teardown(self) -> None:
+        self.opts = []
+        self.model = None
+
+    # -- introspection --------------------------------------------------------------------
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return [(_strip(n), p) for n, p in self.model.named_parameters()]
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        return [p for _, p in self.named_parameters()]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.param_tensors() if p.grad is not None]
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return list(self.opts)
+
+    def scratch_tensors(self) -> list[torch.Tensor]:
+        """Persistent optimizer-side buffers outside ``optimizer.state`` (DistMuon's)."""
+        return []
+
+
+# ================================================================================ DDP + Muon
+def _python_allreduce_hook(process_group: Any, bucket: Any) -> torch.futures.Future:
+    """DDP's default all-reduce (divide by W, SUM), issued from Python so it can be counted."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    t = bucket.buffer()
+    t.div_(dist.get_world_size(group))
+    fut = dist.all_reduce(t, group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+# DDP checks the hook's annotations against the real classes (strings under `from __future__`).
+_python_allreduce_hook.__annotations__ = {
+    "process_group": Any, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor],
+}
+
+
+class DDPMuon(Impl):
+    """DDP + Muon on every rank (redundant Newton-Schulz): the numerics reference."""
+
+    name = "ddp_muon"
+
+    def setup(self) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = build_model(self.cfg)
+        self.model = DDP(model, gradient_as_bucket_view=True)  # the model has no buffers
+        self.model.register_comm_hook(None, _python_allreduce_hook)
+        self.opts = [Muon(muon_param_groups(self.model.named_parameters()), **self.cfg.muon_kwargs())]
+        self.notes.append(check_routes(self.opts[0], self.model.named_parameters()))
+        self.notes.append("DDP(gradient_as_bucket_view=True, 25 MB buckets) with a Python all-reduce "
+                          "comm hook (div by W, SUM; same math as DDP's default) so its collectives "
+                          "are counted; Muon = matrixfsdp.optim.Muon(ns_dtype=fp32) on every rank")
+
+
+# ================================================================================ FSDP2 helpers
+def _fsdp2_wrap(model: Decoder, mesh: Any) -> Decoder:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+class FSDP2AdamW(Impl):
+    """Stock FSDP2 + torch AdamW on everything: the forward/backward reference."""
+
+    name = "fsdp2_adamw"
+    same_numerics = False
+
+    def setup(self) -> None:
+        model = _fsdp2_wrap(build_model(self.cfg), self.ctx.mesh)
+        self.model = model
+        c = self.cfg
+        self.opts = [torch.optim.AdamW(model.parameters(), lr=c.adamw_lr, betas=c.adamw_betas,
+                                       eps=c.adamw_eps, weight_decay=c.adamw_weight_decay)]
+        self.notes.append("torch.optim.AdamW (default foreach) on every parameter: a different "
+                          "optimizer, so its parity column is not a correctness check")
+
+
+# ================================================================================ FSDP2 + gather Muon
+def _all_gather_single(*args: Any, **kwargs: Any) -> Any:
+    """torch 2.13's all_gather_single (all_gather_into_tensor is its deprecated alias); looked up
+    at call time so the benchmark's counting wrapper sees it."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(*args, **kwargs)
+
+
+class GatherMuon(Muon):
+    """``matrixfsdp.optim.Muon`` for FSDP2 ``Shard(0)`` DTensors: momentum on the local shard,
+    all-gather each matrix's (Nesterov) update, Newton-Schulz on the whole matrix on every rank,
+    keep this rank's rows. AdamW-routed parameters update their shard locally.
+
+    Gathering the momentum-updated shard instead of the raw gradient shard moves the same bytes
+    and gives the same matrix (the momentum update is element-wise), while keeping momentum sharded.
+    All gathers are issued asynchronously first, then waited for in order.
+    """
+
+    def __init__(self, params: Any, *, group: Any = None, **kw: Any):
+        self._pg = group
+        super().__init__(params, **kw)
+
+    def _check_whole(self, p: torch.Tensor, local: torch.Tensor, index: int) -> None:
+        pass  # shards are expected here
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        W = dist.get_world_size(self._pg)
+        pending = []
+        for _, group, p, route in self._routed():
+            if p.grad is None:
+                continue
+            param = p._local_tensor if isinstance(p, DTensor) else p
+            grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            if route == "adamw":
+                if param.numel():
+                    self._adamw_step(param, grad, self.state[p], group)
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad)
+            buf, m = state["momentum_buffer"], group["momentum"]
+            buf.lerp_(grad, 1 - m)
+            upd = grad.lerp(buf, m) if group["nesterov"] else buf
+            n, cols = p.shape
+            rows = -(-n // W)
+            _, off = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            send = torch.zeros(rows, cols, dtype=upd.dtype)
+            send[: upd.shape[0]].copy_(upd)
+            out = torch.empty(W * rows, cols, dtype=upd.dtype)
+            work = _all_gather_single(out, send, group=self._pg, async_op=True)
+            pending.append((p, param, group, out, work, int(off[0])))
+        for p, param, group, out, work, off in pending:
+            work.wait()
+            full = out[: p.shape[0]]
+            ortho = zeropower_via_newtonschulz(full, group["ns_coefficients"], group["ns_steps"],
+                                               group["eps"], group["ns_dtype"])
+            lr = group["lr"]
+            param.mul_(1 - lr * group["weight_decay"])
+            if param.numel():
+                param.add_(ortho[off: off + param.shape[0]], alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+        return None
+
+
+class FSDP2GatherMuon(Impl):
+    name = "fsdp2_gather_muon"
+
+    def setup(self) -> None:
+        model = _fsdp2_wrap(build_model(self.cfg), self.ctx.mesh)
+        self.model = model
+        self.opts = [GatherMuon(muon_param_groups(model.named_parameters()),
+                                group=self.ctx.mesh.get_group(), **self.cfg.muon_kwargs())]
+        self.notes.append(check_routes(self.opts[0], model.named_parameters()))
+        self.notes.append("stock fully_shard per DecoderLayer + root; per matrix one async "
+                          "all_gather_single of the momentum-updated shard (padded to "
+                          "ceil(n/W) rows), fp32 NS on the whole matrix on every rank, keep own rows")
+
+
+# ================================================================================ FSDP2 + torchtitan DistMuon
+_TT_PATCHES: list[str] | None = None
+
+
+class _CpuStream:
+    """Stand-in for a device stream on CPU, where every op is synchronous."""
+
+    def __init__(self, *a: Any, **k: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> Any:
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CpuEvent:
+    def __init__(self, *a: Any, **k: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStreamCtx:
+    def __init__(self, stream: Any) -> None:
+        pass
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_CPU_STREAM = _CpuStream()
+_CPU_DEVICE_HANDLE = types.SimpleNamespace(
+    Stream=_CpuStream, Event=_CpuEvent, stream=_CpuStreamCtx,
+    current_stream=lambda device=None: _CPU_STREAM, synchronize=lambda device=None: None,
+)
+
+
+def patch_torchtitan_for_cpu(ns_dtype: torch.dtype) -> list[str]:
+    """Make torchtitan 0.3.0's DistMuon run on CPU/gloo; returns what was patched (idempotent).
+
+    1. ``DistMuon._validate_parameter_storage`` raises unless parameters are on CUDA: replaced by
+       the same check without the CUDA requirement.
+    2. Its bucketed runtime builds ``torch.get_device_module(device).Stream(device=, priority=)``
+       and events; ``torch.cpu.Stream`` takes no arguments. The runtime module's ``torch`` is
+       replaced by a proxy whose ``get_device_module`` returns no-op CPU streams/events (CPU ops
+       are synchronous, so the stream ordering it encodes is trivially satisfied).
+    3. ``_zeropower_via_newtonschulz`` casts to bf16 (about 25x slower than fp32 on this CPU): the
+       same op sequence in ``ns_dtype``.
+    """
+    global _TT_PATCHES
+    if _TT_PATCHES is not None:
+        return _TT_PATCHES
+    from torchtitan.distributed.flex_shard import _optimizer_reshard_runtime as rt
+    from torchtitan.distributed.flex_shard import dist_muon as dm
+
+    def _validate_parameter_storage(self: Any) -> torch.device:
+        from torch.distributed.tensor import DTensor
+
+        devices = set()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if not isinstance(param, DTensor):
+                    raise TypeError("DistMuon requires DTensor parameters")
+                devices.add(param.to_local().device)
+        if len(devices) != 1:
+            raise ValueError("DistMuon requires one device per process")
+        return devices.pop()
+
+    dm.DistMuon._validate_parameter_storage = _validate_parameter_storage
+
+    class _TorchProxy(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch, name)
+
+        @staticmethod
+        def get_device_module(device: Any = None) -> Any:
+            dev = torch.device(device) if device is not None else torch.device("cpu")
+            if dev.type == "cpu":
+                return _CPU_DEVICE_HANDLE
+            return torch.get_device_module(dev)
+
+    rt.torch = _TorchProxy("torch")
+
+    def _zeropower(update: torch.Tensor, *, ns_coefficients: Any, ns_steps: int, eps: float) -> torch.Tensor:
+        a, b, c = ns_coefficients
+        result = update.to(dtype=ns_dtype, copy=True)
+        transposed = result.shape[-2] > result.shape[-1]
+        if transposed:
+            result = result.transpose(-2, -1)
+        result.div_(result.norm(dim=(-2, -1), keepdim=True).clamp_min(eps))
+        if result.ndim == 2:
+            for _ in range(ns_steps):
+                gram = result @ result.T
+                gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+                result = torch.addmm(result, gram_update, result, beta=a)
+        else:
+            shape = result.shape
+            mats = result.reshape(-1, *shape[-2:])
+            for _ in range(ns_steps):
+                gram = mats @ mats.transpose(-2, -1)
+                gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+                mats = torch.baddbmm(mats, gram_update, mats, beta=a)
+            result = mats.reshape(shape)
+        return result.transpose(-2, -1) if transposed else result
+
+    dm._zeropower_via_newtonschulz = _zeropower
+    _TT_PATCHES = [
+        "DistMuon._validate_parameter_storage: CUDA-only check relaxed to 'one device'",
+        "flex_shard runtime: no-op CPU Stream/Event via a torch proxy (torch.cpu.Stream takes no device/priority)",
+        f"dist_muon._zeropower_via_newtonschulz: same op sequence in {str(ns_dtype).replace('torch.', '')} instead of bf16",
+    ]
+    return _TT_PATCHES
+
+
+class FSDP2DistMuon(Impl):
+    """Stock FSDP2 + torchtitan 0.3.0 ``DistMuon`` (``flex_shard``) for the hidden matrices, with
+    ``ComputeLayout({"dp_shard": Owned()})`` per matrix (each step: all-to-all the shards to a
+    temporary owner, NS there, all-to-all back) and one bucket per decoder layer; AdamW (via
+    ``matrixfsdp.optim.Muon`` with ``algorithm="adamw"``) for the rest."""
+
+    name = "fsdp2_distmuon"
+
+    def setup(self) -> None:
+        try:
+            from torchtitan.distributed.flex_shard import BucketConfig, ComputeLayout, Owned, build_dist_muon
+        except ImportError as e:
+            raise ImportError(f"torchtitan DistMuon unavailable: {e} "
+                              "(pip install -c constraints.txt torchtitan==0.3.0)") from e
+        patches = patch_torchtitan_for_cpu(self.cfg.ns_torch_dtype)
+        model = _fsdp2_wrap(build_model(self.cfg), self.ctx.mesh)
+        self.model = model
+        muon_named = [(n, p) for n, p in model.named_parameters() if is_muon_param(n, p)]
+        other_named = [(n, p) for n, p in model.named_parameters() if not is_muon_param(n, p)]
+        layout = ComputeLayout(shardings_by_mesh_axis={"dp_shard": Owned()})
+        kw = self.cfg.muon_kwargs()
+        dist_muon = build_dist_muon(
+            [{"params": [p for _, p in muon_named], "param_names": [n for n, _ in muon_named]}],
+            compute_sharding_by_fqn={n: layout for n, _ in muon_named},
+            bucket_configs=[BucketConfig(patterns=(f"model.layers.{i}.*",), name=f"layers.{i}")
+                            for i in range(self.cfg.num_hidden_layers)],
+            lr=kw["lr"], weight_decay=kw["weight_decay"], momentum=kw["momentum"],
+            nesterov=kw["nesterov"], ns_coefficients=kw["ns_coefficients"], eps=kw["eps"],
+            ns_steps=kw["ns_steps"], adjust_lr_fn=kw["adjust_lr_fn"],
+        )
+        adamw = Muon([{"params": [p for _, p in other_named], "algorithm": "adamw"}], **kw)
+        self.notes.append(f"DistMuon: {len(muon_named)} matrices; " + check_routes(adamw, other_named))
+        self.opts = [dist_muon, adamw]
+        self.notes.append("CPU patches: " + "; ".join(patches))
+        self.notes.append("ComputeLayout(dp_shard=Owned()) per hidden matrix, one BucketConfig per "
+                          "decoder layer")
+
+    def scratch_tensors(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        rt = getattr(self.opts[0], "_redistribution_runtime", None) if self.opts else None
+        if rt is None:
+            return out
+        slots = [rt._local_slot]
+        if rt._context is not None:
+            slots += [s.buffers for s in rt._context.slots]
+        for slot in slots:
+            for reserved in slot.buffers.values():
+                for f in ("storage_exchange", "compute_exchange", "compute_scratch", "storage_scratch"):
+                    t = getattr(reserved, f)
+                    if t is not None:
+                        out.append(t)
+        return out
+
+
+# ================================================================================ ZeRO-1 owner
+def _ns_flops(shape: torch.Size) -> float:
+    m, n = sorted(shape[:2])
+    return 5 * (4 * m * m * n + 2 * m ** 3)
+
+
+def lpt_owners(named: list[tuple[str, torch.Tensor]], world: int) -> dict[str, int]:
+    """Deterministic owners: Muon matrices by LPT on Newton-Schulz FLOPs, then AdamW tensors by
+    LPT on bytes (ties by name). Same on every rank (no hashing)."""
+    owners: dict[str, int] = {}
+    load = [0.0] * world
+    mats = sorted(((n, p) for n, p in named if is_muon_param(n, p)), key=lambda x: (-_ns_flops(x[1].shape), x[0]))
+    for n, p in mats:
+        r = min(range(world), key=lambda i: (load[i], i))
+        owners[n] = r
+        load[r] += _ns_flops(p.shape)
+    bytes_load = [0] * world
+    for n, p in named:
+        if n in owners:
+            bytes_load[owners[n]] += p.numel()
+    rest = sorted(((n, p) for n, p in named if n not in owners), key=lambda x: (-x[1].numel(), x[0]))
+    for n, p in rest:
+        r = min(range(world), key=lambda i: (bytes_load[i], i))
+        owners[n] = r
+        bytes_load[r] += p.numel()
+    return owners
+
+
+class Zero1Owner(Impl):
+    """ZeRO-1-style owners: full parameters and gradients on every rank; each gradient is
+    ``dist.reduce``d to its owner as soon as it is accumulated (async, from a post-accumulate-grad
+    hook, so it overlaps backward like DDP's buckets); in ``step`` the owner divides by W and runs
+    Muon/AdamW on what it owns (optimizer state only there), then every parameter is broadcast
+    from its owner (async, all issued then waited)."""
+
+    name = "zero1_owner"
+
+    def setup(self) -> None:
+        model = build_model(self.cfg)
+        self.model = model
+        named = list(model.named_parameters())
+        self.owner = lpt_owners(named, self.world)
+        self._params = [(n, p, self.owner[n]) for n, p in named]
+        self._pending: list[tuple[torch.Tensor, int, Any]] = []
+        for n, p, o in self._params:
+            p.register_post_accumulate_grad_hook(self._make_hook(o))
+        mine = [(n, p) for n, p, o in self._params if o == self.rank]
+        self.opts = [Muon(muon_param_groups(mine), **self.cfg.muon_kwargs())] if mine else []
+        if self.opts:
+            self.notes.append(check_routes(self.opts[0], mine) + " (rank's own)")
+        self.notes.append("owners: LPT on Newton-Schulz FLOPs (matrices) then bytes (AdamW tensors); "
+                          "per-parameter async dist.reduce in backward, async dist.broadcast after step")
+
+    def _make_hook(self, owner: int) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            self._pending.append((p, owner, dist.reduce(p.grad, dst=owner, async_op=True)))
+        return hook
+
+    def step(self) -> None:
+        for p, owner, work in self._pending:
+            work.wait()
+            if owner == self.rank:
+                p.grad.div_(self.world)
+            else:
+                p.grad = None  # a non-destination reduce buffer holds no meaningful value
+        self._pending = []
+        for o in self.opts:
+            o.step()
+        works = [dist.broadcast(p.data, src=o, async_op=True) for _, p, o in self._params]
+        for w in works:
+            w.wait()
+
+
+# ================================================================================ matrixfsdp
+class MatrixFSDP(Impl):
+    """The runtime under test. Expected API (issue 3, being written)::
+
+        plan = matrixfsdp.plan_owners(model, mesh, block_types=(DecoderLayer,))
+        for layer in model.model.layers:
+            matrixfsdp.fully_shard(layer, mesh=mesh, plan=plan)
+        matrixfsdp.fully_shard(model, mesh=mesh, plan=plan)
+        opt = matrixfsdp.optim.Muon(groups, ..., ns_dtype=torch.float32)   # purely local step
+    """
+
+    name = "matrixfsdp"
+
+    @staticmethod
+    def resolve_api(source: str = "public") -> tuple[Any, Any]:
+        """(fully_shard, plan_owners), or raise ImportError/AttributeError saying why not."""
+        import matrixfsdp as mf
+
+        if source == "public":
+            return mf.fully_shard, mf.plan_owners
+        if source == "_runtime":  # the in-progress private module (development only)
+            from matrixfsdp._runtime import fully_shard
+
+            return fully_shard, mf.plan_owners
+        raise ValueError(f"unknown matrixfsdp source {source!r}")
+
+    def setup(self) -> None:
+        fully_shard, plan_owners = self.resolve_api(self.ctx.matrixfsdp_source)
+        model = build_model(self.cfg)
+        mesh = self.ctx.mesh
+        plan = plan_owners(model, mesh, block_types=(DecoderLayer,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, plan=plan)
+        fully_shard(model, mesh=mesh, plan=plan)
+        self.model = model
+        self.plan = plan
+        self.opts = [Muon(muon_param_groups(model.named_parameters(), auto=True), **self.cfg.muon_kwargs())]
+        self.notes.append(check_routes(self.opts[0], model.named_parameters()))
+        self.notes.append(f"plan_owners(model, mesh, block_types=(DecoderLayer,)) digest="
+                          f"{getattr(plan, 'digest', '?')}; fully_shard per DecoderLayer + root "
+                          f"(source={self.ctx.matrixfsdp_source})")
+
+
+IMPLS: dict[str, type[Impl]] = {
+    c.name: c for c in (DDPMuon, FSDP2GatherMuon, FSDP2DistMuon, Zero1Owner, FSDP2AdamW, MatrixFSDP)
+}

@@ -1,0 +1,725 @@
+"""Side-by-side training-step benchmark: matrixfsdp against DDP/FSDP2/torchtitan/ZeRO-1 baselines.
+
+Every implementation (``benchmarks/_baselines.py``) trains the same ``matrixfsdp.Decoder`` (seeded
+init) on the same synthetic tokens with the same Muon (fp32 Newton-Schulz) / AdamW hyperparameters.
+
+    python benchmarks/step_bench.py --world 4 [--impls ddp_muon,zero1_owner] [--repeats 3]
+                                    [--out benchmarks/results/step_cpu_w4] [--netns]
+    torchrun --nproc-per-node 2 benchmarks/step_bench.py --impl ddp_muon      # also works
+
+The driver starts one process per rank (FileStore rendezvous, hard timeout). Each rank runs, for
+each repeat, every implementation in turn (``ddp_muon`` first, the others rotated per repeat): setup,
+``--warmup`` steps (the parameters after ``--parity-steps`` steps are gathered on rank 0 and
+compared with ``ddp_muon``'s), then ``--steps`` measured steps. Per step and rank it times forward,
+backward and optimizer step (``time.perf_counter``; a barrier before each step, outside the timers)
+and counts collective calls/bytes per phase. Per step, a phase's time is the max over ranks; a
+repeat reports the median over its measured steps; the summary gives min/median/max of those
+medians over repeats, and ratios between implementations within the same repeat.
+
+Output: one JSON row per (implementation, repeat) on stdout, then a markdown summary; ``--out X``
+writes ``X.jsonl`` and ``X.md``. Implementations that cannot run print a row with
+``"status": "skipped"`` or ``"error"`` and the reason.
+
+Noise control (the machine is shared): each (implementation, repeat) records the share of the CPU
+that *other* processes used during its measured steps; above ``--max-foreign`` (15%) it is discarded
+and rerun (``--retries``, after waiting up to ``--quiet-wait`` s for a quiet second), and the summary
+uses only clean repeats. CPU seconds per phase (summed over ranks) are reported next to wall times.
+
+``--netns``: run rank r inside network namespace ``mfb-r<r>`` over the veth/bridge/tbf network of
+``benchmarks/netns/setup.sh`` (GLOO_SOCKET_IFNAME=mfb0); needs root and the setup script first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import _bench_common as bc  # noqa: E402
+from _baselines import IMPLS, BenchConfig, Context, batch_for_step  # noqa: E402
+
+DEFAULT_IMPLS = ("ddp_muon", "fsdp2_gather_muon", "fsdp2_distmuon", "zero1_owner", "fsdp2_adamw", "matrixfsdp")
+REFERENCE = "ddp_muon"
+MB = 1 << 20
+
+
+# ================================================================================ worker side
+def _init_dist(args: argparse.Namespace) -> tuple[int, int]:
+    timeout = timedelta(seconds=args.pg_timeout)
+    if "MFB_STORE" in os.environ:
+        rank, world = int(os.environ["MFB_RANK"]), int(os.environ["MFB_WORLD"])
+        store = dist.FileStore(os.environ["MFB_STORE"], world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    else:  # torchrun
+        dist.init_process_group("gloo", timeout=timeout)
+        rank, world = dist.get_rank(), dist.get_world_size()
+    return rank, world
+
+
+def _agree(ok: bool, msg: str) -> tuple[bool, list[str]]:
+    """All ranks learn whether every rank succeeded (and the messages of those that did not)."""
+    got: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(got, (ok, msg))
+    return all(o for o, _ in got), [f"rank {r}: {m}" for r, (o, m) in enumerate(got) if not o]
+
+
+def run_one(name: str, cfg: BenchConfig, ctx: Context, args: argparse.Namespace, repeat: int,
+            ref_state: dict[str, Any], counter: bc.CommCounter) -> dict[str, Any]:
+    """Set up, warm up, parity-snapshot and time one implementation; returns its row (rank 0)."""
+    rank, world = ctx.rank, ctx.world
+    row: dict[str, Any] = {"impl": name, "repeat": repeat, "world": world}
+    impl = IMPLS[name](cfg, ctx)
+    ok, err = True, ""
+    t0 = time.perf_counter()
+    try:
+        impl.setup()
+    except (ImportError, AttributeError) as e:
+        ok, err = False, f"{type(e).__name__}: {e}"
+        row["status_if_failed"] = "skipped"
+    except Exception as e:
+        ok, err = False, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
+    setup_s = time.perf_counter() - t0
+    all_ok, errs = _agree(ok, err)
+    if not all_ok:
+        row["status"] = row.pop("status_if_failed", "error")
+        row["reason"] = errs[0] if errs else err
+        row["setup_s"] = setup_s
+        impl.teardown()
+        return row
+    row.pop("status_if_failed", None)
+
+    n_steps = args.warmup + args.steps
+    per_rank_times: list[tuple[float, float, float]] = []
+    per_rank_cpu: list[tuple[float, float, float]] = []  # process CPU time (all threads) per phase
+    losses: list[float] = []
+    comm_snap: dict[str, Any] | None = None
+    mem: dict[str, int] = {"params": bc.local_nbytes(impl.param_tensors())}
+    parity_full = None
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME") if args.netns else None
+    nic: dict[str, list[int]] = {p: [0, 0] for p in ("fwd", "bwd", "step", "other")}
+
+    def nic_add(phase: str, a: tuple[int, int] | None, b: tuple[int, int] | None) -> None:
+        if measuring and a is not None and b is not None:
+            nic[phase][0] += b[0] - a[0]
+            nic[phase][1] += b[1] - a[1]
+
+    measuring = False
+    try:
+        for s in range(n_steps):
+            tokens = batch_for_step(cfg, s, rank, world)
+            if s == args.warmup:
+                counter.reset()
+                cpu0, mach0 = bc.proc_cpu_ticks(), bc.machine_cpu_ticks()
+                measuring = True
+            n0 = bc.nic_bytes(ifname)
+            with counter.in_phase("other"):
+                dist.barrier()
+            n1 = bc.nic_bytes(ifname)
+            c_a = time.process_time()
+            t_a = time.perf_counter()
+            with counter.in_phase("fwd"):
+                loss = impl.forward(tokens)
+            t_b = time.perf_counter()
+            c_b = time.process_time()
+            n2 = bc.nic_bytes(ifname)
+            with counter.in_phase("bwd"):
+                impl.backward(loss)
+            t_c = time.perf_counter()
+            c_c = time.process_time()
+            n3 = bc.nic_bytes(ifname)
+            if s == n_steps - 1:
+                mem["grads"] = bc.local_nbytes(impl.grad_tensors())
+            with counter.in_phase("step"):
+                impl.step()
+            t_d = time.perf_counter()
+            c_d = time.process_time()
+            n4 = bc.nic_bytes(ifname)
+            for ph, a, b in (("other", n0, n1), ("fwd", n1, n2), ("bwd", n2, n3), ("step", n3, n4)):
+                nic_add(ph, a, b)
+            impl.zero_grad()
+            losses.append(float(loss.detach()))
+            if s >= args.warmup:
+                per_rank_times.append((t_b - t_a, t_c - t_b, t_d - t_c))
+                per_rank_cpu.append((c_b - c_a, c_c - c_b, c_d - c_c))
+            if s == args.parity_steps - 1:
+                with counter.in_phase("other"):
+                    parity_full = bc.gather_full_state(impl.named_parameters())
+        comm_snap = counter.snapshot()
+        cpu_used, mach1 = bc.proc_cpu_ticks() - cpu0, bc.machine_cpu_ticks()
+        mem["opt_state"] = bc.local_nbytes(t for o in impl.optimizers() for t in bc.optimizer_state_tensors(o))
+        mem["opt_scratch"] = bc.local_nbytes(impl.scratch_tensors())
+        ok, err = True, ""
+    except Exception as e:
+        ok, err = False, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"
+    all_ok, errs = _agree(ok, err)
+    if not all_ok:
+        row["status"] = "error"
+        row["reason"] = errs[0] if errs else err
+        impl.teardown()
+        return row
+
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, {"times": per_rank_times, "cpu": per_rank_cpu, "comm": comm_snap, "mem": mem,
+                                      "loss": losses, "cpu_ticks": cpu_used,
+                                      "nic": nic if ifname else None})
+    row["notes"] = impl.notes
+    row["status"] = "ok"
+    impl.teardown()
+    del impl
+    gc.collect()
+    if rank != 0:
+        return row
+
+    steps = len(gathered[0]["times"])
+    fwd = [max(g["times"][i][0] for g in gathered) for i in range(steps)]
+    bwd = [max(g["times"][i][1] for g in gathered) for i in range(steps)]
+    fb = [max(g["times"][i][0] + g["times"][i][1] for g in gathered) for i in range(steps)]
+    st = [max(g["times"][i][2] for g in gathered) for i in range(steps)]
+    tot = [max(sum(g["times"][i]) for g in gathered) for i in range(steps)]
+    med = statistics.median
+    row.update({
+        "setup_s": round(setup_s, 3),
+        "fwd_s": med(fwd), "bwd_s": med(bwd), "fb_s": med(fb), "step_s": med(st), "total_s": med(tot),
+        # CPU seconds summed over ranks (process CPU time incl. gloo threads): less sensitive to
+        # other processes on the machine than wall time, blind to time spent waiting
+        "cpu_fb_s": med([sum(g["cpu"][i][0] + g["cpu"][i][1] for g in gathered) for i in range(steps)]),
+        "cpu_step_s": med([sum(g["cpu"][i][2] for g in gathered) for i in range(steps)]),
+        "cpu_total_s": med([sum(sum(g["cpu"][i]) for g in gathered) for i in range(steps)]),
+        "per_step_total_s": [round(x, 4) for x in tot],
+        "per_step_step_s": [round(x, 4) for x in st],
+        "loss_rank0": [round(x, 6) for x in gathered[0]["loss"]],
+    })
+    # communication: per rank, per measured step
+    comm = []
+    for g in gathered:
+        c = {}
+        for phase, v in g["comm"].items():
+            c[phase] = {"calls": v["calls"] / steps, "buf": v["buf"] / steps, "wire": v["wire"] / steps,
+                        "ops": {op: [x / steps for x in vals] for op, vals in v["ops"].items()}}
+        comm.append(c)
+    row["comm_per_rank"] = comm
+    row["mem_per_rank"] = [g["mem"] for g in gathered]
+    if gathered[0].get("nic") is not None:  # measured on the rank's own veth (--netns)
+        row["nic_per_rank"] = [{ph: [v[0] / steps, v[1] / steps] for ph, v in g["nic"].items()} for g in gathered]
+    # how much of the machine other processes used during the measured steps (noise indicator)
+    share = bc.foreign_cpu_share(mach0, mach1, sum(g["cpu_ticks"] for g in gathered))
+    row["foreign_cpu_share"] = None if share is None else round(share, 3)
+    # parity against ddp_muon after --parity-steps steps
+    if parity_full is not None:
+        if name == REFERENCE and "ref" not in ref_state:
+            ref_state["ref"] = parity_full
+        ref = ref_state.get("ref")
+        if ref is not None:
+            d, worst, nans = bc.max_abs_diff(parity_full, ref)
+            mats = {k: v for k, v in parity_full.items() if v.ndim == 2 and k not in ("model.embed_tokens.weight", "lm_head.weight")}
+            dm, _, _ = bc.max_abs_diff(mats, ref)
+            row["parity"] = {"steps": args.parity_steps, "max_abs_diff": d, "worst_param": worst,
+                             "max_abs_diff_muon_matrices": dm, "nan_count": nans,
+                             "max_abs_param": max(float(v.abs().max()) for v in ref.values()),
+                             "reference": REFERENCE + (" (repeat 0)" if name != REFERENCE or repeat else "")}
+        del parity_full
+    return row
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    counter = bc.install_comm_counter()  # before matrixfsdp/torchtitan capture any function
+    threads = args.threads or max(1, (os.cpu_count() or 1) // _world_hint(args))
+    torch.set_num_threads(threads)
+    rank, world = _init_dist(args)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    cfg = _config(args)
+    ctx = Context(rank=rank, world=world, mesh=mesh, matrixfsdp_source=args.matrixfsdp_source)
+    impls = _impl_list(args)
+    rows: list[dict[str, Any]] = []
+    ref_state: dict[str, Any] = {}
+    dead: dict[str, dict[str, Any]] = {}
+    t_start = time.perf_counter()
+    for rep in range(args.repeats):
+        others = [i for i in impls if i != REFERENCE]
+        k = rep % max(1, len(others))
+        order = ([REFERENCE] if REFERENCE in impls else []) + others[k:] + others[:k]
+        for name in order:
+            if name in dead:
+                continue
+            attempt = 0
+            while True:
+                attempt += 1
+                # rank 0 waits (bounded) for the machine to be quiet; the others wait for it
+                waited = None
+                if rank == 0 and args.quiet_wait > 0:
+                    waited = bc.wait_quiet(args.quiet_wait, threshold=args.max_foreign, window_s=1.0, need=1)
+                dist.barrier()
+                t0 = time.perf_counter()
+                row = run_one(name, cfg, ctx, args, rep, ref_state, counter)
+                row["attempt"] = attempt
+                retry = [False]
+                if rank == 0:
+                    row["wall_s"] = round(time.perf_counter() - t0, 2)
+                    if waited is not None:
+                        row["pre_busy_share"] = [round(x, 2) for x in waited[-3:]]
+                    share = row.get("foreign_cpu_share")
+                    retry[0] = (row.get("status") == "ok" and share is not None and share > args.max_foreign
+                                and attempt <= args.retries
+                                and time.perf_counter() - t_start < args.retry_budget)
+                    print(f"[rank0] repeat {rep} {name} attempt {attempt}: {row.get('status')} "
+                          f"total_s={row.get('total_s')} foreign_cpu={share} wall={row['wall_s']}s"
+                          + (" -> retry (contaminated)" if retry[0] else ""), file=sys.stderr, flush=True)
+                dist.broadcast_object_list(retry, src=0)
+                if not retry[0]:
+                    break
+                if rank == 0:
+                    row["status"] = "discarded"
+                    rows.append(row)
+            if row.get("status") != "ok":
+                dead[name] = row
+            rows.append(row)
+    if rank == 0:
+        meta = {"world": world, "threads_per_rank": threads, "config": cfg.to_dict(),
+                "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+                "env": bc.env_info(), "bytes_doc": bc.BYTES_DOC,
+                "run_s": round(time.perf_counter() - t_start, 1),
+                "netns": bool(os.environ.get("GLOO_SOCKET_IFNAME")) and args.netns}
+        if meta["netns"]:  # rank 0 runs inside mfb-r0: record the shaping of its veth
+            import subprocess
+
+            try:
+                meta["netns_qdisc"] = subprocess.run(
+                    ["tc", "qdisc", "show", "dev", os.environ["GLOO_SOCKET_IFNAME"]],
+                    capture_output=True, text=True, timeout=10).stdout.strip()
+            except Exception as e:
+                meta["netns_qdisc"] = f"unknown ({e})"
+        result = {"meta": meta, "rows": rows}
+        if args._result:
+            with open(args._result, "w") as f:
+                json.dump(result, f, default=str)
+        else:  # torchrun: report here
+            emit(result, args, command=f"torchrun --nproc-per-node {world} " + " ".join(shlex.quote(a) for a in sys.argv))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _world_hint(args: argparse.Namespace) -> int:
+    return int(os.environ.get("MFB_WORLD") or os.environ.get("WORLD_SIZE") or args.world or 1)
+
+
+# ================================================================================ reporting
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Per repeat: every ok row gets ``ratios[metric][other] = mine / other's`` (same repeat)."""
+    by_rep: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("status") == "ok":
+            by_rep.setdefault(r["repeat"], {})[r["impl"]] = r
+    for rep, impls in by_rep.items():
+        for name, r in impls.items():
+            r["ratios"] = {m: {o: r[m] / impls[o][m] for o in impls if o != name and impls[o][m] > 0}
+                           for m in ("fb_s", "step_s", "total_s", "cpu_fb_s", "cpu_step_s", "cpu_total_s")}
+
+
+def _fmt3(s: dict[str, Any], scale: float = 1.0, nd: int = 3) -> str:
+    mark = "†" if s.get("dirty") else ""
+    return f"{s['median'] * scale:.{nd}f} ({s['min'] * scale:.{nd}f}-{s['max'] * scale:.{nd}f}){mark}"
+
+
+def markdown(result: dict[str, Any], command: str) -> str:
+    meta, rows = result["meta"], result["rows"]
+    env, cfg = meta["env"], meta["config"]
+    ok = [r for r in rows if r.get("status") == "ok"]
+    names = []
+    for r in rows:
+        if r["impl"] not in names:
+            names.append(r["impl"])
+    L: list[str] = []
+    L.append(f"<!-- produced by: {command} -->")
+    L.append(f"<!-- {env['date']} torch {env['torch']} torchtitan {env.get('torchtitan')} python {env['python']} "
+             f"git {env.get('git')} {env['platform']} cpus={env['cpus']} -->")
+    L.append("")
+    L.append(f"# Step benchmark, world {meta['world']} (gloo, CPU{', netns' if meta.get('netns') else ''})")
+    L.append("")
+    if meta.get("netns"):
+        L.append(f"Emulated interconnect: each rank in its own network namespace (benchmarks/netns/setup.sh), "
+                 f"gloo over a veth pair into a bridge, token-bucket shaping on both ends of every veth; "
+                 f"rank 0's qdisc: `{meta.get('netns_qdisc', '?')}`. No latency emulation (netem is not in "
+                 f"this kernel).  ")
+    L.append(f"Command: `{command}`  ")
+    L.append(f"Date: {env['date']}; torch {env['torch']}; torchtitan {env.get('torchtitan')}; python {env['python']}; "
+             f"git {env.get('git')}; {env['cpus']} CPUs, {meta['threads_per_rank']} intra-op thread(s) per rank; "
+             f"whole run {meta['run_s']} s.  ")
+    L.append(f"Model: matrixfsdp.Decoder vocab {cfg['vocab_size']}, hidden {cfg['hidden_size']}, MLP "
+             f"{cfg['intermediate_size']}, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads / "
+             f"{cfg['num_key_value_heads']} KV x {cfg['head_dim']}, fp32; global batch {cfg['global_batch']} x "
+             f"{cfg['seq_len']} tokens (split over ranks). Muon lr {cfg['lr']} wd {cfg['weight_decay']} momentum "
+             f"{cfg['momentum']} nesterov {cfg['nesterov']} ns_steps {cfg['ns_steps']} NS dtype {cfg['ns_dtype']}; "
+             f"AdamW (embedding, head, norms) lr {cfg['adamw_lr']} betas {tuple(cfg['adamw_betas'])} wd "
+             f"{cfg['adamw_weight_decay']}.  ")
+    a = meta["args"]
+    L.append(f"Per repeat and implementation: {a['warmup']} warm-up + {a['steps']} measured steps; "
+             f"{a['repeats']} repeats. Times: per step the max over ranks, median over measured steps; "
+             f"cells show median (min-max) of those medians over repeats. CPU times on 2 shared cores are "
+             f"noisy: read the ratios, not the absolute values.")
+    L.append("")
+    # status
+    skipped = [r for r in rows if r.get("status") not in ("ok", "discarded")]
+    discarded = [r for r in rows if r.get("status") == "discarded"]
+    if discarded:
+        L.append(f"- {len(discarded)} measurement(s) discarded and rerun because other processes used more than "
+                 f"{a['max_foreign']:.0%} of the machine's CPU during their measured steps (rows with "
+                 f"\"status\": \"discarded\" in the .jsonl): "
+                 + ", ".join(f"{r['impl']} r{r['repeat']} ({r.get('foreign_cpu_share', 0):.0%})" for r in discarded))
+    seen = set()
+    for r in skipped:
+        if r["impl"] in seen:
+            continue
+        seen.add(r["impl"])
+        reason = str(r.get("reason", "")).strip().splitlines()[0] if r.get("reason") else ""
+        L.append(f"- **{r['impl']}: {r['status']}** (repeat {r['repeat']}): {reason}")
+    if skipped or discarded:
+        L.append("")
+
+    maxf = a.get("max_foreign", 1.0)
+
+    def is_clean(r: dict[str, Any]) -> bool:
+        f = r.get("foreign_cpu_share")
+        return f is None or f <= maxf
+
+    clean_of = {(r["impl"], r["repeat"]): is_clean(r) for r in ok}
+
+    def stats(name: str, key: str, clean_only: bool = True) -> dict[str, Any] | None:
+        """Wall times: only repeats not contaminated by other processes, if there are any."""
+        rs = [r for r in ok if r["impl"] == name]
+        clean = [r for r in rs if is_clean(r)] if clean_only else rs
+        use = clean or rs
+        if not use:
+            return None
+        out: dict[str, Any] = bc.summarize([r[key] for r in use])
+        out.update(n=len(use), total=len(rs), dirty=not clean)
+        return out
+
+    def ratio_stats(name: str, key: str, other: str, clean_only: bool = True) -> dict[str, Any] | None:
+        pairs = [(r, r["ratios"][key][other]) for r in ok
+                 if r["impl"] == name and other in r.get("ratios", {}).get(key, {})]
+        clean = [x for r, x in pairs if is_clean(r) and clean_of.get((other, r["repeat"]), True)] \
+            if clean_only else [x for _, x in pairs]
+        use = clean or [x for _, x in pairs]
+        if not use:
+            return None
+        out: dict[str, Any] = bc.summarize(use)
+        out.update(n=len(use), dirty=not clean)
+        return out
+
+    ok_names = [n for n in names if any(r["impl"] == n for r in ok)]
+    L.append("## Time per step (seconds)")
+    L.append("")
+    L.append(f"| implementation | fwd+bwd s | optimizer step s | total s | total / {REFERENCE} | step / {REFERENCE} | fwd+bwd / {REFERENCE} | clean repeats | foreign CPU (max) |")
+    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n in ok_names:
+        cells = [_fmt3(stats(n, k)) for k in ("fb_s", "step_s", "total_s")]
+        rs = []
+        for k in ("total_s", "step_s", "fb_s"):
+            s = ratio_stats(n, k, REFERENCE) if n != REFERENCE else {"median": 1, "min": 1, "max": 1}
+            rs.append(_fmt3(s, nd=2) if s else "n/a")
+        fc = [r.get("foreign_cpu_share") for r in ok if r["impl"] == n and r.get("foreign_cpu_share") is not None]
+        st_ = stats(n, "total_s")
+        rs.append(f"{sum(1 for r in ok if r['impl'] == n and is_clean(r))}/{st_['total']}")
+        rs.append(f"{max(fc):.0%}" if fc else "n/a")
+        L.append(f"| {n} | " + " | ".join(cells + rs) + " |")
+    L.append("")
+    L.append("Ratios: per repeat, this implementation's median over that of the reference in the same repeat; "
+             "median (min-max) over repeats. Foreign CPU: the share of the machine's CPU capacity used by "
+             "processes other than the benchmark's ranks during an implementation's measured steps (from "
+             f"/proc/stat minus the ranks' own CPU time). Wall-time cells and ratios use only *clean* repeats "
+             f"(foreign CPU <= {maxf:.0%}; for ratios both sides clean); † = no clean repeat, all repeats used.")
+    L.append("")
+    L.append("### CPU seconds per step, summed over ranks")
+    L.append("")
+    L.append("Process CPU time (all threads, gloo's included) per phase, summed over the ranks, median over measured "
+             "steps; median (min-max) over all repeats. Blind to waiting, less sensitive to other processes than wall time.")
+    L.append("")
+    L.append(f"| implementation | fwd+bwd CPU s | step CPU s | total CPU s | total / {REFERENCE} | step / {REFERENCE} |")
+    L.append("|---|---:|---:|---:|---:|---:|")
+    for n in ok_names:
+        if stats(n, "cpu_total_s", clean_only=False) is None:
+            continue
+        cells = [_fmt3(stats(n, k, clean_only=False)) for k in ("cpu_fb_s", "cpu_step_s", "cpu_total_s")]
+        for k in ("cpu_total_s", "cpu_step_s"):
+            s_ = ratio_stats(n, k, REFERENCE, clean_only=False) if n != REFERENCE else {"median": 1, "min": 1, "max": 1}
+            cells.append(_fmt3(s_, nd=2) if s_ else "n/a")
+        L.append(f"| {n} | " + " | ".join(cells) + " |")
+    L.append("")
+    L.append("### Total-time ratios, row / column (same repeat; median over repeats)")
+    L.append("")
+    L.append("| row / col | " + " | ".join(ok_names) + " |")
+    L.append("|---|" + "---:|" * len(ok_names))
+    for n in ok_names:
+        cells = []
+        for o in ok_names:
+            if o == n:
+                cells.append("1")
+            else:
+                s = ratio_stats(n, "total_s", o)
+                cells.append(f"{s['median']:.2f}" + ("†" if s["dirty"] else "") if s else "n/a")
+        L.append(f"| {n} | " + " | ".join(cells) + " |")
+    L.append("")
+    L.append("### Optimizer-step ratios, row / column")
+    L.append("")
+    L.append("| row / col | " + " | ".join(ok_names) + " |")
+    L.append("|---|" + "---:|" * len(ok_names))
+    for n in ok_names:
+        cells = []
+        for o in ok_names:
+            s = ratio_stats(n, "step_s", o) if o != n else None
+            cells.append("1" if o == n else (f"{s['median']:.2f}" + ("†" if s["dirty"] else "") if s else "n/a"))
+        L.append(f"| {n} | " + " | ".join(cells) + " |")
+    L.append("")
+    # communication (repeat 0 rows; deterministic)
+    L.append("## Communication per rank per step (measured steps; max over ranks)")
+    L.append("")
+    L.append("Counted by wrapping the torch.distributed Python API; a call is attributed to the phase that "
+             "issues it (an async call issued in backward and waited for in the step counts as backward). "
+             + meta["bytes_doc"])
+    L.append("")
+    L.append("| implementation | fwd calls | fwd wire MB | bwd calls | bwd wire MB | step calls | step wire MB | total wire MB | ops (calls/step, all phases, rank 0) |")
+    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for n in ok_names:
+        r = next(r for r in ok if r["impl"] == n)
+        cpr = r["comm_per_rank"]
+
+        def mx(phase: str, key: str) -> float:
+            return max(c[phase][key] for c in cpr)
+
+        total_wire = max(sum(c[p]["wire"] for p in ("fwd", "bwd", "step")) for c in cpr)
+        ops: dict[str, float] = {}
+        for p in ("fwd", "bwd", "step"):
+            for op, vals in cpr[0][p]["ops"].items():
+                ops[op] = ops.get(op, 0) + vals[0]
+        ops_s = ", ".join(f"{op} {v:g}" for op, v in sorted(ops.items()))
+        L.append(f"| {n} | {mx('fwd', 'calls'):g} | {mx('fwd', 'wire') / MB:.2f} | {mx('bwd', 'calls'):g} | "
+                 f"{mx('bwd', 'wire') / MB:.2f} | {mx('step', 'calls'):g} | {mx('step', 'wire') / MB:.2f} | "
+                 f"{total_wire / MB:.2f} | {ops_s} |")
+    L.append("")
+    if any("nic_per_rank" in r for r in ok):
+        L.append("### Measured on the emulated NIC (--netns): bytes sent per rank per step (max over ranks)")
+        L.append("")
+        L.append("tx bytes of each rank's veth (`/sys/class/net/mfb0/statistics`, read at phase boundaries; "
+                 "includes TCP/IP headers; asynchronous traffic is attributed to the phase in which it left; "
+                 "'other' = the barrier before each step).")
+        L.append("")
+        L.append("| implementation | fwd MB | bwd MB | step MB | other MB | total MB | estimated wire MB (table above) |")
+        L.append("|---|---:|---:|---:|---:|---:|---:|")
+        for n in ok_names:
+            r = next((r for r in ok if r["impl"] == n and "nic_per_rank" in r), None)
+            if r is None:
+                continue
+            npr = r["nic_per_rank"]
+            est = max(sum(c[p]["wire"] for p in ("fwd", "bwd", "step")) for c in r["comm_per_rank"])
+            tot = max(sum(x[p][0] for p in ("fwd", "bwd", "step", "other")) for x in npr)
+            L.append(f"| {n} | " + " | ".join(f"{max(x[p][0] for x in npr) / MB:.2f}" for p in ("fwd", "bwd", "step", "other"))
+                     + f" | {tot / MB:.2f} | {est / MB:.2f} |")
+        L.append("")
+    L.append("## Resident bytes per rank (MB; min-max over ranks)")
+    L.append("")
+    L.append("Sum of local tensor nbytes: parameters after setup, gradients after the last backward, optimizer "
+             "state after the last step (`optimizer.state` tensors), plus persistent optimizer scratch buffers "
+             "outside the state (DistMuon's reserved redistribution buffers).")
+    L.append("")
+    L.append("| implementation | params | grads | optimizer state | optimizer scratch | sum |")
+    L.append("|---|---:|---:|---:|---:|---:|")
+    for n in ok_names:
+        r = next(r for r in ok if r["impl"] == n)
+        m = r["mem_per_rank"]
+
+        def rng(key: str) -> str:
+            xs = [x.get(key, 0) / MB for x in m]
+            return f"{min(xs):.2f}" if max(xs) - min(xs) < 0.005 else f"{min(xs):.2f}-{max(xs):.2f}"
+
+        sums = [sum(x.get(k, 0) for k in ("params", "grads", "opt_state", "opt_scratch")) / MB for x in m]
+        L.append(f"| {n} | {rng('params')} | {rng('grads')} | {rng('opt_state')} | {rng('opt_scratch')} | "
+                 f"{min(sums):.2f}-{max(sums):.2f} |")
+    L.append("")
+    L.append(f"## Parity: max |param - {REFERENCE}| after {a['parity_steps']} steps (same data)")
+    L.append("")
+    L.append("| implementation | max abs diff (all, worst over repeats) | worst parameter | Muon matrices only | max abs param | note |")
+    L.append("|---|---:|---|---:|---:|---|")
+    for n in ok_names:
+        rs = [r for r in ok if r["impl"] == n and "parity" in r]
+        if not rs:
+            continue
+        worst = max(rs, key=lambda r: r["parity"]["max_abs_diff"])
+        p = worst["parity"]
+        note = ""
+        if n == REFERENCE:
+            note = "repeat k vs repeat 0: run-to-run determinism"
+        elif n == "fsdp2_adamw":
+            note = "different optimizer (AdamW everywhere): not a correctness check"
+        if p.get("nan_count"):
+            note += f" {p['nan_count']} NaN/unfilled entries!"
+        L.append(f"| {n} | {p['max_abs_diff']:.3e} | {p['worst_param'] if p['max_abs_diff'] > 0 else '-'} | {p['max_abs_diff_muon_matrices']:.3e} | "
+                 f"{p['max_abs_param']:.3g} | {note} |")
+    L.append("")
+    L.append("## Notes per implementation")
+    L.append("")
+    for n in names:
+        r = next((r for r in rows if r["impl"] == n and r.get("notes")), None)
+        if r:
+            L.append(f"- **{n}**: " + " | ".join(r["notes"]))
+    L.append("")
+    return "\n".join(L)
+
+
+def emit(result: dict[str, Any], args: argparse.Namespace, command: str) -> None:
+    add_ratios(result["rows"])
+    lines = [bc.dumps({"meta": result["meta"]})] + [bc.dumps(r) for r in result["rows"]]
+    for ln in lines:
+        print(ln)
+    md = markdown(result, command)
+    print()
+    print(md)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out + ".jsonl", "w") as f:
+            f.write("\n".join(lines) + "\n")
+        with open(args.out + ".md", "w") as f:
+            f.write(md)
+        print(f"wrote {args.out}.jsonl and {args.out}.md", file=sys.stderr)
+
+
+# ================================================================================ driver side
+def driver_main(args: argparse.Namespace) -> int:
+    world = args.world
+    impls = _impl_list(args)
+    netns_prefix = None
+    ifname = args.gloo_ifname
+    if args.netns:
+        import subprocess
+
+        have = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        missing = [r for r in range(world) if not any(ln.split()[0] == f"mfb-r{r}" for ln in have.splitlines() if ln.strip())]
+        if missing:
+            print(f"--netns: namespaces {['mfb-r%d' % r for r in missing]} missing; run "
+                  f"`sudo benchmarks/netns/setup.sh {world} 4gbit` first", file=sys.stderr)
+            return 2
+        netns_prefix, ifname = "mfb-r", ifname or "mfb0"
+    tmp = tempfile.mkdtemp(prefix="step_bench-")
+    result_path = os.path.join(tmp, "result.json")
+    argv = [sys.executable, os.path.abspath(__file__), "--_worker", "--_result", result_path,
+            "--impls", ",".join(impls)]
+    for k in ("repeats", "warmup", "steps", "parity_steps", "threads", "pg_timeout", "max_foreign", "retries",
+              "quiet_wait", "retry_budget", "hidden", "layers",
+              "intermediate", "seq", "global_batch", "heads", "kv_heads", "vocab"):
+        v = getattr(args, k)
+        if v is not None:
+            argv += [f"--{k.replace('_', '-')}", str(v)]
+    argv += ["--matrixfsdp-source", args.matrixfsdp_source]
+    if args.netns:
+        argv += ["--netns"]
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
+    if args.wait_quiet > 0:
+        samples = bc.wait_quiet(args.wait_quiet)
+        print(f"step_bench: machine busy share before start: {[round(x, 2) for x in samples]}", file=sys.stderr)
+    t0 = time.perf_counter()
+    codes = bc.launch_ranks(world, argv, store_path=os.path.join(tmp, "store"), threads=threads,
+                            timeout_s=args.timeout, netns_prefix=netns_prefix, gloo_ifname=ifname)
+    if any(codes) or not os.path.exists(result_path):
+        print(f"step_bench: ranks exited with {codes} after {time.perf_counter() - t0:.0f}s "
+              f"(no result)", file=sys.stderr)
+        return 1
+    with open(result_path) as f:
+        result = json.load(f)
+    shutil.rmtree(tmp, ignore_errors=True)
+    command = "python benchmarks/step_bench.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    emit(result, args, command)
+    return 0
+
+
+def _impl_list(args: argparse.Namespace) -> list[str]:
+    names = [s.strip() for s in (args.impls or args.impl or ",".join(DEFAULT_IMPLS)).split(",") if s.strip()]
+    bad = [n for n in names if n not in IMPLS]
+    if bad:
+        raise SystemExit(f"unknown implementation(s) {bad}; choose from {list(IMPLS)}")
+    return names
+
+
+def _config(args: argparse.Namespace) -> BenchConfig:
+    kw: dict[str, Any] = {}
+    for a, f in (("hidden", "hidden_size"), ("layers", "num_hidden_layers"), ("intermediate", "intermediate_size"),
+                 ("seq", "seq_len"), ("global_batch", "global_batch"), ("heads", "num_attention_heads"),
+                 ("kv_heads", "num_key_value_heads"), ("vocab", "vocab_size")):
+        v = getattr(args, a)
+        if v is not None:
+            kw[f] = v
+    return BenchConfig(**kw)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=None, help="spawn this many ranks (driver mode)")
+    p.add_argument("--impls", default=None, help=f"comma list (default: all: {','.join(DEFAULT_IMPLS)})")
+    p.add_argument("--impl", default=None, help="alias of --impls")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3, help="warm-up steps (>= 2)")
+    p.add_argument("--steps", type=int, default=5, help="measured steps (>= 5)")
+    p.add_argument("--parity-steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default cpus // world)")
+    p.add_argument("--pg-timeout", type=int, default=180, help="gloo collective timeout, seconds")
+    p.add_argument("--timeout", type=float, default=900, help="driver: kill all ranks after this many seconds")
+    p.add_argument("--wait-quiet", type=float, default=0,
+                   help="driver: before starting, wait up to this many seconds for the machine to be idle "
+                        "(two 2 s windows under 10%% busy)")
+    p.add_argument("--max-foreign", type=float, default=0.15,
+                   help="a (implementation, repeat) whose measured steps saw other processes use more than this "
+                        "share of the machine's CPU is discarded and rerun (see --retries)")
+    p.add_argument("--retries", type=int, default=2, help="reruns of a contaminated measurement")
+    p.add_argument("--quiet-wait", type=float, default=20,
+                   help="before each measurement, wait up to this many seconds for a quiet 1 s window")
+    p.add_argument("--retry-budget", type=float, default=240,
+                   help="no more reruns once the run has lasted this many seconds")
+    p.add_argument("--out", default=None, help="write OUT.jsonl and OUT.md")
+    p.add_argument("--netns", action="store_true", help="ranks in namespaces mfb-r<k> (benchmarks/netns/setup.sh)")
+    p.add_argument("--gloo-ifname", default=None, help="GLOO_SOCKET_IFNAME for the ranks")
+    p.add_argument("--matrixfsdp-source", default="public", choices=("public", "_runtime"),
+                   help="where the matrixfsdp slot gets fully_shard: the public matrixfsdp.fully_shard "
+                        "(default) or the in-progress private matrixfsdp._runtime (development only)")
+    for a in ("hidden", "layers", "intermediate", "seq", "global-batch", "heads", "kv-heads", "vocab"):
+        p.add_argument(f"--{a}", type=int, default=None, help="model/data override")
+    p.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--_rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_result", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.warmup < 2 or args.steps < 5:
+        print("step_bench: note: the protocol asks for >= 2 warm-up and >= 5 measured steps", file=sys.stderr)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args._worker or ("RANK" in os.environ and "WORLD_SIZE" in os.environ and args.world is None):
+        return worker_main(args)
+    if not args.world:
+        raise SystemExit("give --world W (driver mode) or run under torchrun")
+    return driver_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
