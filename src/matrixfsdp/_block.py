@@ -45,6 +45,17 @@ timing, which is what [Note: ordering of collectives] needs. Ranks must still ru
 forward and backward in a step (as with FSDP2); which *parameters* of a block get a gradient may
 differ across ranks (see [Note: unused parameters]).
 
+[Note: stale state]
+Some iterations never reach the end of a backward: an exception escapes it (and autograd drops
+the queued final callback), an output is discarded without backward, a no-grad forward of a block
+prefetches the next block that then does not run. Left alone, blocks would stay "in backward"
+(later forwards taken for activation-checkpoint recomputes, gradients lost) or keep gathered
+copies taken before the next optimizer step (stale weights). ``_Materialize`` counts a forward as
+done when its graph is freed without backward (a weakref finalizer), and at the root's pre-forward
+outside backward -- the one point every rank passes at the start of an iteration -- and in the
+checkpoint helpers, ``RootContext.drop_stale`` reshards every block with no forward awaiting
+backward and, after an aborted backward, waits for and drops its in-flight reduction.
+
 [Note: unused parameters]
 Gradient usage may differ across ranks (data-dependent branches), so a rank cannot decide alone
 to skip a parameter. Every reduction carries one usage flag per reduced parameter in each
@@ -66,6 +77,7 @@ flowing through the original forward's ``_Materialize``.
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -172,6 +184,33 @@ class RootContext:
             s._end_of_backward()
         self.callback_queued = False
 
+    def drop_stale(self) -> None:
+        """Bring every block back to a clean between-iterations state (see [Note: stale state]).
+
+        Called outside backward (the root's pre-forward, checkpoint save/load), on every rank at
+        the same point of the program, and issues no collective of its own: it only waits for
+        collectives already issued on every rank.
+        """
+        if self.callback_queued:  # an exception escaped the last backward: its callback is gone
+            self.callback_queued = False
+            pending, self.pending_reduce = self.pending_reduce, None
+            if pending is not None:
+                pending[1].wait()  # issued on every rank; the partial result is dropped
+            for s in self.states:
+                s._open_forwards = 0
+        for s in self.states:
+            if s._open_forwards <= 0:
+                s._open_forwards = 0
+                if s._unshard_state is not _Unshard.RESHARDED:
+                    s.reshard()
+                s.training_state = TrainingState.IDLE
+
+
+def _graph_released(state: "BlockState", released: list[bool]) -> None:
+    if not released[0]:
+        released[0] = True
+        state._open_forwards -= 1
+
 
 class _Materialize(torch.autograd.Function):
     """Forward: return the block's forward inputs unchanged followed by its trainable full params.
@@ -183,12 +222,17 @@ class _Materialize(torch.autograd.Function):
         ctx.state = state
         ctx.num_inputs = num_inputs
         ctx.set_materialize_grads(False)
+        # A graph dropped without backward (an output discarded) must not keep the block
+        # "awaiting backward" forever (see [Note: stale state]).
+        ctx.released = released = [False]
+        weakref.finalize(ctx, _graph_released, state, released)
         params = tuple(state._full[i].view_as(state._full[i]) for i in state._trainable)
         return (*inputs, *params)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         n = ctx.num_inputs
+        ctx.released[0] = True  # the backward accounts for this forward
         ctx.state._post_backward(grads[n:])
         return (None, None, None, *grads[:n])
 
@@ -394,7 +438,10 @@ class BlockState:
     def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
         ctx = self.ctx
         assert ctx is not None
-        if self.training_state is TrainingState.PRE_BACKWARD:
+        in_backward = torch._C._current_graph_task_id() != -1
+        if self.is_root and not in_backward:
+            ctx.drop_stale()
+        if self.training_state is TrainingState.PRE_BACKWARD and in_backward:
             # Recomputation inside backward (non-reentrant activation checkpointing): gradients
             # flow through the original forward's graph, the recomputed one only re-saves
             # tensors. Leaves with the params' requires_grad make ops save what they saved then.
@@ -435,6 +482,11 @@ class BlockState:
             # Without autograd no backward follows: keeping the root's full params would leave
             # them stale after the next optimizer step.
             self.reshard()
+        else:
+            # Keep the gathered buffers for backward, but give the module its sharded params
+            # back: full tensors in its slots would keep this forward's graph alive, so a
+            # discarded output could never be detected (see [Note: stale state]).
+            self.to_sharded()
         self.training_state = TrainingState.IDLE
         if torch.is_grad_enabled():
             flat, _ = tree_flatten(output)

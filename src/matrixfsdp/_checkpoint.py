@@ -160,6 +160,12 @@ def _barrier(process_group: Any = None) -> None:
 
 
 # ==================================================================================== save
+def drop_stale_state(model: nn.Module) -> None:
+    from ._runtime import drop_stale_state as drop
+
+    drop(model)
+
+
 def _check_sharded(model: nn.Module, api: str) -> None:
     from ._runtime import get_state
 
@@ -168,7 +174,7 @@ def _check_sharded(model: nn.Module, api: str) -> None:
         if st is not None and st.resolved and st._unshard_state.value != "resharded":
             raise RuntimeError(
                 f"{api}: module {name or '<root>'!r} holds materialized (unsharded) parameters; "
-                "save after backward/optimizer.step() or call model.reshard() first"
+                "a forward is still awaiting its backward: run the backward (or drop its outputs) first"
             )
 
 
@@ -192,9 +198,10 @@ def save(
         matrixfsdp.checkpoint.save(f"ckpt/step-{step}", model, opt)
     """
     api = "matrixfsdp.checkpoint.save"
-    path = os.fspath(path)
+    path = os.path.normpath(os.fspath(path))  # "ck/" must not put the staging dir inside "ck"
     error = None
     try:
+        drop_stale_state(model)
         _check_sharded(model, api)
         sd: dict[str, Any] = {MODEL_KEY: model_state_dict(model)}
         if optimizer is not None:
@@ -209,9 +216,13 @@ def save(
     tmp = f"{path}.tmp-{token[0]}"
     dcp.save(sd, checkpoint_id=tmp, process_group=process_group)
     _barrier(process_group)
+    error = None
     if _rank(process_group) == 0:
-        _commit(tmp, path, token[0])
-    _barrier(process_group)
+        try:
+            _commit(tmp, path, token[0])
+        except OSError as e:  # every rank must learn it, or the others wait forever
+            error = _err(RuntimeError(f"{api}: could not commit {tmp!r} to {path!r}: {e}"))
+    _raise_agreed(error, process_group)
     return path
 
 
@@ -423,13 +434,17 @@ def load(
         matrixfsdp.checkpoint.load("ckpt/step-100", model, opt)
     """
     api = "matrixfsdp.checkpoint.load"
-    path = os.fspath(path)
+    path = os.path.normpath(os.fspath(path))
     error: str | None = None
     model_tpl: dict[str, Any] = {}
     optim_tpl: dict[str, Any] = {}
     groups_tpl: list[dict[str, Any]] = []
     state_tpl: dict[str, dict[str, Any]] = {}
     try:
+        # Loading writes into the sharded local tensors: materialized copies must go first,
+        # or a model whose root is materialized would be loaded into soon-freed buffers.
+        drop_stale_state(model)
+        _check_sharded(model, api)
         md = read_metadata(path, api)
         saved = md.state_dict_metadata
         live_model = model_state_dict(model)

@@ -153,6 +153,16 @@ def comm_counter(module: nn.Module) -> CommCounter:
     return collectives_for(state.config.mesh.get_group(), state.config.collectives).counter
 
 
+def drop_stale_state(module: nn.Module) -> None:
+    """Reshard leftovers of unfinished iterations under ``module``'s root (see [Note: stale
+    state] in ``_block.py``); a no-op for modules matrixfsdp does not manage. Call on every rank."""
+    for m in module.modules():
+        state = get_state(m)
+        if state is not None and state.ctx is not None and torch._C._current_graph_task_id() == -1:
+            state.ctx.drop_stale()
+            return
+
+
 class UnshardHandle:
     """Returned by ``unshard(async_op=True)``; ``wait()`` completes it (like FSDP2's)."""
 
