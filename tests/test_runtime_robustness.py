@@ -130,3 +130,24 @@ def test_leftover_forwards_do_not_leave_stale_weights(kind):
 
 def test_checkpoint_helpers_after_leftovers_and_trailing_slash():
     assert get_pool(2).run(checkpoint_after_leftovers) == ["ok", "ok"]
+
+
+def clip_matches_torch(norm_type: float) -> tuple[float, float]:
+    import matrixfsdp
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    cfg, model, ref, plan = _setup(W)
+    per = BATCH // W
+    mine = slice(rank * per, (rank + 1) * per)
+    x, y = make_batch(cfg, 0, BATCH)
+    model.loss(x[mine], y[mine]).backward()
+    _ref_loss(ref, x, y, W).backward()
+    total = matrixfsdp.clip_grad_norm_(model.parameters(), 0.05, norm_type)
+    ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type)
+    return abs(total.item() - ref_total.item()) / ref_total.item(), compare_to_ref(model, ref, plan, rank, W, "grad")
+
+
+@pytest.mark.parametrize("W,norm_type", [(2, 2.0), (3, 2.0), (3, float("inf"))])
+def test_clip_grad_norm_matches_torch_on_the_unsharded_model(W, norm_type):
+    res = get_pool(W).run(clip_matches_torch, norm_type)
+    assert max(r[0] for r in res) < 1e-6 and max(r[1] for r in res) < 1e-7, res

@@ -14,6 +14,7 @@ locally with zero communication.
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from . import checkpoint, optim
+from ._clip import clip_grad_norm_
 from ._decoder import PRESETS, Decoder, DecoderConfig, DecoderLayer
 from ._owned import Owned, owned_of
 from ._plan import OwnerPlan, ParamPlan
@@ -29,6 +30,7 @@ __all__ = [
     "fully_shard",
     "MatrixFSDPModule",
     "MixedPrecisionPolicy",
+    "clip_grad_norm_",
     "Owned",
     "owned_of",
     "optim",
