@@ -259,6 +259,14 @@ class BlockState:
         self._anchor = torch.empty(0, requires_grad=True)
         self._hook_handles: list[Any] = []
 
+    @property
+    def root_ctx(self) -> RootContext:
+        """The shared root context (set when the planned model is resolved)."""
+        if self.ctx is None:
+            raise RuntimeError(f"matrixfsdp.fully_shard: block {self.fqn!r} has no root context; was the planned "
+                               "model passed to matrixfsdp.fully_shard?")
+        return self.ctx
+
     # ============================================================================ resolution
     def resolve(self, *, fqn: str, rank: int, coll: SegmentCollectives) -> None:
         """Build layouts and buffers once every param has its plan and sharded form."""
@@ -436,8 +444,7 @@ class BlockState:
         return ctx.post_forward_order[i - 1: i] if i > 0 else []
 
     def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
-        ctx = self.ctx
-        assert ctx is not None
+        ctx = self.root_ctx
         in_backward = torch._C._current_graph_task_id() != -1
         if self.is_root and not in_backward:
             ctx.drop_stale()
@@ -528,8 +535,7 @@ class BlockState:
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return grad  # once per backward, whichever output's gradient arrives first
         self.training_state = TrainingState.PRE_BACKWARD
-        ctx = self.ctx
-        assert ctx is not None
+        ctx = self.root_ctx
         ctx.queue_final_callback()
         self.unshard()
         for target in self._backward_targets():
@@ -539,8 +545,7 @@ class BlockState:
         return grad
 
     def _post_backward(self, grads: Sequence[torch.Tensor | None]) -> None:
-        ctx = self.ctx
-        assert ctx is not None
+        ctx = self.root_ctx
         ctx.queue_final_callback()
         self._open_forwards -= 1
         if self._trainable:
@@ -575,8 +580,7 @@ class BlockState:
         if not self.requires_gradient_sync:
             self._accum = buf
             return
-        ctx = self.ctx
-        assert ctx is not None
+        ctx = self.root_ctx
         ctx.finish_pending_reduce()  # at most one reduction in flight (bounds buffer memory)
         out = torch.empty(rl.reduce_splits(F)[self.rank], dtype=self.reduce_dtype, device=dev)
         handle = self.coll.reduce_scatter_segments(out, buf, rl.reduce_splits(F), async_op=True)

@@ -296,8 +296,7 @@ def _lazy_init(state: BlockState) -> None:
             "its plan; after wrapping the blocks, call matrixfsdp.fully_shard on the planned "
             "model (the module given to plan_owners) before running forward"
         )
-    ctx = state.ctx
-    assert ctx is not None
+    ctx = state.root_ctx
     if not ctx.checked:
         # torch's fully_shard applied after ours would otherwise fail obscurely (or silently).
         _check_not_torch_fsdp(ctx.root.module)
@@ -426,7 +425,8 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
 def _shard_param(mp: ManagedParam, mesh: DeviceMesh, rank: int) -> None:
     """Replace the original parameter by its row segment (see [Note: row segments])."""
     pp, orig = mp.plan, mp.orig
-    assert pp is not None and orig is not None
+    if pp is None or orig is None:
+        raise RuntimeError(f"{API}: {mp.fqn!r} is not planned or was already sharded")
     W = mesh.size()
     data = orig.detach()
     device = _mesh_device(mesh)
