@@ -3,8 +3,13 @@
 Every implementation trains THE SAME model (``matrixfsdp.Decoder``, seeded init) on the same
 synthetic tokens with the same Muon/AdamW hyperparameters (:class:`BenchConfig`):
 
-* 2D hidden weights (``model.layers.*``) get Muon (fp32 Newton-Schulz on CPU, see below);
+* 2D hidden weights (``model.layers.*``) get Muon (Newton-Schulz in ``BenchConfig.ns_dtype``: fp32
+  by default on CPU/gloo, bf16 on CUDA/nccl; the same dtype in every implementation, see below);
 * the embedding, the output head and every non-2D tensor (norms) get AdamW.
+
+Devices: ``Context.device`` (``cpu`` for gloo, ``cuda:<local rank>`` for nccl). The model is
+initialized on CPU (seeded, so bitwise the same everywhere) and moved to the device before any
+wrapping; the tokens are drawn on CPU and moved likewise.
 
 Interface (what the runner calls, in this order)::
 
@@ -14,11 +19,13 @@ Interface (what the runner calls, in this order)::
     impl.named_parameters()   # for the parity gather (FQNs as in the plain model)
     impl.param_tensors(), impl.grad_tensors(), impl.optimizers(), impl.scratch_tensors()
 
-Numerics: ``matrixfsdp.optim.Muon(..., ns_dtype=torch.float32)`` (bitwise ``torch.optim.Muon``
+Numerics: ``matrixfsdp.optim.Muon(..., ns_dtype=cfg.ns_torch_dtype)`` (bitwise ``torch.optim.Muon``
 apart from the Newton-Schulz dtype; AdamW route bitwise ``torch.optim.AdamW(foreach=False)``) is
 the optimizer wherever it applies; the gather and DistMuon baselines reuse its Newton-Schulz and
-learning-rate adjustment (DistMuon's own NS kernel, patched to fp32, is the one exception; see
-:func:`patch_torchtitan_for_cpu`).
+learning-rate adjustment (DistMuon's own NS kernel is the one exception: hard-wired to bf16 in
+torchtitan 0.3.0; on CPU it is patched to ``ns_dtype`` with the rest of
+:func:`patch_torchtitan_for_cpu`; on CUDA it runs unpatched when ``ns_dtype`` is bf16, otherwise
+only its NS dtype is patched (:func:`patch_torchtitan_ns_dtype`), and the row's notes say which).
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ __all__ = [
     "build_model",
     "batch_for_step",
     "patch_torchtitan_for_cpu",
+    "patch_torchtitan_ns_dtype",
 ]
 
 #: 2D parameters that go to AdamW in every implementation (embedding, output head).
@@ -113,6 +121,11 @@ class BenchConfig:
             adamw_weight_decay=self.adamw_weight_decay,
         )
 
+    @property
+    def ns_short(self) -> str:
+        """``fp32`` / ``bf16`` (for notes)."""
+        return {"float32": "fp32", "bfloat16": "bf16"}[self.ns_dtype]
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -123,22 +136,30 @@ class Context:
     world: int
     mesh: Any  # 1-D DeviceMesh named ("dp_shard",), shared by every implementation
     matrixfsdp_source: str = "public"  # "public": matrixfsdp.fully_shard; "_runtime": private module
+    # where the model, the data and every baseline's buffers live (the mesh's device type)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
-def build_model(cfg: BenchConfig) -> Decoder:
+def build_model(cfg: BenchConfig, device: torch.device | str | None = None) -> Decoder:
+    """The seeded model, initialized on CPU (same values on every device) then moved to ``device``."""
     model = Decoder(cfg.model_config())
     model.reset_parameters(seed=cfg.model_seed)
+    if device is not None and torch.device(device).type != "cpu":
+        model.to(device)
     return model
 
 
-def batch_for_step(cfg: BenchConfig, step: int, rank: int, world: int) -> torch.Tensor:
-    """This rank's ``[global_batch / world, seq_len + 1]`` tokens of step ``step`` (seeded)."""
+def batch_for_step(cfg: BenchConfig, step: int, rank: int, world: int,
+                   device: torch.device | str | None = None) -> torch.Tensor:
+    """This rank's ``[global_batch / world, seq_len + 1]`` tokens of step ``step`` (seeded; drawn
+    on CPU, so the same on every device, then moved to ``device``)."""
     if cfg.global_batch % world:
         raise ValueError(f"global_batch={cfg.global_batch} is not divisible by world={world}")
     g = torch.Generator().manual_seed(cfg.data_seed * 100_003 + step)
     tokens = torch.randint(0, cfg.vocab_size, (cfg.global_batch, cfg.seq_len + 1), generator=g)
     per = cfg.global_batch // world
-    return tokens[rank * per:(rank + 1) * per].contiguous()
+    out = tokens[rank * per:(rank + 1) * per].contiguous()
+    return out if device is None else out.to(device)
 
 
 def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -288,14 +309,17 @@ class DDPMuon(Impl):
     def setup(self) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = build_model(self.cfg)
-        self.model = DDP(model, gradient_as_bucket_view=True)  # the model has no buffers
+        dev = self.ctx.device
+        model = build_model(self.cfg, dev)
+        # the model has no buffers; device_ids: the one device of a single-device CUDA module
+        self.model = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                         gradient_as_bucket_view=True)
         self.model.register_comm_hook(None, _python_allreduce_hook)
         self.opts = [Muon(muon_param_groups(self.model.named_parameters()), **self.cfg.muon_kwargs())]
         self.notes.append(check_routes(self.opts[0], self.model.named_parameters()))
         self.notes.append("DDP(gradient_as_bucket_view=True, 25 MB buckets) with a Python all-reduce "
                           "comm hook (div by W, SUM; same math as DDP's default) so its collectives "
-                          "are counted; Muon = matrixfsdp.optim.Muon(ns_dtype=fp32) on every rank")
+                          f"are counted; Muon = matrixfsdp.optim.Muon(ns_dtype={self.cfg.ns_short}) on every rank")
 
 
 # ================================================================================ FSDP2 helpers
@@ -315,7 +339,7 @@ class FSDP2AdamW(Impl):
     same_numerics = False
 
     def setup(self) -> None:
-        model = _fsdp2_wrap(build_model(self.cfg), self.ctx.mesh)
+        model = _fsdp2_wrap(build_model(self.cfg, self.ctx.device), self.ctx.mesh)
         self.model = model
         c = self.cfg
         self.opts = [torch.optim.AdamW(model.parameters(), lr=c.adamw_lr, betas=c.adamw_betas,
@@ -374,9 +398,9 @@ class GatherMuon(Muon):
             n, cols = p.shape
             rows = -(-n // W)
             _, off = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-            send = torch.zeros(rows, cols, dtype=upd.dtype)
+            send = torch.zeros(rows, cols, dtype=upd.dtype, device=upd.device)
             send[: upd.shape[0]].copy_(upd)
-            out = torch.empty(W * rows, cols, dtype=upd.dtype)
+            out = torch.empty(W * rows, cols, dtype=upd.dtype, device=upd.device)
             work = _all_gather_single(out, send, group=self._pg, async_op=True)
             pending.append((p, param, group, out, work, int(off[0])))
         for p, param, group, out, work, off in pending:
@@ -395,18 +419,20 @@ class FSDP2GatherMuon(Impl):
     name = "fsdp2_gather_muon"
 
     def setup(self) -> None:
-        model = _fsdp2_wrap(build_model(self.cfg), self.ctx.mesh)
+        model = _fsdp2_wrap(build_model(self.cfg, self.ctx.device), self.ctx.mesh)
         self.model = model
         self.opts = [GatherMuon(muon_param_groups(model.named_parameters()),
                                 group=self.ctx.mesh.get_group(), **self.cfg.muon_kwargs())]
         self.notes.append(check_routes(self.opts[0], model.named_parameters()))
         self.notes.append("stock fully_shard per DecoderLayer + root; per matrix one async "
                           "all_gather_single of the momentum-updated shard (padded to "
-                          "ceil(n/W) rows), fp32 NS on the whole matrix on every rank, keep own rows")
+                          f"ceil(n/W) rows), {self.cfg.ns_short} NS on the whole matrix on every rank, "
+                          "keep own rows")
 
 
 # ================================================================================ FSDP2 + torchtitan DistMuon
 _TT_PATCHES: list[str] | None = None
+_TT_PATCHES_DTYPE: torch.dtype | None = None
 
 
 class _CpuStream:
@@ -473,11 +499,15 @@ def patch_torchtitan_for_cpu(ns_dtype: torch.dtype) -> list[str]:
        replaced by a proxy whose ``get_device_module`` returns no-op CPU streams/events (CPU ops
        are synchronous, so the stream ordering it encodes is trivially satisfied).
     3. ``_zeropower_via_newtonschulz`` casts to bf16 (about 25x slower than fp32 on this CPU): the
-       same op sequence in ``ns_dtype``.
+       same op sequence in ``ns_dtype`` (:func:`patch_torchtitan_ns_dtype`).
+
+    CPU only: on CUDA DistMuon runs as shipped, apart from its NS dtype when ``--ns-dtype`` is
+    not bf16 (see :class:`FSDP2DistMuon`).
     """
-    global _TT_PATCHES
-    if _TT_PATCHES is not None:
+    global _TT_PATCHES, _TT_PATCHES_DTYPE
+    if _TT_PATCHES is not None and _TT_PATCHES_DTYPE == ns_dtype:
         return _TT_PATCHES
+    _TT_PATCHES_DTYPE = ns_dtype
     from torchtitan.distributed.flex_shard import _optimizer_reshard_runtime as rt
     from torchtitan.distributed.flex_shard import dist_muon as dm
 
@@ -508,6 +538,52 @@ def patch_torchtitan_for_cpu(ns_dtype: torch.dtype) -> list[str]:
             return torch.get_device_module(dev)
 
     rt.torch = _TorchProxy("torch")
+    _TT_PATCHES = [
+        "DistMuon._validate_parameter_storage: CUDA-only check relaxed to 'one device'",
+        "flex_shard runtime: no-op CPU Stream/Event via a torch proxy (torch.cpu.Stream takes no device/priority)",
+        patch_torchtitan_ns_dtype(ns_dtype),
+    ]
+    return _TT_PATCHES
+
+
+_TT_NS_ORIGINAL: Any = None  # DistMuon's own Newton-Schulz, kept when patched
+
+
+def torchtitan_ns_dtype() -> torch.dtype | None:
+    """The dtype the installed DistMuon's own Newton-Schulz casts to (torchtitan 0.3.0: bf16,
+    hard-wired), read from its source; None if that cannot be recognised."""
+    import inspect
+
+    from torchtitan.distributed.flex_shard import dist_muon as dm
+
+    fn = _TT_NS_ORIGINAL or dm._zeropower_via_newtonschulz
+    try:
+        src = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+    found = [dt for name, dt in (("bfloat16", torch.bfloat16), ("float32", torch.float32), ("float16", torch.float16))
+             if f"dtype=torch.{name}" in src]
+    return found[0] if len(found) == 1 else None
+
+
+def torchtitan_ns_unpatched() -> None:
+    """Undo :func:`patch_torchtitan_ns_dtype` (if applied in this process)."""
+    if _TT_NS_ORIGINAL is not None:
+        from torchtitan.distributed.flex_shard import dist_muon as dm
+
+        dm._zeropower_via_newtonschulz = _TT_NS_ORIGINAL
+
+
+def patch_torchtitan_ns_dtype(ns_dtype: torch.dtype) -> str:
+    """Replace torchtitan 0.3.0's DistMuon Newton-Schulz (hard-wired ``update.to(torch.bfloat16)``,
+    no argument or attribute selects another dtype) by the same op sequence in ``ns_dtype``;
+    returns the note describing the patch. Nothing else of DistMuon changes. Used on CPU (part of
+    :func:`patch_torchtitan_for_cpu`) and, on CUDA, only when ``ns_dtype`` is not bf16."""
+    global _TT_NS_ORIGINAL
+    from torchtitan.distributed.flex_shard import dist_muon as dm
+
+    if _TT_NS_ORIGINAL is None:
+        _TT_NS_ORIGINAL = dm._zeropower_via_newtonschulz
 
     def _zeropower(update: torch.Tensor, *, ns_coefficients: Any, ns_steps: int, eps: float) -> torch.Tensor:
         a, b, c = ns_coefficients
@@ -532,12 +608,8 @@ def patch_torchtitan_for_cpu(ns_dtype: torch.dtype) -> list[str]:
         return result.transpose(-2, -1) if transposed else result
 
     dm._zeropower_via_newtonschulz = _zeropower
-    _TT_PATCHES = [
-        "DistMuon._validate_parameter_storage: CUDA-only check relaxed to 'one device'",
-        "flex_shard runtime: no-op CPU Stream/Event via a torch proxy (torch.cpu.Stream takes no device/priority)",
-        f"dist_muon._zeropower_via_newtonschulz: same op sequence in {str(ns_dtype).replace('torch.', '')} instead of bf16",
-    ]
-    return _TT_PATCHES
+    return (f"dist_muon._zeropower_via_newtonschulz: same op sequence in "
+            f"{str(ns_dtype).replace('torch.', '')} instead of bf16")
 
 
 class FSDP2DistMuon(Impl):
@@ -554,8 +626,21 @@ class FSDP2DistMuon(Impl):
         except ImportError as e:
             raise ImportError(f"torchtitan DistMuon unavailable: {e} "
                               "(pip install -c constraints.txt torchtitan==0.3.0)") from e
-        patches = patch_torchtitan_for_cpu(self.cfg.ns_torch_dtype)
-        model = _fsdp2_wrap(build_model(self.cfg), self.ctx.mesh)
+        dev, ns = self.ctx.device, self.cfg.ns_torch_dtype
+        if dev.type == "cpu":
+            patches = ["CPU patches: " + "; ".join(patch_torchtitan_for_cpu(ns))]
+        else:
+            shipped = torchtitan_ns_dtype()
+            if shipped == ns:
+                torchtitan_ns_unpatched()
+                patches = [f"torchtitan DistMuon unpatched on {dev.type}: its own Newton-Schulz runs in "
+                           f"{self.cfg.ns_short} (hard-wired), the --ns-dtype {self.cfg.ns_dtype} of the others"]
+            else:  # no option selects DistMuon's NS dtype: patch that one function, and say so
+                seen = "unrecognised" if shipped is None else str(shipped).replace("torch.", "")
+                patches = [f"{dev.type}: DistMuon unpatched except its Newton-Schulz, whose hard-wired dtype "
+                           f"({seen}) does not honour --ns-dtype {self.cfg.ns_dtype}: "
+                           + patch_torchtitan_ns_dtype(ns)]
+        model = _fsdp2_wrap(build_model(self.cfg, dev), self.ctx.mesh)
         self.model = model
         muon_named = [(n, p) for n, p in model.named_parameters() if is_muon_param(n, p)]
         other_named = [(n, p) for n, p in model.named_parameters() if not is_muon_param(n, p)]
@@ -573,7 +658,7 @@ class FSDP2DistMuon(Impl):
         adamw = Muon([{"params": [p for _, p in other_named], "algorithm": "adamw"}], **kw)
         self.notes.append(f"DistMuon: {len(muon_named)} matrices; " + check_routes(adamw, other_named))
         self.opts = [dist_muon, adamw]
-        self.notes.append("CPU patches: " + "; ".join(patches))
+        self.notes.extend(patches)
         self.notes.append("ComputeLayout(dp_shard=Owned()) per hidden matrix, one BucketConfig per "
                           "decoder layer")
 
@@ -675,7 +760,7 @@ class MatrixFSDP(Impl):
         for layer in model.model.layers:
             matrixfsdp.fully_shard(layer, mesh=mesh, plan=plan)
         matrixfsdp.fully_shard(model, mesh=mesh, plan=plan)
-        opt = matrixfsdp.optim.Muon(groups, ..., ns_dtype=torch.float32)   # purely local step
+        opt = matrixfsdp.optim.Muon(groups, ..., ns_dtype=cfg.ns_torch_dtype)   # purely local step
     """
 
     name = "matrixfsdp"

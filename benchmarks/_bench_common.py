@@ -16,6 +16,9 @@ Everything here is independent of the implementations being measured (``_baselin
   rank 0, for the parity check), :func:`summarize`, environment info, and the process launcher
   (:func:`launch_ranks`: one subprocess per rank, FileStore rendezvous, optional network
   namespace per rank, hard timeout that kills only the processes it started).
+* devices: :func:`resolve_device` (``--backend gloo`` -> CPU, ``nccl`` -> ``cuda:<local rank>``,
+  with a clear ``ValueError`` instead of a hang when the GPUs are missing) and
+  :func:`device_sync` (``torch.cuda.synchronize`` before a timer is read; nothing on CPU).
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ __all__ = [
     "foreign_cpu_share",
     "wait_quiet",
     "nic_bytes",
+    "BACKENDS",
+    "resolve_device",
+    "device_sync",
 ]
 
 PHASES = ("fwd", "bwd", "step", "other")
@@ -68,6 +74,48 @@ BYTES_DOC = (
     "(W-1)/W*n, broadcast and reduce n; all_to_all: input minus this rank's own split, exact; "
     "send/isend: n; recv: 0)."
 )
+
+
+# ================================================================================ devices
+BACKENDS = ("gloo", "nccl")
+
+
+def resolve_device(backend: str, *, rank: int = 0, local_rank: int | None = None,
+                   local_world: int | None = None) -> torch.device:
+    """The device a rank of ``--backend backend`` computes on; sets nothing.
+
+    ``gloo`` -> ``cpu``. ``nccl`` -> ``cuda:<local_rank>`` (``LOCAL_RANK`` under torchrun), else
+    ``cuda:<rank % torch.cuda.device_count()>``. Raises ``ValueError`` (naming ``--backend nccl``,
+    what is missing and the value seen) when CUDA or NCCL is unavailable or this node has fewer
+    GPUs than ``local_world`` ranks, so that a run fails before any rendezvous instead of hanging.
+    """
+    if backend == "gloo":
+        return torch.device("cpu")
+    if backend != "nccl":
+        raise ValueError(f"--backend {backend!r}: unknown backend; choose from {list(BACKENDS)}")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "--backend nccl needs CUDA GPUs, but torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}, torch.version.cuda={torch.version.cuda!r}, "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use --backend gloo on CPU")
+    if not dist.is_nccl_available():
+        raise ValueError(f"--backend nccl: this torch build ({torch.__version__}) has no NCCL "
+                         "(torch.distributed.is_nccl_available() is False)")
+    n = torch.cuda.device_count()
+    if local_world is not None and n < local_world:
+        raise ValueError(f"--backend nccl needs one GPU per rank on this node: {local_world} ranks per node "
+                         f"but torch.cuda.device_count() is {n} "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    index = local_rank if local_rank is not None else rank % n
+    if not 0 <= index < n:
+        raise ValueError(f"--backend nccl: local rank {index} has no GPU; torch.cuda.device_count() is {n}")
+    return torch.device("cuda", index)
+
+
+def device_sync(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA); CPU ops are synchronous: nothing to do."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # ================================================================================ comm counting
@@ -417,7 +465,7 @@ def _piece(p: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor] | None:
     from torch.distributed.tensor import DTensor
 
     if not isinstance(p, DTensor):
-        return (0,) * p.dim(), p.detach().clone()
+        return (0,) * p.dim(), p.detach().to("cpu", copy=True)
     mesh = p.device_mesh
     if dist.get_rank() not in mesh.mesh.flatten().tolist():
         return None
@@ -429,7 +477,7 @@ def _piece(p: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor] | None:
     if any(pl.is_partial() for pl in p.placements):
         raise RuntimeError("gather_full_state: Partial placement")
     _, offset = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)
-    return tuple(int(o) for o in offset), loc.clone()
+    return tuple(int(o) for o in offset), loc.to("cpu", copy=True)
 
 
 def gather_full_state(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
@@ -438,7 +486,8 @@ def gather_full_state(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, to
     Works for plain replicated tensors, FSDP2 ``Shard(0)`` DTensors and owner placements (a
     ``Replicate`` DTensor on a one-rank sub-mesh, empty elsewhere): each rank contributes the
     non-empty local pieces it holds with their global offsets; rank 0 pastes them. A collective
-    (``gather_object``); not timed.
+    (``gather_object``); not timed. Pieces are copied to host memory first and the result is on
+    CPU whatever the device (pickled CUDA tensors would be rebuilt on the sender's GPU index).
     """
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     pieces: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
@@ -551,7 +600,8 @@ def summarize(xs: Sequence[float]) -> dict[str, float]:
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
 
 
-def env_info() -> dict[str, Any]:
+def env_info(device: torch.device | None = None) -> dict[str, Any]:
+    """Versions and machine; with a CUDA ``device`` also the CUDA/NCCL versions and the GPU."""
     info: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "python": platform.python_version(),
@@ -559,6 +609,19 @@ def env_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
     }
+    if device is not None and device.type == "cuda":
+        info["cuda"] = torch.version.cuda
+        try:
+            info["gpu"] = torch.cuda.get_device_name(device)
+            info["gpu_count"] = torch.cuda.device_count()
+            info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
+        except Exception as e:  # never fail a finished run because of the report
+            info["gpu"] = f"unknown ({e})"
+        try:
+            v = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
+        except Exception:
+            info["nccl"] = None
     try:
         import importlib.metadata as md
 

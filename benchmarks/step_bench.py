@@ -1,20 +1,30 @@
 """Side-by-side training-step benchmark: matrixfsdp against DDP/FSDP2/torchtitan/ZeRO-1 baselines.
 
 Every implementation (``benchmarks/_baselines.py``) trains the same ``matrixfsdp.Decoder`` (seeded
-init) on the same synthetic tokens with the same Muon (fp32 Newton-Schulz) / AdamW hyperparameters.
+init) on the same synthetic tokens with the same Muon / AdamW hyperparameters and the same
+Newton-Schulz dtype (``--ns-dtype``: float32 by default on gloo, bfloat16 on nccl).
 
     python benchmarks/step_bench.py --world 4 [--impls ddp_muon,zero1_owner] [--repeats 3]
                                     [--out benchmarks/results/step_cpu_w4] [--netns]
     torchrun --nproc-per-node 2 benchmarks/step_bench.py --impl ddp_muon      # also works
 
+The same script runs on GPUs with ``--backend nccl`` (one GPU per rank: ``cuda:<LOCAL_RANK>``
+under torchrun, ``cuda:<rank % device_count>`` otherwise; it stops with an error before any
+rendezvous if CUDA, NCCL or enough GPUs are missing):
+
+    torchrun --nproc-per-node 8 benchmarks/step_bench.py --backend nccl --out benchmarks/results/step_nccl_w8
+    python benchmarks/step_bench.py --world 8 --backend nccl --out benchmarks/results/step_nccl_w8
+                                    [--ns-dtype float32] [--impls ...]            # driver form, one node
+
 The driver starts one process per rank (FileStore rendezvous, hard timeout). Each rank runs, for
 each repeat, every implementation in turn (``ddp_muon`` first, the others rotated per repeat): setup,
 ``--warmup`` steps (the parameters after ``--parity-steps`` steps are gathered on rank 0 and
 compared with ``ddp_muon``'s), then ``--steps`` measured steps. Per step and rank it times forward,
-backward and optimizer step (``time.perf_counter``; a barrier before each step, outside the timers)
-and counts collective calls/bytes per phase. Per step, a phase's time is the max over ranks; a
-repeat reports the median over its measured steps; the summary gives min/median/max of those
-medians over repeats, and ratios between implementations within the same repeat.
+backward and optimizer step (``time.perf_counter``; a barrier before each step, outside the timers;
+on CUDA ``torch.cuda.synchronize()`` before every timer read) and counts collective calls/bytes per
+phase. Per step, a phase's time is the max over ranks; a repeat reports the median over its
+measured steps; the summary gives min/median/max of those medians over repeats, and ratios between
+implementations within the same repeat.
 
 Output: one JSON row per (implementation, repeat) on stdout, then a markdown summary; ``--out X``
 writes ``X.jsonl`` and ``X.md``. Implementations that cannot run print a row with
@@ -27,6 +37,14 @@ uses only clean repeats. CPU seconds per phase (summed over ranks) are reported 
 
 ``--netns``: run rank r inside network namespace ``mfb-r<r>`` over the veth/bridge/tbf network of
 ``benchmarks/netns/setup.sh`` (GLOO_SOCKET_IFNAME=mfb0); needs root and the setup script first.
+gloo only (with the NIC byte counters it enables).
+
+Memory: per rank, the sum of local tensor bytes (parameters, gradients, optimizer state and
+scratch; any device); on CUDA also ``torch.cuda.max_memory_allocated`` from the start of each
+implementation's setup to the end of its measured steps.
+
+Under nccl the torchtitan CPU patches are not applied: DistMuon runs as shipped, except that its
+hard-wired bf16 Newton-Schulz is patched (and the row's notes say so) if ``--ns-dtype`` is not bf16.
 """
 
 from __future__ import annotations
@@ -61,14 +79,38 @@ MB = 1 << 20
 
 
 # ================================================================================ worker side
-def _init_dist(args: argparse.Namespace) -> tuple[int, int]:
+def _rank_env() -> tuple[int, int, int | None, int]:
+    """(rank, world, local rank or None, ranks on this node) from the launcher's environment,
+    before any rendezvous: the driver's MFB_* (one node), else torchrun's RANK/WORLD_SIZE/
+    LOCAL_RANK/LOCAL_WORLD_SIZE (without LOCAL_WORLD_SIZE every rank is taken to be on this node)."""
+    env = os.environ
+    if "MFB_STORE" in env:
+        world = int(env["MFB_WORLD"])
+        return int(env["MFB_RANK"]), world, None, world
+    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    local_rank = int(env["LOCAL_RANK"]) if "LOCAL_RANK" in env else None
+    return rank, world, local_rank, int(env.get("LOCAL_WORLD_SIZE", world))
+
+
+def _worker_device(args: argparse.Namespace) -> torch.device:
+    """This rank's device (``ValueError`` if ``--backend nccl`` cannot have one); sets it on CUDA."""
+    rank, _, local_rank, local_world = _rank_env()
+    device = bc.resolve_device(args.backend, rank=rank, local_rank=local_rank, local_world=local_world)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def _init_dist(args: argparse.Namespace, device: torch.device) -> tuple[int, int]:
     timeout = timedelta(seconds=args.pg_timeout)
+    # nccl: bind the process group to this rank's GPU (barriers and object collectives use it)
+    kw: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     if "MFB_STORE" in os.environ:
         rank, world = int(os.environ["MFB_RANK"]), int(os.environ["MFB_WORLD"])
         store = dist.FileStore(os.environ["MFB_STORE"], world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(args.backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
     else:  # torchrun
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group(args.backend, timeout=timeout, **kw)
         rank, world = dist.get_rank(), dist.get_world_size()
     return rank, world
 
@@ -84,12 +126,24 @@ def run_one(name: str, cfg: BenchConfig, ctx: Context, args: argparse.Namespace,
             ref_state: dict[str, Any], counter: bc.CommCounter) -> dict[str, Any]:
     """Set up, warm up, parity-snapshot and time one implementation; returns its row (rank 0)."""
     rank, world = ctx.rank, ctx.world
+    device = ctx.device
+    cuda = device.type == "cuda"
+
+    def sync() -> None:  # before every timer read: on CUDA the queued work must be finished
+        bc.device_sync(device)
+
     row: dict[str, Any] = {"impl": name, "repeat": repeat, "world": world}
     impl = IMPLS[name](cfg, ctx)
     ok, err = True, ""
+    cuda_base = 0
+    if cuda:  # the peak is counted from here (setup) to the end of the measured steps
+        sync()
+        torch.cuda.reset_peak_memory_stats(device)
+        cuda_base = torch.cuda.memory_allocated(device)
     t0 = time.perf_counter()
     try:
         impl.setup()
+        sync()
     except (ImportError, AttributeError) as e:
         ok, err = False, f"{type(e).__name__}: {e}"
         row["status_if_failed"] = "skipped"
@@ -123,7 +177,7 @@ def run_one(name: str, cfg: BenchConfig, ctx: Context, args: argparse.Namespace,
     measuring = False
     try:
         for s in range(n_steps):
-            tokens = batch_for_step(cfg, s, rank, world)
+            tokens = batch_for_step(cfg, s, rank, world, device)
             if s == args.warmup:
                 counter.reset()
                 cpu0, mach0 = bc.proc_cpu_ticks(), bc.machine_cpu_ticks()
@@ -132,15 +186,18 @@ def run_one(name: str, cfg: BenchConfig, ctx: Context, args: argparse.Namespace,
             with counter.in_phase("other"):
                 dist.barrier()
             n1 = bc.nic_bytes(ifname)
+            sync()
             c_a = time.process_time()
             t_a = time.perf_counter()
             with counter.in_phase("fwd"):
                 loss = impl.forward(tokens)
+            sync()
             t_b = time.perf_counter()
             c_b = time.process_time()
             n2 = bc.nic_bytes(ifname)
             with counter.in_phase("bwd"):
                 impl.backward(loss)
+            sync()
             t_c = time.perf_counter()
             c_c = time.process_time()
             n3 = bc.nic_bytes(ifname)
@@ -148,6 +205,7 @@ def run_one(name: str, cfg: BenchConfig, ctx: Context, args: argparse.Namespace,
                 mem["grads"] = bc.local_nbytes(impl.grad_tensors())
             with counter.in_phase("step"):
                 impl.step()
+            sync()
             t_d = time.perf_counter()
             c_d = time.process_time()
             n4 = bc.nic_bytes(ifname)
@@ -165,6 +223,10 @@ def run_one(name: str, cfg: BenchConfig, ctx: Context, args: argparse.Namespace,
         cpu_used, mach1 = bc.proc_cpu_ticks() - cpu0, bc.machine_cpu_ticks()
         mem["opt_state"] = bc.local_nbytes(t for o in impl.optimizers() for t in bc.optimizer_state_tensors(o))
         mem["opt_scratch"] = bc.local_nbytes(impl.scratch_tensors())
+        if cuda:  # allocator's view, next to the tensor-byte sums above
+            sync()
+            mem["cuda_base_allocated"] = cuda_base
+            mem["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
         ok, err = True, ""
     except Exception as e:
         ok, err = False, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"
@@ -184,6 +246,8 @@ def run_one(name: str, cfg: BenchConfig, ctx: Context, args: argparse.Namespace,
     impl.teardown()
     del impl
     gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
     if rank != 0:
         return row
 
@@ -242,15 +306,20 @@ def worker_main(args: argparse.Namespace) -> int:
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
+    try:  # before any rendezvous: a missing GPU must not leave the other ranks waiting
+        device = _worker_device(args)
+    except ValueError as e:
+        print(f"step_bench: error (rank {_rank_env()[0]}): {e}", file=sys.stderr)
+        return 2
     counter = bc.install_comm_counter()  # before matrixfsdp/torchtitan capture any function
     threads = args.threads or max(1, (os.cpu_count() or 1) // _world_hint(args))
     torch.set_num_threads(threads)
-    rank, world = _init_dist(args)
+    rank, world = _init_dist(args, device)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
     cfg = _config(args)
-    ctx = Context(rank=rank, world=world, mesh=mesh, matrixfsdp_source=args.matrixfsdp_source)
+    ctx = Context(rank=rank, world=world, mesh=mesh, matrixfsdp_source=args.matrixfsdp_source, device=device)
     impls = _impl_list(args)
     rows: list[dict[str, Any]] = []
     ref_state: dict[str, Any] = {}
@@ -296,9 +365,10 @@ def worker_main(args: argparse.Namespace) -> int:
                 dead[name] = row
             rows.append(row)
     if rank == 0:
-        meta = {"world": world, "threads_per_rank": threads, "config": cfg.to_dict(),
+        meta = {"world": world, "backend": args.backend, "device": device.type,
+                "threads_per_rank": threads, "config": cfg.to_dict(),
                 "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                "env": bc.env_info(), "bytes_doc": bc.BYTES_DOC,
+                "env": bc.env_info(device), "bytes_doc": bc.BYTES_DOC,
                 "run_s": round(time.perf_counter() - t_start, 1),
                 "netns": bool(os.environ.get("GLOO_SOCKET_IFNAME")) and args.netns}
         if meta["netns"]:  # rank 0 runs inside mfb-r0: record the shaping of its veth
@@ -351,12 +421,17 @@ def markdown(result: dict[str, Any], command: str) -> str:
     for r in rows:
         if r["impl"] not in names:
             names.append(r["impl"])
+    backend = meta.get("backend", "gloo")  # results written before --backend existed: gloo on CPU
+    on_cuda = meta.get("device", "cpu") == "cuda"
+    where = f"CUDA, {env.get('gpu', 'GPU')}" if on_cuda else "CPU"
+    cuda_env = (f" cuda {env.get('cuda')} nccl {env.get('nccl')} gpu {env.get('gpu')} x{env.get('gpu_count')}"
+                if on_cuda else "")
     L: list[str] = []
     L.append(f"<!-- produced by: {command} -->")
     L.append(f"<!-- {env['date']} torch {env['torch']} torchtitan {env.get('torchtitan')} python {env['python']} "
-             f"git {env.get('git')} {env['platform']} cpus={env['cpus']} -->")
+             f"git {env.get('git')} {env['platform']} cpus={env['cpus']}{cuda_env} -->")
     L.append("")
-    L.append(f"# Step benchmark, world {meta['world']} (gloo, CPU{', netns' if meta.get('netns') else ''})")
+    L.append(f"# Step benchmark, world {meta['world']} ({backend}, {where}{', netns' if meta.get('netns') else ''})")
     L.append("")
     if meta.get("netns"):
         L.append(f"Emulated interconnect: each rank in its own network namespace (benchmarks/netns/setup.sh), "
@@ -366,7 +441,9 @@ def markdown(result: dict[str, Any], command: str) -> str:
     L.append(f"Command: `{command}`  ")
     L.append(f"Date: {env['date']}; torch {env['torch']}; torchtitan {env.get('torchtitan')}; python {env['python']}; "
              f"git {env.get('git')}; {env['cpus']} CPUs, {meta['threads_per_rank']} intra-op thread(s) per rank; "
-             f"whole run {meta['run_s']} s.  ")
+             + (f"{backend} on one GPU per rank ({env.get('gpu')}, {env.get('gpu_memory_gib')} GiB; CUDA "
+                f"{env.get('cuda')}, NCCL {env.get('nccl')}); " if on_cuda else "")
+             + f"whole run {meta['run_s']} s.  ")
     L.append(f"Model: matrixfsdp.Decoder vocab {cfg['vocab_size']}, hidden {cfg['hidden_size']}, MLP "
              f"{cfg['intermediate_size']}, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads / "
              f"{cfg['num_key_value_heads']} KV x {cfg['head_dim']}, fp32; global batch {cfg['global_batch']} x "
@@ -377,8 +454,10 @@ def markdown(result: dict[str, Any], command: str) -> str:
     a = meta["args"]
     L.append(f"Per repeat and implementation: {a['warmup']} warm-up + {a['steps']} measured steps; "
              f"{a['repeats']} repeats. Times: per step the max over ranks, median over measured steps; "
-             f"cells show median (min-max) of those medians over repeats. CPU times on 2 shared cores are "
-             f"noisy: read the ratios, not the absolute values.")
+             f"cells show median (min-max) of those medians over repeats. "
+             + ("Every timer is read after torch.cuda.synchronize(); CPU seconds below are the ranks' host "
+                "CPU time." if on_cuda else
+                "CPU times on 2 shared cores are noisy: read the ratios, not the absolute values."))
     L.append("")
     # status
     skipped = [r for r in rows if r.get("status") not in ("ok", "discarded")]
@@ -454,7 +533,7 @@ def markdown(result: dict[str, Any], command: str) -> str:
     L.append("")
     L.append("### CPU seconds per step, summed over ranks")
     L.append("")
-    L.append("Process CPU time (all threads, gloo's included) per phase, summed over the ranks, median over measured "
+    L.append(f"Process CPU time (all threads, {backend}'s included) per phase, summed over the ranks, median over measured "
              "steps; median (min-max) over all repeats. Blind to waiting, less sensitive to other processes than wall time.")
     L.append("")
     L.append(f"| implementation | fwd+bwd CPU s | step CPU s | total CPU s | total / {REFERENCE} | step / {REFERENCE} |")
@@ -544,8 +623,15 @@ def markdown(result: dict[str, Any], command: str) -> str:
              "state after the last step (`optimizer.state` tensors), plus persistent optimizer scratch buffers "
              "outside the state (DistMuon's reserved redistribution buffers).")
     L.append("")
-    L.append("| implementation | params | grads | optimizer state | optimizer scratch | sum |")
-    L.append("|---|---:|---:|---:|---:|---:|")
+    has_cuda_mem = any("cuda_max_allocated" in x for r in ok for x in r["mem_per_rank"])
+    if has_cuda_mem:
+        L.append("CUDA peak: `torch.cuda.max_memory_allocated` from the start of setup (peak stats reset there) "
+                 "to the end of the measured steps, minus what was allocated when setup started "
+                 "(activations and temporaries included; the caching allocator's reserve is not).")
+        L.append("")
+    L.append("| implementation | params | grads | optimizer state | optimizer scratch | sum |"
+             + (" CUDA peak |" if has_cuda_mem else ""))
+    L.append("|---|---:|---:|---:|---:|---:|" + ("---:|" if has_cuda_mem else ""))
     for n in ok_names:
         r = next(r for r in ok if r["impl"] == n)
         m = r["mem_per_rank"]
@@ -555,8 +641,12 @@ def markdown(result: dict[str, Any], command: str) -> str:
             return f"{min(xs):.2f}" if max(xs) - min(xs) < 0.005 else f"{min(xs):.2f}-{max(xs):.2f}"
 
         sums = [sum(x.get(k, 0) for k in ("params", "grads", "opt_state", "opt_scratch")) / MB for x in m]
+        peak = ""
+        if has_cuda_mem:
+            ps = [(x["cuda_max_allocated"] - x.get("cuda_base_allocated", 0)) / MB for x in m if "cuda_max_allocated" in x]
+            peak = (f" {min(ps):.2f}-{max(ps):.2f} |" if ps else " n/a |")
         L.append(f"| {n} | {rng('params')} | {rng('grads')} | {rng('opt_state')} | {rng('opt_scratch')} | "
-                 f"{min(sums):.2f}-{max(sums):.2f} |")
+                 f"{min(sums):.2f}-{max(sums):.2f} |" + peak)
     L.append("")
     L.append(f"## Parity: max |param - {REFERENCE}| after {a['parity_steps']} steps (same data)")
     L.append("")
@@ -609,6 +699,11 @@ def emit(result: dict[str, Any], args: argparse.Namespace, command: str) -> None
 def driver_main(args: argparse.Namespace) -> int:
     world = args.world
     impls = _impl_list(args)
+    try:  # one node: every rank needs its own GPU under nccl; say so now rather than hang later
+        bc.resolve_device(args.backend, rank=0, local_world=world)
+    except ValueError as e:
+        print(f"step_bench: error: {e}", file=sys.stderr)
+        return 2
     netns_prefix = None
     ifname = args.gloo_ifname
     if args.netns:
@@ -631,7 +726,7 @@ def driver_main(args: argparse.Namespace) -> int:
         v = getattr(args, k)
         if v is not None:
             argv += [f"--{k.replace('_', '-')}", str(v)]
-    argv += ["--matrixfsdp-source", args.matrixfsdp_source]
+    argv += ["--matrixfsdp-source", args.matrixfsdp_source, "--backend", args.backend, "--ns-dtype", args.ns_dtype]
     if args.netns:
         argv += ["--netns"]
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
@@ -662,7 +757,7 @@ def _impl_list(args: argparse.Namespace) -> list[str]:
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = {"ns_dtype": args.ns_dtype}
     for a, f in (("hidden", "hidden_size"), ("layers", "num_hidden_layers"), ("intermediate", "intermediate_size"),
                  ("seq", "seq_len"), ("global_batch", "global_batch"), ("heads", "num_attention_heads"),
                  ("kv_heads", "num_key_value_heads"), ("vocab", "vocab_size")):
@@ -682,7 +777,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="measured steps (>= 5)")
     p.add_argument("--parity-steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default cpus // world)")
-    p.add_argument("--pg-timeout", type=int, default=180, help="gloo collective timeout, seconds")
+    p.add_argument("--backend", default="gloo", choices=bc.BACKENDS,
+                   help="gloo: ranks on CPU (default); nccl: one CUDA GPU per rank (cuda:<LOCAL_RANK> under "
+                        "torchrun, else cuda:<rank %% device_count>)")
+    p.add_argument("--ns-dtype", default=None, choices=("float32", "bfloat16"),
+                   help="Newton-Schulz dtype of every implementation (default: float32 on gloo, bfloat16 on nccl)")
+    p.add_argument("--pg-timeout", type=int, default=180, help="collective timeout, seconds")
     p.add_argument("--timeout", type=float, default=900, help="driver: kill all ranks after this many seconds")
     p.add_argument("--wait-quiet", type=float, default=0,
                    help="driver: before starting, wait up to this many seconds for the machine to be idle "
@@ -707,6 +807,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--_rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.netns and args.backend != "gloo":
+        p.error(f"--netns (network namespaces, NIC byte counters) works with --backend gloo only, "
+                f"not --backend {args.backend}")
+    if args.ns_dtype is None:
+        args.ns_dtype = "bfloat16" if args.backend == "nccl" else "float32"
     if args.warmup < 2 or args.steps < 5:
         print("step_bench: note: the protocol asks for >= 2 warm-up and >= 5 measured steps", file=sys.stderr)
     return args
