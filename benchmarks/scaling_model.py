@@ -9,7 +9,8 @@ compute and the collectives of:
 * ``fsdp2_adamw``      stock FSDP2 (ring all-gather fwd + bwd, ring reduce-scatter), AdamW step;
 * ``fsdp2_gather_muon`` stock FSDP2, Muon step all-gathers every gradient, NS on every rank;
 * ``fsdp2_distmuon``   stock FSDP2, Muon step redistributes shards to owners and back (all-to-all
-                       per matrix, as torchtitan's DistMuon), NS on owners;
+                       per decoder-layer bucket, as step_bench configures torchtitan's
+                       DistMuon), NS on owners;
 * ``owner_direct``     matrixfsdp, flat owner placement, owners send their pieces straight to every
                        peer (fan-out bounded by gamma_B); zero-communication step;
 * ``owner_two_phase``  matrixfsdp, flat owners, materialize as owner scatter + ring all-gather and
@@ -38,7 +39,9 @@ import argparse
 import datetime
 import json
 import math
+import os
 import platform
+import statistics
 import sys
 from dataclasses import asdict, dataclass
 
@@ -153,15 +156,16 @@ def simulate(name: str, W: int, hw: Hardware = HW) -> list[Row]:
     rows.append(Row(name, W, "fsdp2_adamw", fsdp, adamw, fsdp + adamw, 1.0))
     gather_step = ring(n_mat * GRAD_BYTES, W, hw) + ns_total
     rows.append(Row(name, W, "fsdp2_gather_muon", fsdp, gather_step, fsdp + gather_step, 1.0))
-    # DistMuon: per matrix an all-to-all to the owner and back (latency per matrix), owners by
-    # round robin (its own assignment), NS on owners.
+    # DistMuon: per decoder-layer bucket an all-to-all to the owners and back (latency per bucket,
+    # as step_bench configures it: one BucketConfig per layer); owners by LPT on NS cost with
+    # loads carried across buckets (torchtitan 0.3.0 _assign_balanced_owner_ranks), NS on owners.
     rr = [0.0] * W
-    for i, p in enumerate(sorted(mats, key=lambda p: -p.numel)):
-        rr[i % W] += newton_schulz_flops(p.shape)
+    for p in sorted(mats, key=lambda p: (-newton_schulz_flops(p.shape), p.fqn)):
+        rr[rr.index(min(rr))] += newton_schulz_flops(p.shape)
     a2a_bytes = 2 * (W - 1) / W * n_mat * GRAD_BYTES / W
     bw = hw.bw_intra if W <= hw.node else hw.bw_inter
     alpha = hw.alpha_intra if W <= hw.node else hw.alpha_inter
-    dist_step = 2 * len(mats) * alpha * math.log2(max(W, 2)) + a2a_bytes / bw + max(rr) / hw.mm_flops
+    dist_step = 2 * len(blocks) * alpha * math.log2(max(W, 2)) + a2a_bytes / bw + max(rr) / hw.mm_flops
     rows.append(Row(name, W, "fsdp2_distmuon", fsdp, dist_step, fsdp + dist_step, 1.0))
 
     def own_of(b, elem):
@@ -196,12 +200,241 @@ def simulate(name: str, W: int, hw: Hardware = HW) -> list[Row]:
     return rows
 
 
+# ================================================================================ validation
+# The same cost structure, on figures measured on this machine (benchmarks/calibrate.py), applied to
+# the step benchmark's configuration and compared with what benchmarks/step_bench.py measured.
+# Two bounds per implementation: "overlap" (each collective hidden behind the compute it can run
+# under, as the cluster model assumes) and "serial" (nothing overlaps). On 2 shared cores gloo's
+# threads compete with compute, so the truth should lie between them.
+
+
+ADAMW_2D = ("model.embed_tokens.weight", "lm_head.weight")  # AdamW in every bench implementation
+
+
+class Calibrated:
+    """Per-op ``alpha + beta * wire`` and compute times from a calibrate.py JSON."""
+
+    def __init__(self, cal: dict):
+        self.W = cal["world"]
+        self.ops = {op: (v["alpha_s"], v["beta_s_per_byte"]) for op, v in cal["collectives"].items()}
+        c = cal["compute"]
+        self.ns_s = {tuple(int(x) for x in k.split("x")): v["s"] for k, v in c["ns"].items()}
+        self.fb_s = c["fwd_bwd_s"]
+        self.adamw_s_per_elem = c["adamw_s_per_elem"]
+
+    def op(self, name: str, wire: float) -> float:
+        a, b = self.ops[name]
+        return a + b * wire
+
+    def ns(self, shape) -> float:
+        return self.ns_s[tuple(shape)]
+
+
+def _bench_parts(cfg_dict: dict, W: int):
+    """The step benchmark's model (plain, on meta), its matrixfsdp plan and per-block figures."""
+    from matrixfsdp import DecoderConfig
+
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim")
+    with torch.device("meta"):
+        model = Decoder(DecoderConfig(**{k: cfg_dict[k] for k in keys}))
+    plan = plan_owners(model, W, block_types=(DecoderLayer,))
+    named = dict(model.named_parameters())
+    mats = [(n, tuple(p.shape)) for n, p in named.items() if p.ndim == 2 and n not in ADAMW_2D]
+    adamw_numel = sum(p.numel() for n, p in named.items() if not (p.ndim == 2 and n not in ADAMW_2D))
+    return model, plan, named, mats, adamw_numel
+
+
+def model_bench(cal: "Calibrated", cfg_dict: dict, W: int) -> dict[str, dict[str, dict[str, float]]]:
+    """Predicted fwd+bwd / step / total seconds of each step_bench implementation (overlap, serial)."""
+    if W != cal.W:
+        raise ValueError(f"model_bench: calibration is for world {cal.W}, got {W=}")
+    model, plan, named, mats, adamw_numel = _bench_parts(cfg_dict, W)
+    E = 4  # the bench trains in fp32: params, grads and collectives
+    L = cfg_dict["num_hidden_layers"]
+    S = cfg_dict["seq_len"]
+    qdim = cfg_dict["num_attention_heads"] * cfg_dict["head_dim"]
+    blocks = [f"model.layers.{i}" for i in range(L)]
+    numel = {b: sum(p.numel for p in plan.params_of_block(b)) for b in blocks + [""]}
+    # fwd+bwd compute split over blocks by matmul FLOPs per token (attention scores included)
+    fl = {b: 2 * numel[b] + 4 * S * qdim for b in blocks}
+    fl[""] = 2 * cfg_dict["vocab_size"] * cfg_dict["hidden_size"]  # output head (embedding lookup ~0)
+    tot = sum(fl.values())
+    fwd = {b: cal.fb_s / 3 * fl[b] / tot for b in fl}  # backward = 2x forward
+    ns_all = sum(cal.ns(s) for _, s in mats)
+
+    def fsdp_passes(ag, rs) -> tuple[float, float]:
+        """FSDP-style per-block pipeline; ``ag(b)``/``rs(b)`` seconds. Returns (overlap, serial).
+        Forward: root then layers, next block's gather prefetched under the current compute.
+        Backward: head (root, kept unsharded), layers in reverse with gathers prefetched, each
+        block's reduction issued after its compute, the root's reduction last."""
+        order = [""] + blocks
+        f_ov = ag(order[0]) + sum(max(fwd[b], ag(order[i + 1]) if i + 1 < len(order) else 0.0)
+                                  for i, b in enumerate(order))
+        f_se = sum(ag(b) for b in order) + sum(fwd.values())
+        border = [""] + blocks[::-1]
+        comm = [(ag(border[i + 1]) if i + 1 < len(border) else 0.0) + (rs(border[i - 1]) if i > 0 else 0.0)
+                for i in range(len(border))]
+        b_ov = sum(max(2 * fwd[b], comm[i]) for i, b in enumerate(border)) + rs(border[-1])
+        b_se = sum(ag(b) for b in blocks) + sum(rs(b) for b in border) + 2 * sum(fwd.values())
+        return f_ov + b_ov, f_se + b_se
+
+    def ring_ag(b):
+        return cal.op("all_gather_into_tensor", (W - 1) / W * numel[b] * E)
+
+    def ring_rs(b):
+        return cal.op("reduce_scatter_tensor", (W - 1) / W * numel[b] * E)
+
+    out: dict[str, dict[str, dict[str, float]]] = {}
+
+    def put(name, fb: tuple[float, float], step: tuple[float, float]):
+        out[name] = {k: {"fb_s": fb[i], "step_s": step[i], "total_s": fb[i] + step[i]}
+                     for i, k in enumerate(("overlap", "serial"))}
+
+    fsdp_fb = fsdp_passes(ring_ag, ring_rs)
+    all_numel = sum(numel.values())
+    # DDP: one all-reduce of every gradient (25 MB buckets) under backward; redundant NS + AdamW
+    ar = cal.op("all_reduce", 2 * (W - 1) / W * all_numel * E)
+    ddp_step = ns_all + cal.adamw_s_per_elem * adamw_numel
+    put("ddp_muon", (max(cal.fb_s, cal.fb_s / 3 + ar), cal.fb_s + ar), (ddp_step, ddp_step))
+    # FSDP2 + AdamW
+    adamw_sh = cal.adamw_s_per_elem * all_numel / W
+    put("fsdp2_adamw", fsdp_fb, (adamw_sh, adamw_sh))
+    # FSDP2 + gather Muon: per matrix an all-gather, NS of every matrix on every rank
+    ag_each = [cal.op("all_gather_into_tensor", (W - 1) / W * math.prod(s) * E) for _, s in mats]
+    adamw_rest = cal.adamw_s_per_elem * adamw_numel / W
+    put("fsdp2_gather_muon", fsdp_fb, (max(sum(ag_each), ns_all) + ag_each[0] + adamw_rest,
+                                       sum(ag_each) + ns_all + adamw_rest))
+    # FSDP2 + DistMuon: per decoder layer an all-to-all to owners and back; owners by LPT on NS
+    # cost with loads carried across buckets (torchtitan's assignment). Serial: bucket by bucket;
+    # overlap: the exchanges hidden under the (globally balanced) NS but for the first and last.
+    loads = [0.0] * W
+    se = 0.0
+    a2a_total = 0.0
+    for b in blocks:
+        bm = [(n, s) for n, s in mats if n.startswith(b + ".")]
+        bl = [0.0] * W
+        for _, s in sorted(bm, key=lambda x: -cal.ns(x[1])):
+            r = min(range(W), key=lambda i: (bl[i], loads[i]))
+            bl[r] += cal.ns(s)
+            loads[r] += cal.ns(s)
+        a2a = cal.op("all_to_all_single", (W - 1) / W * sum(math.prod(s) for _, s in bm) * E / W)
+        se += 2 * a2a + max(bl)
+        a2a_total += 2 * a2a
+    ov = max(a2a_total, max(loads)) + a2a_total / len(blocks)
+    put("fsdp2_distmuon", fsdp_fb, (ov + adamw_rest, se + adamw_rest))
+    # ZeRO-1 owners: per-parameter reduce under backward, owner step (LPT on NS FLOPs, as the
+    # baseline), per-parameter broadcast
+    ns_owner_lpt = [0.0] * W
+    loads = [0.0] * W
+    for n, s in sorted(mats, key=lambda x: (-newton_schulz_flops(x[1]), x[0])):
+        r = loads.index(min(loads))
+        loads[r] += newton_schulz_flops(s)
+        ns_owner_lpt[r] += cal.ns(s)
+    red = sum(cal.op("reduce", p.numel() * E) for p in named.values())
+    bc = sum(cal.op("broadcast", p.numel() * E) for p in named.values())
+    z_step = max(ns_owner_lpt) + cal.adamw_s_per_elem * adamw_numel / W
+    # the reduces are issued from backward hooks and waited for at the start of the step
+    put("zero1_owner", (cal.fb_s, cal.fb_s), (max(0.0, red - 2 * cal.fb_s / 3) + z_step + bc, red + z_step + bc))
+
+    # matrixfsdp: uneven all-to-all fan-out from owners / uneven reduce-scatter to owners
+    def own_bytes(b):
+        own = [0.0] * W
+        for p in plan.params_of_block(b):
+            for r in range(W):
+                own[r] += p.share(r, W) * p.numel * E
+        return own
+
+    def fan(b):
+        own = own_bytes(b)
+        t = sum(own)
+        return cal.op("all_to_all_single", max(max((W - 1) * o, t - o) for o in own))
+
+    def mf_rs(b):
+        return cal.op("reduce_scatter_tensor", (W - 1) / W * numel[b] * E)
+
+    mf_fb = fsdp_passes(fan, mf_rs)
+    ns_rank = [0.0] * W
+    el_rank = [0.0] * W
+    for p in plan.params:
+        for r in range(W):
+            sh = p.share(r, W)
+            if not sh:
+                continue
+            if p.placement == "matrix" and p.fqn not in ADAMW_2D:
+                ns_rank[r] += cal.ns(p.shape) * sh
+            else:
+                el_rank[r] += sh * p.numel * cal.adamw_s_per_elem
+    mf_step = max(a + b for a, b in zip(ns_rank, el_rank))
+    put("matrixfsdp", mf_fb, (mf_step, mf_step))
+    return out
+
+
+def validate(bench_path: str, cal_path: str) -> str:
+    with open(cal_path) as f:
+        cal = Calibrated(json.load(f))
+    rows = [json.loads(line) for line in open(bench_path) if line.strip()]
+    meta = next(r["meta"] for r in rows if "meta" in r)
+    W = meta["world"]
+    pred = model_bench(cal, meta["config"], W)
+    meas: dict[str, dict[str, list[float]]] = {}
+    for r in rows:
+        if r.get("status") == "ok" and r.get("impl") in pred:
+            for k in ("fb_s", "step_s", "total_s"):
+                meas.setdefault(r["impl"], {}).setdefault(k, []).append(r[k])
+    L = [f"<!-- produced by: python benchmarks/scaling_model.py --validate {bench_path} --calibration {cal_path} -->",
+         "", f"## Model vs measurement, step_bench world {W} ({os.path.basename(bench_path)})", "",
+         "Predicted seconds per step from the calibrated figures, as overlap .. serial bounds, next to "
+         "the step benchmark's median over clean repeats; last column: measured total over the serial "
+         "bound.", "",
+         "| implementation | fwd+bwd predicted | fwd+bwd measured | step predicted | step measured | "
+         "total predicted | total measured | total measured / serial |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    errs = []
+    for impl, p in pred.items():
+        if impl not in meas:
+            continue
+        m = {k: statistics.median(v) for k, v in meas[impl].items()}
+        cells = []
+        for k in ("fb_s", "step_s", "total_s"):
+            lo, hi = sorted((p["overlap"][k], p["serial"][k]))
+            cells += [f"{lo:.3f}" if abs(hi - lo) < 5e-4 else f"{lo:.3f}-{hi:.3f}", f"{m[k]:.3f}"]
+        errs.append(m["total_s"] / p["serial"]["total_s"])
+        L.append(f"| {impl} | " + " | ".join(cells) + f" | {errs[-1]:.2f} |")
+    L += ["", f"Measured total / serial bound: {min(errs):.2f}-{max(errs):.2f}."]
+    # ratios the targets are stated in, predicted (overlap bound) vs measured
+    def rat(a, b, k, src):
+        return src[a][k] / src[b][k]
+    mm = {i: {k: statistics.median(v) for k, v in meas[i].items()} for i in meas}
+    po = {i: pred[i]["overlap"] for i in pred}
+    ps = {i: pred[i]["serial"] for i in pred}
+    L += ["", "| ratio | predicted (overlap) | predicted (serial) | measured |", "|---|---:|---:|---:|"]
+    for a, b, k in (("fsdp2_gather_muon", "matrixfsdp", "step_s"), ("fsdp2_distmuon", "matrixfsdp", "step_s"),
+                    ("fsdp2_distmuon", "matrixfsdp", "total_s"), ("matrixfsdp", "fsdp2_adamw", "fb_s")):
+        if a in mm and b in mm:
+            L.append(f"| {a} / {b} {k} | {rat(a, b, k, po):.2f} | {rat(a, b, k, ps):.2f} | {rat(a, b, k, mm):.2f} |")
+    return "\n".join(L) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--models", nargs="*", default=["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"])
     ap.add_argument("--worlds", nargs="*", type=int, default=[8, 16, 32, 64, 128, 256])
+    ap.add_argument("--validate", nargs="*", default=None, metavar="STEP_BENCH.jsonl",
+                    help="model these step_bench runs on --calibration figures and compare")
+    ap.add_argument("--calibration", nargs="*", default=None, metavar="CALIBRATION.json",
+                    help="benchmarks/calibrate.py output, one per --validate file")
     args = ap.parse_args(argv)
+    if args.validate is not None:
+        if not args.calibration or len(args.calibration) != len(args.validate):
+            ap.error(f"--validate needs one --calibration per file, got {args.calibration=}")
+        md = "".join(validate(b, c) + "\n" for b, c in zip(args.validate, args.calibration))
+        print(md)
+        if args.out:
+            with open(args.out + ".md", "w") as f:
+                f.write(md)
+        return 0
     rows: list[Row] = []
     for m in args.models:
         for W in args.worlds:
@@ -249,6 +482,18 @@ def render(rows: list[Row], models, worlds) -> str:
                 f"{by['fsdp2_distmuon'].total_ms:.0f} | {by['owner_direct'].total_ms:.0f} ({by['owner_direct'].max_gamma:.1f}) | "
                 f"{by['owner_two_phase'].total_ms:.0f} | {'-' if g8 is None else f'{g8.total_ms:.0f}'} |"
             )
+    out += ["", "Issue-5 targets in the model: DistMuon's optimizer step and total over owner placement's "
+            "(direct fan-out / two-phase); > 1 means owner placement is faster. The step ratio is "
+            "DistMuon's exposed redistribution plus its NS over the owners' NS; the total ratio adds the "
+            "(overlapped) forward/backward both pay.", "",
+            "| model | W | step: distmuon / owner | total: distmuon / owner_direct | total: distmuon / owner_two_phase |",
+            "|---|---:|---:|---:|---:|"]
+    for m in models:
+        for W in worlds:
+            by = {r.impl: r for r in rows if r.model == m and r.world == W}
+            d, o, t = by["fsdp2_distmuon"], by["owner_direct"], by["owner_two_phase"]
+            out.append(f"| {m} | {W} | {d.step_ms / o.step_ms:.2f} | {d.total_ms / o.total_ms:.2f} | "
+                       f"{d.total_ms / t.total_ms:.2f} |")
     out += ["", "Crossover W (first W where the variant's total exceeds fsdp2_distmuon's; '-' = none in range):", "",
             "| model | owner_direct | owner_two_phase | owner_groups8 |", "|---|---|---|---|"]
     for m in models:
