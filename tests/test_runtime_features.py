@@ -534,3 +534,33 @@ def test_activation_checkpointing(W, raf):
 def test_tied_params_inside_a_block():
     for r in get_pool(2).run(check_tied_in_block):
         assert r["grad_diff"] <= 1e-6
+
+
+# ==================================================================================== divide factor
+def check_gradient_divide_factor() -> dict:
+    """set_gradient_divide_factor(1.0): gradients are the plain sum, W x the default average."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    cfg, model, ref, plan, mesh = _setup(W)
+    summed = copy.deepcopy(ref)
+    shard_model(summed, mesh, plan)
+    summed.set_gradient_divide_factor(1.0)
+    x, y = make_batch(cfg, 0, 4 * W)
+    xs, ys = x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4]
+    for m in (model, summed):
+        m.loss(xs, ys, use_extra=True).backward()
+    md = 0.0
+    for p, q in zip(model.parameters(), summed.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None and local_of(p.grad).numel():
+            md = max(md, (local_of(p.grad) * W - local_of(q.grad)).abs().max().item())
+    try:
+        summed.set_gradient_divide_factor(0)
+    except ValueError as e:
+        msg = str(e)
+    return {"diff": md, "msg": msg}
+
+
+def test_gradient_divide_factor():
+    for r in get_pool(2).run(check_gradient_divide_factor):
+        assert r["diff"] == 0.0, r  # /2 and x2 are exact in binary floating point
+        assert r["msg"] == "set_gradient_divide_factor: factor must be a positive number, got factor=0", r

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from . import checkpoint, optim
 from ._clip import clip_grad_norm_
 from ._decoder import PRESETS, Decoder, DecoderConfig, DecoderLayer
-from ._owned import Owned, owned_of
+from ._owned import Owned, owned_of, set_full_
 from ._plan import OwnerPlan, ParamPlan
 from ._planner import plan_owners
 from ._runtime import MatrixFSDPModule, fully_shard
@@ -33,6 +33,7 @@ __all__ = [
     "clip_grad_norm_",
     "Owned",
     "owned_of",
+    "set_full_",
     "optim",
     "checkpoint",
     "Decoder",

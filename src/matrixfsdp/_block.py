@@ -62,11 +62,24 @@ to skip a parameter. Every reduction carries one usage flag per reduced paramete
 destination's chunk (1 if this rank produced a gradient, summed by the same reduce-scatter), and a
 missing gradient contributes zeros. After the reduction every rank knows how many ranks used each
 parameter: if none did, ``.grad`` is left untouched (``None`` stays ``None``, exactly like a
-single-process run, so optimizers skip it); otherwise ``.grad`` gets ``sum / W`` (zeros from the
-ranks that did not use it, like DDP). The decision is identical on all ranks, so grads of a
-parameter are ``None`` everywhere or set everywhere (empty local on non-owners).
+single-process run, so optimizers skip it); otherwise ``.grad`` gets ``sum / W`` (``sum / factor``
+after ``set_gradient_divide_factor``; zeros from the ranks that did not use it, like DDP). The
+decision is identical on all ranks, so grads of a parameter are ``None`` everywhere or set
+everywhere (empty local on non-owners).
 Frozen parameters (``requires_grad=False``; the set is re-read at every forward) are materialized
 but never reduced.
+
+[Note: meta-device initialization]
+As with FSDP2, a model may be built under ``torch.device("meta")``, planned (the planner only
+reads shapes) and sharded: resolution then creates meta DTensors with each rank's segment shape
+and allocates nothing. ``MatrixFSDPModule.to_empty`` gives every parameter fresh storage of that
+shape on the device and re-creates the block buffers there; it handles our parameters itself
+because DTensor's ``empty_like`` on a rank outside an owned parameter's one-rank mesh returns a
+1-D ``tensor([])`` (a scalar for 0-dim parameters), not the ``[0, ...]`` segment every layout
+computation assumes. Initialization then runs on the sharded parameters (``torch.nn.init``
+functions act on each rank's segment: only the owner touches an owned tensor; or
+``matrixfsdp._owned.set_full_`` from a full tensor, or a checkpoint load). The first forward
+refuses parameters still on meta.
 
 Activation checkpointing (non-reentrant) works: a forward pre-hook running while the block is in
 its backward is a recomputation; it gets the materialized values as fresh leaves with the params'
@@ -90,7 +103,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._collectives import Handle, SegmentCollectives
 from ._layout import BlockLayout
-from ._owned import local_tensor, make_sharded_grad
+from ._owned import local_tensor, make_sharded_grad, make_sharded_param, owned_of
 
 if TYPE_CHECKING:
     from ._plan import ParamPlan
@@ -247,6 +260,7 @@ class BlockState:
         self.fqn: str | None = None  # set at resolution
         self.resolved = False
         self.requires_gradient_sync = True
+        self.gradient_divide_factor: float | None = None  # None: W (the DDP average)
         self.forward_prefetch: list[BlockState] | None = None
         self.backward_prefetch: list[BlockState] | None = None
         self.ctx: RootContext | None = None
@@ -295,6 +309,31 @@ class BlockState:
         _free(self._assembled)
         self._full: list[torch.Tensor] = []
         self.resolved = True
+
+    def move_to(self, device: torch.device) -> None:
+        """Give every parameter fresh, uninitialized storage on ``device`` (``to_empty``).
+
+        See [Note: meta-device initialization]. The parameter objects are replaced (new DTensors
+        with the same layout and :class:`Owned` metadata); optimizers must be built afterwards,
+        as with FSDP2.
+        """
+        for mp in self.params:
+            old = mp.sharded
+            info = owned_of(old)
+            local = local_tensor(old)
+            new_local = torch.empty(local.shape, dtype=local.dtype, device=device)
+            mp.sharded = make_sharded_param(
+                new_local, shape=tuple(old.shape), mesh=self.config.mesh,
+                owner=None if info is None else info.owner,
+                kind=mp.plan.placement if mp.plan is not None else "even",
+                requires_grad=old.requires_grad,
+            )
+        self.to_sharded()
+        self._recv = torch.empty(self._recv.shape, dtype=self._recv.dtype, device=device)
+        self._assembled = torch.empty(self._assembled.shape, dtype=self._assembled.dtype, device=device)
+        _free(self._recv)
+        _free(self._assembled)
+        self._full = []
 
     def _refresh_trainable(self) -> None:
         """(Re)build the reduction layout from the parameters' current ``requires_grad``.
@@ -592,7 +631,7 @@ class BlockState:
         n = rl.chunk_numel[self.rank]
         with torch.no_grad():
             data = out[:n]
-            data.div_(W)
+            data.div_(self.gradient_divide_factor or W)
             used = (out[n:] > 0).tolist()
             mine = {q.param: q for q in rl.pieces_of_rank(self.rank)}
             for j, i in enumerate(self._trainable):

@@ -219,19 +219,28 @@ class Decoder(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:
-        """Deterministic init (normal(0, 0.02) weights, ones for norms, zeros for biases)."""
+        """Deterministic init (normal(0, 0.02) weights, ones for norms, zeros for biases).
+
+        Works on sharded models too (after meta-device init and ``to_empty``): every rank draws
+        the same full tensors and keeps its own segment, so a sharded model gets exactly the
+        values of an unsharded one with the same ``seed``, at any world size.
+        """
+        from ._owned import set_full_
+
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        residual = {f"model.layers.{i}.{n}.weight" for i in range(self.cfg.num_hidden_layers)
+                    for n in ("self_attn.o_proj", "mlp.down_proj")}
+        scale = 1.0 / math.sqrt(2 * self.cfg.num_hidden_layers)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                full = torch.ones(p.shape, dtype=p.dtype)
             elif p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                full = (torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype)
+                if name in residual:  # residual projections scaled down, as GPT-2/Llama inits do
+                    full.mul_(scale)
             else:
-                p.zero_()
-        # residual projections scaled down, as GPT-2/Llama inits do
-        for layer in self.model.layers:
-            for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
-                lin.weight.mul_(1.0 / math.sqrt(2 * self.cfg.num_hidden_layers))
+                full = torch.zeros(p.shape, dtype=p.dtype)
+            set_full_(p, full)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(tokens)

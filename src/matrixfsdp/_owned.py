@@ -53,6 +53,7 @@ __all__ = [
     "make_sharded_grad",
     "local_tensor",
     "full_tensor",
+    "set_full_",
 ]
 
 _OWNED_ATTR = "_matrixfsdp_owned"
@@ -175,3 +176,38 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
 
     collectives_for(mesh.get_group()).broadcast(out, info.owner)
     return out
+
+
+@torch.no_grad()
+def set_full_(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """Write ``full`` (the whole tensor, same on every rank) into ``param``'s local segment.
+
+    No communication: the owner of an owned parameter copies everything, other ranks nothing;
+    an evenly sharded parameter copies its rows; a plain tensor is copied whole. Gives a sharded
+    model exactly the values of an unsharded one initialized with the same ``full`` tensors
+    (e.g. after meta-device init and ``to_empty``). Returns ``param``.
+
+    Example::
+
+        for name, p in model.named_parameters():
+            set_full_(p, reference_state_dict[name])
+    """
+    if tuple(full.shape) != tuple(param.shape):
+        raise ValueError(f"matrixfsdp.set_full_: shape mismatch, param {tuple(param.shape)} vs "
+                         f"full {tuple(full.shape)}")
+    if not isinstance(param, DTensor):
+        param.copy_(full)
+        return param
+    local = param._local_tensor
+    if local.numel() == 0:
+        return param
+    info = owned_of(param)
+    if info is not None:
+        local.copy_(full)
+        return param
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    local.copy_(full[index])
+    return param

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from ._block import BlockState, ManagedParam, RootContext, ShardConfig
 from ._collectives import CommCounter, SegmentCollectives, collectives_for
-from ._owned import make_sharded_param, owner_meshes
+from ._owned import local_tensor, make_sharded_param, owner_meshes
 from ._plan import OwnerPlan, ParamPlan
 
 __all__ = ["fully_shard", "MatrixFSDPModule", "UnshardHandle", "comm_counter", "get_state"]
@@ -228,6 +228,15 @@ class MatrixFSDPModule:
         for state in self._states(recurse):
             state.requires_gradient_sync = bool(requires_gradient_sync)
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Reduced gradients are ``sum / factor`` instead of ``sum / W`` (torch's FSDP2 method;
+        e.g. ``1.0`` when the loss is already normalized by the global token count, as
+        torchtitan does). Applies to this module and every module under it."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor=!r}")
+        for state in self._states(recurse=True):
+            state.gradient_divide_factor = float(factor)
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free materialized parameters after forward (re-materialize in backward)."""
         import dataclasses
@@ -247,6 +256,52 @@ class MatrixFSDPModule:
         _state_of(self, "set_modules_to_backward_prefetch").backward_prefetch = [  # type: ignore[arg-type]
             _state_of(m, "set_modules_to_backward_prefetch") for m in modules  # type: ignore[arg-type]
         ]
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> "MatrixFSDPModule":
+        """Allocate uninitialized storage on ``device`` (meta-device init, as with FSDP2).
+
+        Every rank allocates only its own segments: owners the whole tensor, other ranks an
+        empty ``[0, ...]`` tensor, evenly sharded parameters their rows (see
+        [Note: meta-device initialization]). Initialize afterwards, e.g. with ``torch.nn.init``
+        functions on the parameters (they act on each rank's segment) or a checkpoint load.
+
+        Example::
+
+            with torch.device("meta"):
+                model = Model()
+            plan = matrixfsdp.plan_owners(model, mesh, block_types=(Block,))
+            for block in model.blocks:
+                matrixfsdp.fully_shard(block, mesh=mesh, plan=plan)
+            matrixfsdp.fully_shard(model, mesh=mesh, plan=plan)
+            model.to_empty(device="cpu")
+            model.reset_parameters()   # or matrixfsdp.checkpoint.load(...)
+        """
+        states = self._states(recurse)
+        unresolved = [s for s in states if not s.resolved]
+        if unresolved:
+            raise RuntimeError(
+                f"{API}: to_empty on {_cls_name(self)} before its blocks were resolved; call "  # type: ignore[arg-type]
+                "matrixfsdp.fully_shard on the planned model first"
+            )
+        dev = torch.device(device) if device is not None else torch.get_default_device()
+        for ctx in {id(s.ctx): s.ctx for s in states if s.ctx is not None}.values():
+            ctx.drop_stale()  # nothing of an earlier iteration may point at the old storage
+        # Our parameters are taken out of the modules while torch's to_empty handles everything
+        # else (buffers, ignored parameters): DTensor's empty_like on a rank outside a parameter's
+        # one-rank owner mesh would return a 1-D ``tensor([])`` (a 0-dim one: a scalar), not the
+        # ``[0, ...]`` segment the runtime relies on.
+        managed = [mp for s in states for mp in s.params]
+        for mp in managed:
+            for m, attr in mp.sites:
+                m._parameters[attr] = None
+        try:
+            nn.Module.to_empty(self, device=dev, recurse=recurse)  # type: ignore[arg-type]
+        finally:
+            for s in states:
+                s.to_sharded()  # puts every mp.sharded back
+        for s in states:
+            s.move_to(dev)
+        return self
 
     def _states(self, recurse: bool) -> list[BlockState]:
         mods = self.modules() if recurse else [self]  # type: ignore[attr-defined]
@@ -298,6 +353,13 @@ def _lazy_init(state: BlockState) -> None:
         )
     ctx = state.root_ctx
     if not ctx.checked:
+        meta = [mp.fqn for s in ctx.states for mp in s.params if local_tensor(mp.sharded).is_meta]
+        if meta:
+            raise RuntimeError(
+                f"{API}: parameters are still on the meta device ({meta[:3]}"
+                f"{'...' if len(meta) > 3 else ''}); call model.to_empty(device=...) and "
+                "initialize them (or load a checkpoint) before the first forward"
+            )
         # torch's fully_shard applied after ours would otherwise fail obscurely (or silently).
         _check_not_torch_fsdp(ctx.root.module)
         ctx.checked = True
@@ -429,6 +491,14 @@ def _shard_param(mp: ManagedParam, mesh: DeviceMesh, rank: int) -> None:
         raise RuntimeError(f"{API}: {mp.fqn!r} is not planned or was already sharded")
     W = mesh.size()
     data = orig.detach()
+    if data.is_meta:  # meta-device init: shapes only; model.to_empty(device=...) allocates
+        local = torch.empty(pp.local_shape(rank, W), dtype=data.dtype, device="meta")
+        mp.sharded = make_sharded_param(local, shape=tuple(pp.shape), mesh=mesh, owner=pp.owner,
+                                        kind=pp.placement, requires_grad=orig.requires_grad)
+        mp.orig = None
+        for m, attr in mp.sites:
+            m._parameters[attr] = mp.sharded
+        return
     device = _mesh_device(mesh)
     if data.device != device:
         data = data.to(device)
