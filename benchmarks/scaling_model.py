@@ -27,10 +27,17 @@ GPU, NVLink within a node of 8, 400 Gb/s InfiniBand per GPU across nodes); they 
 measurements. Output: JSON rows, a markdown table and PNG plots; the crossover W per model is where
 ``owner_direct``'s step time overtakes ``fsdp2_distmuon``'s.
 
-Calibration status: the compute side (per-rank optimizer cost from the planner's FLOP model) was
-checked on this CPU by ``step_balance.py`` (predicted imbalance 1.005, timed 1.020 at W=4; the
-distributed step at 0.997x the timed balance limit at W=2). The communication side was not
-calibrated on a cluster (none here); on the 2-core machine the emulated links are CPU-bound.
+Calibration: ``--validate STEP_BENCH.jsonl --calibration CALIBRATION.json`` runs the same cost
+structure on figures measured on this machine by ``calibrate.py`` (per-op alpha-beta fits of the
+gloo collectives, Newton-Schulz per shape, forward+backward, AdamW) for the step benchmark's
+configuration and prints predicted vs measured fwd+bwd/step/total per implementation, as an
+"overlap" and a "serial" bound (benchmarks/results/scaling_validation.md). On 2 shared cores the
+serial bound fits: ratios between implementations within ~10% at 4 Gbit/s and 1 Gbit/s; absolute
+totals 0.85-1.24x the serial bound (FSDP2 copy-in/out and hook overheads are not modelled; at
+50 Mbit/s the uneven all-to-all fit is poor and the model misses matrixfsdp's 1.09x fwd+bwd).
+The compute side was also checked by ``step_balance.py`` (predicted imbalance 1.005, timed 1.020
+at W=4). Nothing here is calibrated on GPUs (none were available): the cluster figures in ``HW``
+are assumptions.
 """
 
 from __future__ import annotations
