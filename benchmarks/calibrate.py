@@ -11,7 +11,7 @@ this machine's cores and, with ``--netns``, the shaped links):
   bench's NS dtype) per distinct hidden-matrix shape of the bench model: seconds and flop/s
   (``matrixfsdp._cost.newton_schulz_flops``);
 * ``fwd_bwd``: forward + backward of the plain bench model on one rank's batch (no communication):
-  seconds, split by the bench's transformer blocks;
+  seconds for the whole model (``scaling_model.py`` splits it over blocks by matmul FLOPs);
 * ``adamw``: one ``torch.optim.AdamW(foreach=False)`` step per element (seconds per element);
 * ``collectives``: ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``,
   ``all_reduce``, ``broadcast`` and ``reduce`` over buffer sizes 16 KiB-16 MiB: the median over

@@ -164,11 +164,18 @@ def simulate(name: str, W: int, hw: Hardware = HW) -> list[Row]:
     gather_step = ring(n_mat * GRAD_BYTES, W, hw) + ns_total
     rows.append(Row(name, W, "fsdp2_gather_muon", fsdp, gather_step, fsdp + gather_step, 1.0))
     # DistMuon: per decoder-layer bucket an all-to-all to the owners and back (latency per bucket,
-    # as step_bench configures it: one BucketConfig per layer); owners by LPT on NS cost with
-    # loads carried across buckets (torchtitan 0.3.0 _assign_balanced_owner_ranks), NS on owners.
+    # as step_bench configures it: one BucketConfig per layer); owners as torchtitan 0.3.0's
+    # _assign_balanced_owner_ranks: LPT on NS cost within each bucket, ties broken by the load
+    # carried from earlier buckets. NS time = the largest carried load (buckets pipelined: the
+    # most favourable reading for DistMuon).
     rr = [0.0] * W
-    for p in sorted(mats, key=lambda p: (-newton_schulz_flops(p.shape), p.fqn)):
-        rr[rr.index(min(rr))] += newton_schulz_flops(p.shape)
+    for b in blocks:
+        bl = [0.0] * W
+        bm = [p for p in mats if p.block == b]
+        for p in sorted(bm, key=lambda p: (-newton_schulz_flops(p.shape), p.fqn)):
+            r = min(range(W), key=lambda i: (bl[i], rr[i], i))
+            bl[r] += newton_schulz_flops(p.shape)
+            rr[r] += newton_schulz_flops(p.shape)
     a2a_bytes = 2 * (W - 1) / W * n_mat * GRAD_BYTES / W
     bw = hw.bw_intra if W <= hw.node else hw.bw_inter
     alpha = hw.alpha_intra if W <= hw.node else hw.alpha_inter
@@ -274,7 +281,8 @@ def model_bench(cal: "Calibrated", cfg_dict: dict, W: int) -> dict[str, dict[str
         """FSDP-style per-block pipeline; ``ag(b)``/``rs(b)`` seconds. Returns (overlap, serial).
         Forward: root then layers, next block's gather prefetched under the current compute.
         Backward: head (root, kept unsharded), layers in reverse with gathers prefetched, each
-        block's reduction issued after its compute, the root's reduction last."""
+        block's reduction issued after its compute and overlapped with the next block's
+        compute; the last reduction (layer 0's) exposed."""
         order = [""] + blocks
         f_ov = ag(order[0]) + sum(max(fwd[b], ag(order[i + 1]) if i + 1 < len(order) else 0.0)
                                   for i, b in enumerate(order))

@@ -193,3 +193,84 @@ def test_set_full_plain_tensor_and_shape_error():
     assert torch.equal(p.detach(), torch.ones(3, 2))
     with pytest.raises(ValueError, match=r"matrixfsdp.set_full_: shape mismatch, param \(3, 2\) vs full \(2, 3\)"):
         set_full_(p, torch.ones(2, 3))
+
+
+def check_identity_repair_and_refusals() -> dict:
+    """An optimizer built before to_empty keeps working (same parameter objects, as FSDP2);
+    torch's own to_empty on an outer wrapper is repaired at the next checkpoint load / forward;
+    to_empty drops unreduced accumulated gradients; a meta model refuses checkpoint load."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    cfg = PRESETS["tiny"]
+    mesh = init_device_mesh("cpu", (W,))
+    out = {}
+
+    def meta_model():
+        with torch.device("meta"):
+            m = Decoder(cfg)
+        return _shard_decoder(m, mesh, matrixfsdp.plan_owners(m, mesh, block_types=(DecoderLayer,)))
+
+    eager = Decoder(cfg)
+    eager.reset_parameters(seed=5)
+    _shard_decoder(eager, mesh, matrixfsdp.plan_owners(eager, mesh, block_types=(DecoderLayer,)))
+    l_eager = _train(eager, 2, W, rank, cfg.vocab_size)
+
+    # optimizer first, then to_empty + init (the objects it holds must be the live parameters)
+    model = meta_model()
+    before = list(model.parameters())
+    opt = matrixfsdp.optim.Muon(model.parameters(), lr=0.02, ns_dtype=torch.float32, adamw_lr=3e-3)
+    model.to_empty(device="cpu")
+    model.reset_parameters(seed=5)
+    out["identity"] = all(p is q for p, q in zip(before, model.parameters()))
+    losses = []
+    for step in range(2):
+        g = torch.Generator().manual_seed(100 + step)
+        tokens = torch.randint(0, cfg.vocab_size, (2 * W, 9), generator=g)[2 * rank:2 * rank + 2]
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    out["opt_before_to_empty_trains_identically"] = losses == l_eager and all(
+        torch.equal(local_of(p), local_of(q)) for p, q in zip(model.parameters(), eager.parameters()))
+
+    # a checkpoint load into a model still on meta is refused on every rank
+    path = [tempfile.mkdtemp(prefix="mfsdp-meta-") if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    ckpt = os.path.join(path[0], "ckpt")
+    matrixfsdp.checkpoint.save(ckpt, eager)
+    fresh = meta_model()
+    try:
+        matrixfsdp.checkpoint.load(ckpt, fresh)
+        out["meta_load_error"] = ""
+    except RuntimeError as e:
+        out["meta_load_error"] = str(e)
+
+    # torch's to_empty on a wrapper swaps our DTensors (Owned metadata lost, non-owners get 1-D
+    # tensor([])); the checkpoint helpers repair the layout before loading
+    torch.nn.ModuleDict({"m": fresh}).to_empty(device="cpu")
+    out["broken_before_repair"] = any(owned_of(p) is None and matrixfsdp.owned_of(q) is not None
+                                      for p, q in zip(fresh.parameters(), eager.parameters()))
+    matrixfsdp.checkpoint.load(ckpt, fresh)
+    out["repaired"] = all(
+        owned_of(p) == owned_of(q) and torch.equal(local_of(p), local_of(q))
+        for p, q in zip(fresh.parameters(), eager.parameters()))
+
+    # to_empty drops gradients accumulated without sync
+    fresh.set_requires_gradient_sync(False)
+    fresh(torch.zeros(2, 4, dtype=torch.long)).sum().backward()
+    fresh.set_requires_gradient_sync(True)
+    fresh.to_empty(device="cpu")
+    out["accum_dropped"] = all(get_state(m)._accum is None for m in fresh.modules() if get_state(m) is not None)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path[0], ignore_errors=True)
+    return out
+
+
+def test_identity_repair_and_refusals():
+    for r in get_pool(2).run(check_identity_repair_and_refusals):
+        assert r["identity"] and r["opt_before_to_empty_trains_identically"], r
+        assert "parameters are still on the meta device" in r["meta_load_error"], r
+        assert r["broken_before_repair"] and r["repaired"], r
+        assert r["accum_dropped"], r

@@ -73,13 +73,17 @@ but never reduced.
 As with FSDP2, a model may be built under ``torch.device("meta")``, planned (the planner only
 reads shapes) and sharded: resolution then creates meta DTensors with each rank's segment shape
 and allocates nothing. ``MatrixFSDPModule.to_empty`` gives every parameter fresh storage of that
-shape on the device and re-creates the block buffers there; it handles our parameters itself
-because DTensor's ``empty_like`` on a rank outside an owned parameter's one-rank mesh returns a
-1-D ``tensor([])`` (a scalar for 0-dim parameters), not the ``[0, ...]`` segment every layout
-computation assumes. Initialization then runs on the sharded parameters (``torch.nn.init``
-functions act on each rank's segment: only the owner touches an owned tensor; or
-``matrixfsdp._owned.set_full_`` from a full tensor, or a checkpoint load). The first forward
-refuses parameters still on meta.
+shape on the device (swapping contents into the same parameter objects, so optimizers built
+earlier keep working) and re-creates the block buffers there. It handles our parameters itself
+because DTensor's dispatch, on a rank outside an owned parameter's one-rank mesh, returns a 1-D
+``tensor([])`` (a scalar for 0-dim parameters) instead of the ``[0, ...]`` segment every layout
+computation assumes, and because torch's swap drops the :class:`Owned` metadata. For the same
+reason initialization goes through ``set_full_`` (full tensors computed alike on every rank) or a
+checkpoint load, not ``torch.nn.init`` on the DTensors (``trunc_normal_`` raises on non-owners).
+If torch code swaps our parameters anyway (``to_empty``/``to`` called on an outer wrapper or an
+inner submodule), ``BlockState.repair_layout`` -- run at every root forward outside backward and
+in the checkpoint helpers -- restores the layout and metadata, keeping correctly shaped data;
+parameters still on meta raise there.
 
 Activation checkpointing (non-reentrant) works: a forward pre-hook running while the block is in
 its backward is a recomputation; it gets the materialized values as fresh leaves with the params'
@@ -90,6 +94,7 @@ flowing through the original forward's ``_Materialize``.
 from __future__ import annotations
 
 import enum
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
@@ -99,6 +104,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._collectives import Handle, SegmentCollectives
@@ -313,22 +319,70 @@ class BlockState:
     def move_to(self, device: torch.device) -> None:
         """Give every parameter fresh, uninitialized storage on ``device`` (``to_empty``).
 
-        See [Note: meta-device initialization]. The parameter objects are replaced (new DTensors
-        with the same layout and :class:`Owned` metadata); optimizers must be built afterwards,
-        as with FSDP2.
+        See [Note: meta-device initialization]. The parameter objects keep their identity (their
+        contents are swapped, as torch's ``to_empty`` does for tensor subclasses), so an optimizer
+        built earlier still holds them; unreduced accumulated gradients are dropped.
         """
         for mp in self.params:
             old = mp.sharded
-            info = owned_of(old)
             local = local_tensor(old)
             new_local = torch.empty(local.shape, dtype=local.dtype, device=device)
-            mp.sharded = make_sharded_param(
-                new_local, shape=tuple(old.shape), mesh=self.config.mesh,
-                owner=None if info is None else info.owner,
-                kind=mp.plan.placement if mp.plan is not None else "even",
-                requires_grad=old.requires_grad,
-            )
-        self.to_sharded()
+            self._swap_in(mp, new_local)
+        self._accum = None
+        self._realloc_buffers(device)
+
+    def repair_layout(self) -> bool:
+        """Restore the runtime's parameter representation after torch code replaced it.
+
+        torch's ``nn.Module.to_empty``/``_apply`` called on a module that is not ours (an outer
+        wrapper, an inner submodule) swaps our DTensors for ones DTensor's dispatch built: they lose
+        the :class:`Owned` metadata, and ranks outside an owned tensor's one-rank mesh get a 1-D
+        ``tensor([])`` (a scalar for 0-dim parameters) instead of their ``[0, ...]`` segment. Data
+        of correctly shaped segments is kept; wrong empty segments are re-created on the device of
+        the parameters; the block buffers follow that device. Returns whether anything changed.
+        """
+        changed = False
+        devices = set()
+        for mp in self.params:
+            p, pp = mp.sharded, mp.plan
+            local = local_tensor(p)
+            devices.add(local.device)
+            expected = pp.local_shape(self.rank, self.world_size)
+            good_meta = (owned_of(p) is not None) == (pp.owner is not None) and isinstance(p, DTensor)
+            if tuple(local.shape) == expected and good_meta:
+                continue
+            if tuple(local.shape) != expected:
+                if math.prod(expected) != 0:
+                    raise RuntimeError(
+                        f"matrixfsdp.fully_shard: parameter {mp.fqn!r} has local shape "
+                        f"{tuple(local.shape)} on rank {self.rank}, expected {expected}; it was "
+                        "replaced outside matrixfsdp (assign parameters through set_full_ or a "
+                        "checkpoint load instead)"
+                    )
+                local = torch.empty(expected, dtype=local.dtype, device=local.device)
+            self._swap_in(mp, local)
+            changed = True
+        if len(devices) > 1:
+            raise RuntimeError(f"matrixfsdp.fully_shard: block {self.fqn!r} has parameters on several "
+                               f"devices {sorted(map(str, devices))}; move the whole model with to_empty")
+        if devices and self._recv.device != next(iter(devices)):
+            self._realloc_buffers(next(iter(devices)))
+            changed = True
+        return changed
+
+    def _swap_in(self, mp: ManagedParam, local: torch.Tensor) -> None:
+        """Make ``mp.sharded`` (same object) hold ``local`` with the plan's layout and metadata."""
+        pp = mp.plan
+        old = mp.sharded
+        new = make_sharded_param(local, shape=tuple(pp.shape), mesh=self.config.mesh, owner=pp.owner,
+                                 kind=pp.placement, requires_grad=old.requires_grad)
+        if old.grad is not None:
+            old.grad = None  # a use of the old storage would block the swap; it is stale anyway
+        torch.utils.swap_tensors(old, new)
+        for m, attr in mp.sites:
+            m._parameters[attr] = old
+
+    def _realloc_buffers(self, device: torch.device) -> None:
         self._recv = torch.empty(self._recv.shape, dtype=self._recv.dtype, device=device)
         self._assembled = torch.empty(self._assembled.shape, dtype=self._assembled.dtype, device=device)
         _free(self._recv)

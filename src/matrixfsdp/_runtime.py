@@ -155,11 +155,14 @@ def comm_counter(module: nn.Module) -> CommCounter:
 
 def drop_stale_state(module: nn.Module) -> None:
     """Reshard leftovers of unfinished iterations under ``module``'s root (see [Note: stale
-    state] in ``_block.py``); a no-op for modules matrixfsdp does not manage. Call on every rank."""
+    state] in ``_block.py``) and check the parameter layout (meta parameters raise, layouts
+    swapped by torch code are repaired); a no-op for modules matrixfsdp does not manage. Call on
+    every rank."""
     for m in module.modules():
         state = get_state(m)
         if state is not None and state.ctx is not None and torch._C._current_graph_task_id() == -1:
             state.ctx.drop_stale()
+            check_layout(state.ctx)
             return
 
 
@@ -262,8 +265,13 @@ class MatrixFSDPModule:
 
         Every rank allocates only its own segments: owners the whole tensor, other ranks an
         empty ``[0, ...]`` tensor, evenly sharded parameters their rows (see
-        [Note: meta-device initialization]). Initialize afterwards, e.g. with ``torch.nn.init``
-        functions on the parameters (they act on each rank's segment) or a checkpoint load.
+        [Note: meta-device initialization]). Parameter objects keep their identity, as with
+        FSDP2. Initialize afterwards with :func:`matrixfsdp.set_full_` from full tensors every
+        rank computes alike (e.g. ``set_full_(p, init_fn(torch.empty(p.shape), generator=g))``,
+        which also makes the init independent of the world size) or with a checkpoint load.
+        ``torch.nn.init`` functions applied to the sharded parameters are not safe: on ranks
+        outside an owned tensor's one-rank mesh some raise (``trunc_normal_``) and random ones
+        advance only the owner's generator.
 
         Example::
 
@@ -274,7 +282,9 @@ class MatrixFSDPModule:
                 matrixfsdp.fully_shard(block, mesh=mesh, plan=plan)
             matrixfsdp.fully_shard(model, mesh=mesh, plan=plan)
             model.to_empty(device="cpu")
-            model.reset_parameters()   # or matrixfsdp.checkpoint.load(...)
+            g = torch.Generator().manual_seed(0)
+            for p in model.parameters():   # or matrixfsdp.checkpoint.load(...)
+                matrixfsdp.set_full_(p, torch.nn.init.normal_(torch.empty(p.shape), std=0.02, generator=g))
         """
         states = self._states(recurse)
         unresolved = [s for s in states if not s.resolved]
@@ -352,17 +362,26 @@ def _lazy_init(state: BlockState) -> None:
             "model (the module given to plan_owners) before running forward"
         )
     ctx = state.root_ctx
+    if state is ctx.root and torch._C._current_graph_task_id() == -1:
+        check_layout(ctx)  # once per iteration, at the root's forward outside backward
     if not ctx.checked:
-        meta = [mp.fqn for s in ctx.states for mp in s.params if local_tensor(mp.sharded).is_meta]
-        if meta:
-            raise RuntimeError(
-                f"{API}: parameters are still on the meta device ({meta[:3]}"
-                f"{'...' if len(meta) > 3 else ''}); call model.to_empty(device=...) and "
-                "initialize them (or load a checkpoint) before the first forward"
-            )
         # torch's fully_shard applied after ours would otherwise fail obscurely (or silently).
         _check_not_torch_fsdp(ctx.root.module)
         ctx.checked = True
+
+
+def check_layout(ctx: RootContext) -> None:
+    """Refuse parameters still on meta; repair representations torch code swapped in (see
+    ``BlockState.repair_layout``). Local, no collective; call on every rank at the same point."""
+    meta = [mp.fqn for s in ctx.states for mp in s.params if local_tensor(mp.sharded).is_meta]
+    if meta:
+        raise RuntimeError(
+            f"{API}: parameters are still on the meta device ({meta[:3]}"
+            f"{'...' if len(meta) > 3 else ''}); call model.to_empty(device=...) and "
+            "initialize them (or load a checkpoint) before using the model"
+        )
+    for s in ctx.states:
+        s.repair_layout()
 
 
 # ================================================================================ registration
