@@ -707,3 +707,29 @@ def test_shampoo_roots_placeholders(tmp_path):
         assert ("L_inv_root" in o2.state[p]) == (save_at >= 3)
         train(m2, o2, range(save_at, 7))
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), m2.parameters()))
+
+
+# ==================================================================================== torch optimizers
+def w_torch_adamw_resume(root):
+    """torch.optim.AdamW (not ours) on a matrixfsdp model: save after 2 steps, load into a fresh
+    model + AdamW, 2 more steps == 4 uninterrupted steps, bitwise (owned state comes back as
+    DTensors in the parameter's layout, as torch's AdamW keeps it)."""
+    W = dist.get_world_size()
+
+    def fresh():
+        model, _ = build(None, W)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+    ref, ref_opt = fresh()
+    train(ref, ref_opt, range(4))
+    model, opt = fresh()
+    train(model, opt, range(2))
+    matrixfsdp.checkpoint.save(os.path.join(root, "adamw"), model, opt)
+    model2, opt2 = fresh()
+    matrixfsdp.checkpoint.load(os.path.join(root, "adamw"), model2, opt2)
+    train(model2, opt2, range(2, 4))
+    return all(torch.equal(local(p), local(q)) for p, q in zip(model2.parameters(), ref.parameters()))
+
+
+def test_torch_adamw_resume(tmp_path):
+    assert all(get_pool(2).run(w_torch_adamw_resume, str(tmp_path)))

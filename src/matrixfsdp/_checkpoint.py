@@ -373,7 +373,13 @@ def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: Tenso
     if info is not None:
         if info.mesh is None or info.mesh.get_local_rank() != info.owner:
             return None
-        return torch.empty(shape, dtype=dtype, device=local.device)
+        buf = torch.empty(shape, dtype=dtype, device=local.device)
+        if name == "step" or shape != tuple(p.shape):
+            return buf  # counters, and whole-matrix state of other shapes (Shampoo/SOAP factors)
+        # Same layout as the parameter: torch optimizers (AdamW on DTensor params) keep their
+        # state as DTensors like the parameter; matrixfsdp's accept either.
+        meta = TensorMeta(torch.Size(shape), _stride(shape), dtype)
+        return DTensor(buf, DTensorSpec(p.device_mesh, tuple(p.placements), meta), requires_grad=False)
     if local.numel() == 0:
         return None
     if len(shape) == 0:
