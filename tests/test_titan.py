@@ -1,0 +1,136 @@
+"""matrixfsdp from a torchtitan training config: torchtitan 0.3.0's own Trainer, tiny Qwen3, CPU/gloo.
+
+``matrixfsdp.titan.with_matrixfsdp`` converts the config (parallelize_fn -> matrixfsdp's
+fully_shard over an owner plan, optimizer -> matrixfsdp Muon with the AdamW route in its own
+group). The same global batch at W=2 and W=3 must give the W=1 run's losses and gradient norms
+(the gradient-scale check: titan's loss is normalized by the global token count and expects summed
+gradients), the hidden matrices must be owned whole, and the optimizer step must not communicate.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e '.[titan]')")
+
+from _harness import get_pool  # noqa: E402
+
+STEPS = 4
+GLOBAL_BATCH = 6
+RTOL = 1e-5
+
+
+def _train(steps: int, dump_folder: str, optimizer: str) -> dict:
+    """Pool worker: tiny Qwen3 converted with with_matrixfsdp, trained in this rank's process."""
+    import torch
+    import torch.distributed as dist
+
+    from _titan_cpu import cpu_patches, run_trainer_metrics, tiny_qwen3_config
+
+    import matrixfsdp
+    import matrixfsdp.titan as mt
+    from matrixfsdp._runtime import comm_counter
+
+    W = dist.get_world_size()
+    cfg = tiny_qwen3_config(steps=steps, global_batch=GLOBAL_BATCH,
+                            dump_folder=os.path.join(dump_folder, f"{optimizer}-w{W}"))
+    cfg = mt.with_matrixfsdp(cfg, optimizer=optimizer, lr=0.02, adamw_lr=8e-4,
+                             optimizer_kwargs={"ns_dtype": torch.float32} if optimizer == "Muon" else {})
+
+    def inspect(trainer) -> dict:
+        model = trainer.model_parts[0]
+        kinds = {}
+        for fqn, p in model.named_parameters():
+            o = matrixfsdp.owned_of(p)
+            kinds[fqn] = "even" if o is None else o.kind
+        algos = sorted({g["algorithm"] for opt in trainer.optimizers for g in opt.param_groups})
+        types_ = sorted({type(o).__name__ for o in trainer.optimizers})
+        counter = comm_counter(model)
+        before = (sum(counter.calls.values()), counter.bytes_sent)
+        trainer.optimizers.step()  # the grads of the last step are still there
+        after = (sum(counter.calls.values()), counter.bytes_sent)
+        return {"kinds": kinds, "algos": algos, "optimizer_types": types_, "step_comm": (before, after),
+                "model_class": type(model).__name__}
+
+    # The harness's own full-tensor init patch is off: matrixfsdp.titan must make the init
+    # world-size independent by itself.
+    with cpu_patches(full_tensor_init=False):
+        m = run_trainer_metrics(cfg, inspect=inspect)
+    return {"losses": m.losses, "grad_norms": m.grad_norms, "inspected": m.inspected}
+
+
+def _close(a: list[float], b: list[float], rtol: float) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= rtol * max(abs(x), abs(y)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("optimizer", ["Muon"])
+def test_titan_trainer_matrixfsdp_world_size_invariant(tmp_path, optimizer):
+    w1 = get_pool(1).run(_train, STEPS, str(tmp_path), optimizer, timeout=180)
+    ref = w1[0]
+    for W in (2, 3):
+        res = get_pool(W).run(_train, STEPS, str(tmp_path), optimizer, timeout=180)
+        for r in res:
+            assert all(math.isfinite(x) for x in r["losses"] + r["grad_norms"]), r
+            info = r["inspected"]
+            assert info["model_class"].startswith("MatrixFSDP"), info
+            assert info["optimizer_types"] == [optimizer], info
+            assert info["algos"] == ["adamw", "auto"], info
+            mats = [f for f, k in info["kinds"].items() if k == "matrix"]
+            assert len(mats) >= 2 * 4, info["kinds"]  # wqkv, wo, w1, w2, w3 per layer (2 layers)
+            before, after = info["step_comm"]
+            assert before == after, info["step_comm"]  # the optimizer step makes no collective
+        got = res[0]
+        assert _close(got["grad_norms"], ref["grad_norms"], RTOL), (W, got["grad_norms"], ref["grad_norms"])
+        assert _close(got["losses"], ref["losses"], RTOL), (W, got["losses"], ref["losses"])
+    assert ref["losses"][-1] < ref["losses"][0], ref["losses"]
+    print("losses", ref["losses"], "grad norms", ref["grad_norms"])
+
+
+def test_with_matrixfsdp_rejects_unknown_optimizer():
+    import _titan_cpu  # noqa: F401  (stubs triton kernels on CPU-only builds)
+    import matrixfsdp.titan as mt
+
+    with pytest.raises(ValueError, match=r"optimizer must be one of \['Muon', 'SOAP', 'Shampoo'\], got optimizer='Adam'"):
+        mt.with_matrixfsdp(mt.qwen3_debugmodel_muon(), optimizer="Adam")
+
+
+def _train_ckpt(steps: int, folder: str, load_step: int | None) -> dict:
+    """Pool worker: Muon via with_matrixfsdp with torchtitan's CheckpointManager saving every 2
+    steps into ``folder``; ``load_step`` resumes from that step (DCP reshards to this world)."""
+    import torch
+    import torch.distributed as dist
+
+    from _titan_cpu import cpu_patches, run_trainer_metrics, tiny_qwen3_config
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    import matrixfsdp.titan as mt
+
+    W = dist.get_world_size()
+    cfg = tiny_qwen3_config(steps=steps, global_batch=GLOBAL_BATCH, dump_folder=folder)
+    cfg = mt.with_matrixfsdp(cfg, optimizer="Muon", lr=0.02, adamw_lr=8e-4,
+                             optimizer_kwargs={"ns_dtype": torch.float32})
+    cfg.checkpoint = CheckpointManager.Config(
+        enable=True, folder=f"checkpoint-w{W}" if load_step is None else "checkpoint-w2", interval=2,
+        last_save_model_only=False, load_step=-1 if load_step is None else load_step,
+        keep_latest_k=0)
+    with cpu_patches(full_tensor_init=False):
+        m = run_trainer_metrics(cfg, first_step=1 if load_step is None else load_step + 1)
+    return {"losses": m.losses, "grad_norms": m.grad_norms}
+
+
+def test_titan_checkpoint_resume_and_reshard(tmp_path):
+    """torchtitan's own checkpointing (DCP, flat optimizer state) of a matrixfsdp run: resuming
+    from step 2 at the same world size continues exactly; at W=3 it continues as a W=3 run
+    from the same state would (within the W-invariance tolerance)."""
+    folder = str(tmp_path)
+    full = get_pool(2).run(_train_ckpt, STEPS, folder, None, timeout=180)[0]
+    assert os.path.isdir(os.path.join(folder, "checkpoint-w2", "step-2")), os.listdir(folder)
+    same = get_pool(2).run(_train_ckpt, STEPS, folder, 2, timeout=180)[0]
+    assert same["losses"] == full["losses"][2:], (same, full)
+    assert same["grad_norms"] == full["grad_norms"][2:], (same, full)
+    resharded = get_pool(3).run(_train_ckpt, STEPS, folder, 2, timeout=180)[0]
+    assert _close(resharded["losses"], full["losses"][2:], RTOL), (resharded, full)
+    assert _close(resharded["grad_norms"], full["grad_norms"][2:], RTOL), (resharded, full)
