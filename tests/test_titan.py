@@ -134,3 +134,39 @@ def test_titan_checkpoint_resume_and_reshard(tmp_path):
     resharded = get_pool(3).run(_train_ckpt, STEPS, folder, 2, timeout=180)[0]
     assert _close(resharded["losses"], full["losses"][2:], RTOL), (resharded, full)
     assert _close(resharded["grad_norms"], full["grad_norms"][2:], RTOL), (resharded, full)
+
+
+def test_cli_config_lookup_and_overrides():
+    """`--module matrixfsdp.titan --config qwen3_debugmodel_muon` through torchtitan's own
+    ConfigManager (module lookup + tyro CLI overrides on our Config subclass)."""
+    import _titan_cpu  # noqa: F401  (stubs triton kernels on CPU-only builds)
+    from torchtitan.config import ConfigManager
+
+    cfg = ConfigManager().parse_args(["--module", "matrixfsdp.titan", "--config", "qwen3_debugmodel_muon",
+                                      "--training.steps", "3"])
+    assert cfg.training.steps == 3
+    assert type(cfg.optimizer).__qualname__ == "MatrixOptimizersContainer.Config"
+    assert cfg.optimizer.param_groups[0].optimizer_name == "Muon"
+    assert cfg.model_spec.parallelize_fn.func.__name__ == "parallelize_matrixfsdp"
+    assert cfg.parallelism.spmd_backend == "partial_dtensor" and cfg.training.disable_cuda_graphs
+
+
+def test_parallelize_rejects_unsupported_parallelism():
+    from types import SimpleNamespace
+
+    import _titan_cpu  # noqa: F401
+    import matrixfsdp.titan as mt
+
+    dims = SimpleNamespace(tp_enabled=True, cp_enabled=False, ep_enabled=False, pp_enabled=True,
+                           dp_replicate_enabled=False)
+    off = SimpleNamespace(enable=False, components=[])
+    with pytest.raises(ValueError, match=r"parallelize_matrixfsdp: not supported yet: tensor parallelism, "
+                                         r"pipeline parallelism"):
+        mt.parallelize_matrixfsdp(None, parallel_dims=dims, training=SimpleNamespace(), parallelism=None,
+                                  compile_config=off, ac_config=None, dump_folder="")
+    dims.tp_enabled = dims.pp_enabled = False
+    with pytest.raises(ValueError, match=r"set parallelism.spmd_backend='partial_dtensor'.*got "
+                                         r"parallelism.spmd_backend='spmd_types'"):
+        mt.parallelize_matrixfsdp(None, parallel_dims=dims, training=SimpleNamespace(),
+                                  parallelism=SimpleNamespace(spmd_backend="spmd_types"),
+                                  compile_config=off, ac_config=None, dump_folder="")
