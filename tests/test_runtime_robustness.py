@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from _harness import get_pool
-from _models import LocalMatrixOpt, TinyConfig, TinyDecoder, make_batch, make_plan, opt_groups
+from _models import LocalMatrixOpt, TinyConfig, TinyDecoder, local_of, make_batch, make_plan, opt_groups
 from test_runtime_parity import compare_to_ref, shard_model
 
 import matrixfsdp.checkpoint as mckpt
@@ -151,3 +151,38 @@ def clip_matches_torch(norm_type: float) -> tuple[float, float]:
 def test_clip_grad_norm_matches_torch_on_the_unsharded_model(W, norm_type):
     res = get_pool(W).run(clip_matches_torch, norm_type)
     assert max(r[0] for r in res) < 1e-6 and max(r[1] for r in res) < 1e-7, res
+
+
+def clip_edge_cases() -> dict:
+    """A plain (replicated) gradient counts once in the global norm; error_if_nonfinite raises
+    before any gradient is scaled."""
+    import matrixfsdp
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    cfg, model, ref, plan = _setup(W)
+    per = BATCH // W
+    x, y = make_batch(cfg, 0, BATCH)
+    model.loss(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+    params = list(model.parameters())
+    base = matrixfsdp.clip_grad_norm_(params, float("inf"))  # max_norm=inf: the norm, no scaling
+    extra = torch.nn.Parameter(torch.zeros(3))
+    extra.grad = torch.tensor([3.0, 4.0, 0.0])  # the same on every rank, as after DDP
+    with_plain = matrixfsdp.clip_grad_norm_(params + [extra], float("inf"))
+    expected = (base.item() ** 2 + 25.0) ** 0.5
+    before = [local_of(p.grad).clone() for p in params if p.grad is not None]
+    extra.grad = torch.tensor([float("nan"), 0.0, 0.0])
+    try:
+        matrixfsdp.clip_grad_norm_(params + [extra], 1e-3, error_if_nonfinite=True)
+        msg = ""
+    except RuntimeError as e:
+        msg = str(e)
+    after = [local_of(p.grad) for p in params if p.grad is not None]
+    return {"rel": abs(with_plain.item() - expected) / expected, "msg": msg,
+            "untouched": all(torch.equal(a, b) for a, b in zip(before, after))}
+
+
+def test_clip_grad_norm_plain_grads_and_nonfinite():
+    for r in get_pool(2).run(clip_edge_cases):
+        assert r["rel"] < 1e-6, r
+        assert "non-finite, so it cannot be clipped (error_if_nonfinite=True); gradients are unchanged" in r["msg"], r
+        assert r["untouched"], r

@@ -13,6 +13,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ._owned import local_tensor, owned_of
 
@@ -23,15 +24,18 @@ def clip_grad_norm_(
     parameters: Iterable[torch.Tensor] | torch.Tensor,
     max_norm: float,
     norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
     *,
     process_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Clip the gradients of a matrixfsdp model to a global norm of ``max_norm``, in place.
 
     Same semantics as ``torch.nn.utils.clip_grad_norm_`` (scale by ``max_norm / (norm + 1e-6)``
-    when that is < 1; returns the total norm, a plain tensor, identical on every rank). Call on
-    every rank. One all-reduce of a scalar over ``process_group`` (default: the data-parallel
-    mesh's group, taken from the parameters; the default group otherwise).
+    when that is < 1; returns the total norm, a plain tensor, identical on every rank;
+    ``error_if_nonfinite`` raises before touching any gradient). Call on every rank. One
+    all-reduce of a scalar over ``process_group`` (default: the data-parallel mesh's group, taken
+    from the parameters; the default group otherwise). Gradients that are plain tensors (e.g. of
+    ``ignored_params``) are taken as replicated and counted once.
 
     Example::
 
@@ -58,9 +62,12 @@ def clip_grad_norm_(
     grads = [local_tensor(p.grad).detach() for p in params]
     device = grads[0].device if grads else torch.device("cpu")
     inf = math.isinf(norm_type)
+    distributed = dist.is_available() and dist.is_initialized()
+    # a replicated (plain) gradient is summed on one rank only; for the max norm it does not matter
+    first = not distributed or inf or dist.get_rank(group) == 0
     local = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        if g.numel() == 0:
+    for p, g in zip(params, grads):
+        if g.numel() == 0 or (not isinstance(p.grad, DTensor) and not first):
             continue
         if inf:
             local = torch.maximum(local, g.abs().max().float())
@@ -69,6 +76,11 @@ def clip_grad_norm_(
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
     total = local if inf else local.pow(1.0 / norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"matrixfsdp.clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
+            "non-finite, so it cannot be clipped (error_if_nonfinite=True); gradients are unchanged"
+        )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         if g.numel():

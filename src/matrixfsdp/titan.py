@@ -6,9 +6,9 @@ From the command line (no registration in torchtitan: ``--module`` takes any imp
 
 From Python, convert any dense Llama3/Qwen3 config::
 
-    from torchtitan.models.qwen3.config_registry import qwen3_8b
+    from torchtitan.models.qwen3.config_registry import qwen3_14b
     import matrixfsdp.titan
-    config = matrixfsdp.titan.with_matrixfsdp(qwen3_8b(), optimizer="Muon", lr=0.02, adamw_lr=3e-4)
+    config = matrixfsdp.titan.with_matrixfsdp(qwen3_14b(), optimizer="Muon", lr=0.02, adamw_lr=3e-4)
 
 What the conversion does:
 
@@ -33,12 +33,19 @@ the same initializer on a full temporary tensor -- every rank draws the same num
 seeds all ranks alike -- and keep its segment (``matrixfsdp.set_full_``): the sharded model starts
 from exactly the parameters an unsharded run with the same seed would, at any world size.
 
+Activation checkpointing as configured is applied first; the block sharded is the wrapped inner
+layer (the recomputation runs it without the wrapper's hooks). Modules that torchtitan initializes
+with ``reset_parameters()`` (no ``param_init``) are also initialized on full tensors.
+
 Not supported (clear errors): tensor/context/expert/pipeline parallelism, HSDP
-(``dp_replicate > 1``), CPU offload, ``torch.compile`` of the model, MoE.
+(``dp_replicate > 1``), CPU offload, ``torch.compile`` of the model, MoE (parameters with more
+than 2 dimensions). The clipping dispatch replaces ``torchtitan.distributed.utils.clip_grad_norm_``
+process-wide with a wrapper that calls the original for models without matrixfsdp parameters.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import types
@@ -110,6 +117,12 @@ def parallelize_matrixfsdp(
             f"{API}.parallelize_matrixfsdp: set parallelism.spmd_backend='partial_dtensor' "
             f"(with_matrixfsdp does), got {parallelism.spmd_backend=!r}"
         )
+    high = [fqn for fqn, p in model.named_parameters() if p.ndim > 2]
+    if high:
+        raise ValueError(
+            f"{API}.parallelize_matrixfsdp: parameters with more than 2 dimensions (MoE experts?) are "
+            f"not supported yet, got {high[:3]}{'...' if len(high) > 3 else ''}"
+        )
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if skip_dp:
@@ -117,6 +130,9 @@ def parallelize_matrixfsdp(
     layers = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
     if not layers:
         raise ValueError(f"{API}.parallelize_matrixfsdp: the model has no layers")
+    # Activation checkpointing wraps each layer; its recomputation runs the *inner* module (the
+    # wrapper's hooks do not fire), so the inner module is the block we shard.
+    layers = [getattr(layer, "_checkpoint_wrapped_module", layer) for layer in layers]
     block_types = tuple({type(layer) for layer in layers})
     mesh = parallel_dims.get_mesh("fsdp")
     plan = plan_owners(model, mesh, block_types=block_types, policy=policy, optimizer=plan_optimizer)
@@ -137,6 +153,7 @@ def parallelize_matrixfsdp(
 def _redirect_param_init(model: nn.Module) -> None:
     """Make torchtitan's per-parameter initializers run on full tensors (see the module doc)."""
     for m in model.modules():
+        _redirect_reset_parameters(m)
         orig = getattr(m, "_init_param", None)
         if orig is None or getattr(orig, "_matrixfsdp", False):
             continue
@@ -157,6 +174,38 @@ def _redirect_param_init(model: nn.Module) -> None:
         m._init_param = bound  # type: ignore[method-assign]
 
 
+def _redirect_reset_parameters(m: nn.Module) -> None:
+    """torchtitan falls back to ``reset_parameters()`` for modules without ``param_init``
+    (protocols/module.py ``_init_self_parameters``); run it on full plain tensors too, so random
+    initializers draw alike on every rank."""
+    orig = getattr(m, "_init_self_parameters", None)
+    if orig is None or getattr(orig, "_matrixfsdp", False):
+        return
+
+    def _init_self_parameters(self: nn.Module, _orig: Any = orig) -> None:
+        own = [(n, p) for n, p in self._parameters.items() if isinstance(p, DTensor)]
+        if getattr(self, "_param_init", None) is not None or not own:
+            _orig()
+            return
+        saved = dict(self._parameters)
+        try:
+            for n, p in own:
+                full = torch.empty(tuple(p.shape), dtype=p.dtype, device=p._local_tensor.device)
+                self._parameters[n] = nn.Parameter(full, requires_grad=p.requires_grad)
+            with torch.no_grad():
+                _orig()
+            fulls = {n: self._parameters[n].detach() for n, _ in own}
+        finally:
+            self._parameters.update(saved)
+        with torch.no_grad():
+            for n, p in own:
+                set_full_(p, fulls[n])
+
+    bound = types.MethodType(_init_self_parameters, m)
+    bound.__func__._matrixfsdp = True  # type: ignore[attr-defined]
+    m._init_self_parameters = bound  # type: ignore[method-assign]
+
+
 def _install_clip_dispatch() -> None:
     """Route torchtitan's ``clip_grad_norm_`` to matrixfsdp's when matrixfsdp parameters are
     involved (torch's total norm cannot combine gradients on different owner meshes)."""
@@ -172,10 +221,7 @@ def _install_clip_dispatch() -> None:
                         pp_mesh: Any = None, ep_enabled: bool = False) -> torch.Tensor:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if pp_mesh is None and not ep_enabled and any(owned_of(p) is not None for p in params):
-            norm = _mfsdp_clip(params, max_norm, norm_type)
-            if error_if_nonfinite and not torch.isfinite(norm):
-                raise RuntimeError(f"{API}: the total gradient norm is non-finite ({norm.item()})")
-            return norm
+            return _mfsdp_clip(params, max_norm, norm_type, error_if_nonfinite)
         return orig(params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
 
     clip_grad_norm_._matrixfsdp = True  # type: ignore[attr-defined]
@@ -200,6 +246,21 @@ class MatrixOptimizersContainer(OptimizersContainer):
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
         implementation: str = "for-loop"  # matrixfsdp's optimizers ignore fused/foreach
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torchtitan's flat-state load restores only keys present in the live state after its
+        state-initialization step; state our optimizers create later (Shampoo's inverse roots)
+        would be dropped. Create those keys first (zeros; an all-zero placeholder that stays
+        unloaded is discarded again by the optimizer), then load."""
+        from torchtitan.components.optimizer.utils import init_optim_state, load_flat_optim_state_dict
+
+        for opt in self.optimizers:
+            init_optim_state(opt)
+            for st in opt.state.values():
+                for key, dep in getattr(opt, "_state_placeholders", {}).items():
+                    if key not in st and dep in st:
+                        st[key] = torch.zeros_like(st[dep])
+            load_flat_optim_state_dict(opt, state_dict)
 
     @staticmethod
     def _resolve_optimizer_factory(name: str) -> Any:
@@ -253,14 +314,16 @@ def with_matrixfsdp(
     """Return ``config`` (a torchtitan ``Trainer.Config``) converted to train with matrixfsdp.
 
     ``optimizer`` is ``"Muon"``, ``"Shampoo"`` or ``"SOAP"`` with ``lr``/``weight_decay`` for the
-    matrices and ``adamw_lr``/``adamw_weight_decay`` for everything else (``None``: the same);
+    matrices and ``adamw_lr``/``adamw_weight_decay`` for everything else (``adamw_lr=None``: the
+    ``lr`` of the source config's Adam/AdamW group, an error if it has none;
+    ``adamw_weight_decay=None``: ``weight_decay``);
     ``optimizer_kwargs`` adds further keyword arguments (e.g. ``{"ns_dtype": torch.float32}``).
     ``policy`` and ``collectives`` go to ``plan_owners`` and ``fully_shard``. See the module
     documentation for every field this changes.
 
     Example::
 
-        config = with_matrixfsdp(qwen3_8b(), optimizer="Muon", lr=0.02, adamw_lr=3e-4)
+        config = with_matrixfsdp(qwen3_14b(), optimizer="Muon", lr=0.02, adamw_lr=3e-4)
     """
     if optimizer not in _MATRIX_OPTIMIZERS:
         raise ValueError(f"{API}.with_matrixfsdp: optimizer must be one of {sorted(_MATRIX_OPTIMIZERS)}, "
@@ -268,7 +331,14 @@ def with_matrixfsdp(
     if config.model_spec is None:
         raise ValueError(f"{API}.with_matrixfsdp: the config has no model_spec")
     plan_opt = optimizer.lower()
-    config = dataclasses.replace(config)  # shallow: sections below are replaced, not mutated
+    if adamw_lr is None:
+        lrs = [g.optimizer_kwargs["lr"] for g in getattr(config.optimizer, "param_groups", ())
+               if g.optimizer_name in ("Adam", "AdamW") and "lr" in g.optimizer_kwargs]
+        if not lrs:
+            raise ValueError(f"{API}.with_matrixfsdp: pass adamw_lr (the source config has no Adam/AdamW "
+                             "group to take it from)")
+        adamw_lr = float(lrs[0])
+    config = copy.deepcopy(config)  # the caller's config (and its sections) stay untouched
     config.model_spec = dataclasses.replace(
         config.model_spec,
         parallelize_fn=functools.partial(parallelize_matrixfsdp, policy=policy, plan_optimizer=plan_opt,
