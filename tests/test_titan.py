@@ -198,3 +198,23 @@ def test_parallelize_rejects_unsupported_parallelism():
         mt.parallelize_matrixfsdp(None, parallel_dims=dims, training=SimpleNamespace(),
                                   parallelism=SimpleNamespace(spmd_backend="spmd_types"),
                                   compile_config=off, ac_config=None, dump_folder="")
+
+
+def test_with_matrixfsdp_defaults_and_no_mutation():
+    import _titan_cpu  # noqa: F401
+    from torchtitan.models.qwen3.config_registry import qwen3_debugmodel
+
+    import matrixfsdp.titan as mt
+
+    base = qwen3_debugmodel()
+    before = (type(base.optimizer).__qualname__, base.parallelism.spmd_backend, base.model_spec.parallelize_fn)
+    cfg = mt.with_matrixfsdp(base)
+    kw = cfg.optimizer.param_groups[0].optimizer_kwargs
+    assert kw["adamw_lr"] == base.optimizer.param_groups[0].optimizer_kwargs["lr"] == 8e-4  # from its AdamW
+    assert (type(base.optimizer).__qualname__, base.parallelism.spmd_backend,
+            base.model_spec.parallelize_fn) == before  # the caller's config is untouched
+    cfg.lr_scheduler.warmup_steps = 99
+    assert base.lr_scheduler.warmup_steps != 99
+    base.optimizer.param_groups = []
+    with pytest.raises(ValueError, match=r"pass adamw_lr \(the source config has no Adam/AdamW group"):
+        mt.with_matrixfsdp(base)
