@@ -324,14 +324,12 @@ class BlockState:
         built earlier still holds them; unreduced accumulated gradients are dropped.
         """
         for mp in self.params:
-            old = mp.sharded
-            local = local_tensor(old)
-            new_local = torch.empty(local.shape, dtype=local.dtype, device=device)
-            self._swap_in(mp, new_local)
+            local = local_tensor(mp.sharded)
+            self._swap_in(mp, torch.empty(local.shape, dtype=local.dtype, device=device))
         self._accum = None
         self._realloc_buffers(device)
 
-    def repair_layout(self) -> bool:
+    def repair_layout(self) -> None:
         """Restore the runtime's parameter representation after torch code replaced it.
 
         torch's ``nn.Module.to_empty``/``_apply`` called on a module that is not ours (an outer
@@ -339,9 +337,8 @@ class BlockState:
         the :class:`Owned` metadata, and ranks outside an owned tensor's one-rank mesh get a 1-D
         ``tensor([])`` (a scalar for 0-dim parameters) instead of their ``[0, ...]`` segment. Data
         of correctly shaped segments is kept; wrong empty segments are re-created on the device of
-        the parameters; the block buffers follow that device. Returns whether anything changed.
+        the parameters; the block buffers follow that device.
         """
-        changed = False
         devices = set()
         for mp in self.params:
             p, pp = mp.sharded, mp.plan
@@ -361,14 +358,11 @@ class BlockState:
                     )
                 local = torch.empty(expected, dtype=local.dtype, device=local.device)
             self._swap_in(mp, local)
-            changed = True
         if len(devices) > 1:
             raise RuntimeError(f"matrixfsdp.fully_shard: block {self.fqn!r} has parameters on several "
                                f"devices {sorted(map(str, devices))}; move the whole model with to_empty")
         if devices and self._recv.device != next(iter(devices)):
             self._realloc_buffers(next(iter(devices)))
-            changed = True
-        return changed
 
     def _swap_in(self, mp: ManagedParam, local: torch.Tensor) -> None:
         """Make ``mp.sharded`` (same object) hold ``local`` with the plan's layout and metadata."""

@@ -512,22 +512,17 @@ def _shard_param(mp: ManagedParam, mesh: DeviceMesh, rank: int) -> None:
     data = orig.detach()
     if data.is_meta:  # meta-device init: shapes only; model.to_empty(device=...) allocates
         local = torch.empty(pp.local_shape(rank, W), dtype=data.dtype, device="meta")
-        mp.sharded = make_sharded_param(local, shape=tuple(pp.shape), mesh=mesh, owner=pp.owner,
-                                        kind=pp.placement, requires_grad=orig.requires_grad)
-        mp.orig = None
-        for m, attr in mp.sites:
-            m._parameters[attr] = mp.sharded
-        return
-    device = _mesh_device(mesh)
-    if data.device != device:
-        data = data.to(device)
-    if pp.owner is None:
-        start, end = pp.local_rows(rank, W)
-        local = data[start:end].clone()  # own storage: the full tensor can be freed
-    elif pp.owner == rank:
-        local = data.contiguous()  # the owner keeps the original storage (no copy)
     else:
-        local = data.new_empty(pp.local_shape(rank, W))
+        device = _mesh_device(mesh)
+        if data.device != device:
+            data = data.to(device)
+        if pp.owner is None:
+            start, end = pp.local_rows(rank, W)
+            local = data[start:end].clone()  # own storage: the full tensor can be freed
+        elif pp.owner == rank:
+            local = data.contiguous()  # the owner keeps the original storage (no copy)
+        else:
+            local = data.new_empty(pp.local_shape(rank, W))
     sharded = make_sharded_param(local, shape=tuple(pp.shape), mesh=mesh, owner=pp.owner,
                                  kind=pp.placement, requires_grad=orig.requires_grad)
     mp.sharded = sharded
