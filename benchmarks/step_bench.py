@@ -547,31 +547,18 @@ def markdown(result: dict[str, Any], command: str) -> str:
             cells.append(_fmt3(s_, nd=2) if s_ else "n/a")
         L.append(f"| {n} | " + " | ".join(cells) + " |")
     L.append("")
-    L.append("### Total-time ratios, row / column (same repeat; median over repeats)")
-    L.append("")
-    L.append("| row / col | " + " | ".join(ok_names) + " |")
-    L.append("|---|" + "---:|" * len(ok_names))
-    for n in ok_names:
-        cells = []
-        for o in ok_names:
-            if o == n:
-                cells.append("1")
-            else:
-                s = ratio_stats(n, "total_s", o)
-                cells.append(f"{s['median']:.2f}" + ("†" if s["dirty"] else "") if s else "n/a")
-        L.append(f"| {n} | " + " | ".join(cells) + " |")
-    L.append("")
-    L.append("### Optimizer-step ratios, row / column")
-    L.append("")
-    L.append("| row / col | " + " | ".join(ok_names) + " |")
-    L.append("|---|" + "---:|" * len(ok_names))
-    for n in ok_names:
-        cells = []
-        for o in ok_names:
-            s = ratio_stats(n, "step_s", o) if o != n else None
-            cells.append("1" if o == n else (f"{s['median']:.2f}" + ("†" if s["dirty"] else "") if s else "n/a"))
-        L.append(f"| {n} | " + " | ".join(cells) + " |")
-    L.append("")
+    def ratio_matrix(title: str, key: str) -> None:
+        L.extend([title, "", "| row / col | " + " | ".join(ok_names) + " |", "|---|" + "---:|" * len(ok_names)])
+        for n in ok_names:
+            cells = []
+            for o in ok_names:
+                s = ratio_stats(n, key, o) if o != n else None
+                cells.append("1" if o == n else (f"{s['median']:.2f}" + ("†" if s["dirty"] else "") if s else "n/a"))
+            L.append(f"| {n} | " + " | ".join(cells) + " |")
+        L.append("")
+
+    ratio_matrix("### Total-time ratios, row / column (same repeat; median over repeats)", "total_s")
+    ratio_matrix("### Optimizer-step ratios, row / column", "step_s")
     # communication (repeat 0 rows; deterministic)
     L.append("## Communication per rank per step (measured steps; max over ranks)")
     L.append("")
