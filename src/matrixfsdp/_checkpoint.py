@@ -171,7 +171,7 @@ def _check_sharded(model: nn.Module, api: str) -> None:
 
     for name, m in model.named_modules():
         st = get_state(m)
-        if st is not None and st.resolved and st._unshard_state.value != "resharded":
+        if st is not None and st.resolved and not st.group.is_resharded:
             raise RuntimeError(
                 f"{api}: module {name or '<root>'!r} holds materialized (unsharded) parameters; "
                 "a forward is still awaiting its backward: run the backward (or drop its outputs) first"

@@ -11,10 +11,11 @@ The runtime (``_block.py``) never calls ``torch.distributed`` directly: it calls
 
 Implementations:
 
-* :class:`AllToAllCollectives` (default; gloo and NCCL): one uneven ``all_to_all_single`` for the
-  gather (the chunk is replicated once per peer in the input, a transient buffer about the size of
-  the block) and one ``reduce_scatter(out, list)`` with uneven sizes for the reduction. On gloo,
-  ``all_gather(list)`` with uneven sizes does not work, while these two do (including 0 sizes).
+* :class:`AllToAllCollectives` (default): the gather is one list ``all_to_all`` on NCCL, every
+  destination reading the chunk itself, and one ``batch_isend_irecv`` fan-out on gloo (whose list
+  all-to-all rejects uneven sizes); no ``W``-fold copy of the chunk is ever made. The reduction is
+  one ``reduce_scatter_tensor`` when the chunks are equal, else one ``reduce_scatter(out, list)``
+  with uneven sizes (0 included).
 * :class:`P2PCollectives`: the gather as one ``batch_isend_irecv`` fan-out (no replicated input
   buffer); same reduction.
 * :class:`TwoPhaseCollectives`: bandwidth-bounded whatever the owner imbalance. The gather is an
@@ -90,26 +91,32 @@ class CommCounter:
 
 
 class Handle:
-    """A waitable for one issued collective (wraps zero or more ``dist.Work``); ``then`` runs once
-    after they complete (e.g. to unpack a staging buffer into the caller's output)."""
+    """A waitable for one issued collective: zero or more ``dist.Work`` (host-waited, as gloo's
+    async works are), an optional device ``event`` (accelerators: the waiting stream is made to
+    wait for it, no host sync) and ``then``, run once after they complete (e.g. to issue a
+    dependent second phase or unpack a staging buffer)."""
 
-    __slots__ = ("_works", "_then")
+    __slots__ = ("_works", "_then", "_event")
 
-    def __init__(self, works: Sequence[Any] = (), then: Any = None):
+    def __init__(self, works: Sequence[Any] = (), then: Any = None, event: Any = None):
         self._works = [w for w in works if w is not None]
         self._then = then
+        self._event = event
 
     def wait(self) -> None:
         works, self._works = self._works, []
         for w in works:
             w.wait()
+        event, self._event = self._event, None
+        if event is not None:
+            torch.accelerator.current_stream().wait_event(event)
         then, self._then = self._then, None
         if then is not None:
             then()
 
     @property
     def done(self) -> bool:
-        return not self._works and self._then is None
+        return not self._works and self._then is None and self._event is None
 
 
 @runtime_checkable
@@ -164,9 +171,15 @@ class _Base:
         if self.world_size == 1:
             out.copy_(inp)
             return Handle()
-        chunks = list(torch.split(inp, splits))
-        work = dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=self.group,
-                                   async_op=async_op)
+        if len(set(splits)) == 1:
+            # equal chunks: one ring reduce-scatter (a list becomes W coalesced reduces on NCCL)
+            work = dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=self.group,
+                                              async_op=async_op)
+        else:
+            # uneven chunks (owners): W reduces to their destinations, coalesced by the backend
+            chunks = list(torch.split(inp, splits))
+            work = dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=self.group,
+                                       async_op=async_op)
         return Handle([work] if async_op else [])
 
     def all_gather_fixed(self, t: torch.Tensor) -> torch.Tensor:
@@ -214,22 +227,28 @@ class _Base:
 
 
 class AllToAllCollectives(_Base):
-    """Gather via one uneven ``all_to_all_single`` (chunk replicated once per peer)."""
+    """Gather via one all-to-all whose every destination reads the same send buffer.
+
+    NCCL: a list ``all_to_all`` with the chunk itself as every peer's input (uneven sizes are
+    fine, nothing is copied). gloo rejects uneven list all-to-alls and its ``all_to_all_single``
+    would need the chunk replicated ``W - 1`` times in one contiguous input, so on gloo the same
+    exchange is issued as one ``batch_isend_irecv`` fan-out (:class:`P2PCollectives`): the only
+    temporary is the chunk, never a ``W``-fold copy.
+    """
 
     def all_gather_segments(
         self, send: torch.Tensor, recv: torch.Tensor, recv_splits: Sequence[int], *, async_op: bool
     ) -> Handle:
+        if dist.get_backend(self.group) != "nccl":
+            return P2PCollectives.all_gather_segments(self, send, recv, recv_splits,  # type: ignore[arg-type]
+                                                      async_op=async_op)
         self._check_gather(send, recv, recv_splits)
         W, r = self.world_size, self.rank
         if W == 1:
             return Handle()
-        n = send.numel()
-        inp = send.reshape(1, n).expand(W - 1, n).contiguous().reshape(-1)
-        in_splits = [n if d != r else 0 for d in range(W)]
-        work = dist.all_to_all_single(
-            recv, inp, output_split_sizes=list(recv_splits), input_split_sizes=in_splits,
-            group=self.group, async_op=async_op,
-        )
+        outs = list(torch.split(recv, list(recv_splits)))
+        ins = [send if d != r else send[:0] for d in range(W)]
+        work = dist.all_to_all(outs, ins, group=self.group, async_op=async_op)
         return Handle([work] if async_op else [])
 
 
@@ -284,15 +303,18 @@ def _overlaps(sizes: Sequence[int], chunk: int, W: int) -> list[list[tuple[int, 
 class TwoPhaseCollectives(_Base):
     """Owner scatter + ring all-gather; ring reduce-scatter + owner gather (see module docstring).
 
+    Both phases are asynchronous: phase 1 is issued at once, phase 2 when the handle is waited
+    for (every rank waits at the same program point), so a prefetch overlaps phase 1 too.
+
     [Note: two-phase layout]
     The block's chunks, in rank order, form a virtual flat buffer of ``N`` elements padded to
     ``W * c`` with ``c = ceil(N / W)``; rank ``q`` is responsible for slice ``[q*c, (q+1)*c)``.
     Gather: phase 1 sends every piece of a rank's chunk to the rank whose slice holds it, phase 2
     all-gathers the slices, and the caller's ``recv`` is the buffer minus this rank's own chunk.
     Reduction: phase 1 reduce-scatters the padded buffer by slices, phase 2 sends each part of a
-    reduced slice to the rank whose chunk it belongs to. Phase 1 is waited for before phase 2 is
-    issued, so every rank issues the same collectives in the same order ([Note: ordering of
-    collectives]).
+    reduced slice to the rank whose chunk it belongs to. Phase 2 is issued from the handle's wait,
+    which every rank reaches at the same point, so every rank issues the same collectives in the
+    same order ([Note: ordering of collectives]).
     """
 
     def _sizes(self, own: int, others: Sequence[int]) -> list[int]:
@@ -320,24 +342,26 @@ class TwoPhaseCollectives(_Base):
         out_splits = [sum(hi - lo for q, lo, hi in parts[s] if q == r) for s in range(W)]
         my_slice = send.new_zeros(c)
         got = my_slice[: sum(out_splits)]
-        dist.all_to_all_single(got, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                               group=self.group)
-        # phase 2: ring all-gather of the slices
-        full = send.new_empty(W * c)
-        work = dist.all_gather_into_tensor(full, my_slice, group=self.group, async_op=async_op)
+        work1 = dist.all_to_all_single(got, send, output_split_sizes=out_splits,
+                                       input_split_sizes=in_splits, group=self.group, async_op=True)
         off = sum(sizes[:r])
+        es = send.element_size()
+        self.counter.record("two_phase_scatter", (send.numel() - in_splits[r]) * es, (sum(out_splits) - out_splits[r]) * es)
+        self.counter.record("two_phase_all_gather", c * (W - 1) * es, c * (W - 1) * es)
 
-        def unpack() -> None:
+        def phase2() -> None:
+            # Issued when phase 1 is waited for: on every rank at the same program point (the
+            # caller's wait), so the issue order stays identical ([Note: ordering of collectives]).
+            work1.wait()
+            full = send.new_empty(W * c)
+            dist.all_gather_into_tensor(full, my_slice, group=self.group)
             # ``recv`` is the block's materialization buffer, which autograd may hold views of:
             # write it outside autograd, like the collectives of the other implementations do
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(recv):
                 recv[:off].copy_(full[:off])
                 recv[off:].copy_(full[off + sizes[r]:N])
 
-        es = send.element_size()
-        self.counter.record("two_phase_scatter", (send.numel() - in_splits[r]) * es, (sum(out_splits) - out_splits[r]) * es)
-        self.counter.record("two_phase_all_gather", c * (W - 1) * es, c * (W - 1) * es)
-        h = Handle([work] if async_op else [], then=unpack)
+        h = Handle(then=phase2)
         if not async_op:
             h.wait()
         return h
@@ -357,20 +381,29 @@ class TwoPhaseCollectives(_Base):
         padded = inp.new_zeros(W * c)
         padded[:N] = inp
         mine = inp.new_empty(c)
-        dist.reduce_scatter_tensor(mine, padded, op=dist.ReduceOp.SUM, group=self.group)
+        work1 = dist.reduce_scatter_tensor(mine, padded, op=dist.ReduceOp.SUM, group=self.group,
+                                           async_op=True)
         # phase 2: the parts of my reduced slice go to the ranks whose chunks they belong to
         parts = _overlaps(splits, c, W)
         in_splits = [sum(hi - lo for q, lo, hi in parts[d] if q == r) for d in range(W)]
         out_splits = [0] * W
         for q, lo, hi in parts[r]:
             out_splits[q] += hi - lo
-        send = mine[: sum(in_splits)]
-        work = dist.all_to_all_single(out, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                                      group=self.group, async_op=async_op)
         es = inp.element_size()
         self.counter.record("two_phase_reduce_scatter", c * (W - 1) * es, c * (W - 1) * es)
         self.counter.record("two_phase_gather", (sum(in_splits) - in_splits[r]) * es, (out.numel() - out_splits[r]) * es)
-        return Handle([work] if async_op else [])
+
+        def phase2() -> None:  # issued at the caller's wait, like the gather's second phase
+            work1.wait()
+            dist.all_to_all_single(out, mine[: sum(in_splits)], output_split_sizes=out_splits,
+                                   input_split_sizes=in_splits, group=self.group)
+            del padded_ref[:]
+
+        padded_ref = [padded]  # the input stays alive until phase 1 is done
+        h = Handle(then=phase2)
+        if not async_op:
+            h.wait()
+        return h
 
 
 _IMPLS = {"all_to_all": AllToAllCollectives, "p2p": P2PCollectives, "two_phase": TwoPhaseCollectives}
