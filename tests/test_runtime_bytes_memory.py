@@ -44,11 +44,11 @@ def check_bytes_per_step(planner: str) -> dict:
     states = [get_state(model), *(get_state(b) for b in model.blocks)]
     # expectations from the layouts: the root materializes once (no reshard after forward),
     # blocks twice (forward + backward); one reduction per block
-    gather_sent = (W - 1) * 4 * (states[0].layout.chunk_numel[rank]
-                                 + 2 * sum(s.layout.chunk_numel[rank] for s in states[1:]))
+    gather_sent = (W - 1) * 4 * (states[0].group.layout.chunk_numel[rank]
+                                 + 2 * sum(s.group.layout.chunk_numel[rank] for s in states[1:]))
     # the plan's owner fan-out bound: a rank sends at most (W-1) * max_rank_nbytes per block
     fanout_bound = (W - 1) * (
-        max(states[0].layout.chunk_numel) * 4
+        max(states[0].group.layout.chunk_numel) * 4
         + 2 * sum(b.max_rank_nbytes for b in plan.block_stats))
     rs_sent = sum((sum(s.reduce_layout.reduce_splits(len(s.reduce_layout.params)))
                    - s.reduce_layout.reduce_splits(len(s.reduce_layout.params))[rank]) * 4

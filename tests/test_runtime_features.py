@@ -91,7 +91,7 @@ def check_owner_computes_on_own_storage() -> dict:
     x, y = make_batch(cfg, 0, BATCH)
     loss = model.loss(x[:3], y[:3])
     st = get_state(blk)
-    after_fwd = st._recv.untyped_storage().size()
+    after_fwd = st.group._recv.untyped_storage().size()
     after_fwd_sharded = isinstance(blk.up.weight, DTensor)
     loss.backward()
     h.remove()
@@ -99,7 +99,7 @@ def check_owner_computes_on_own_storage() -> dict:
     assert not seen["is_dtensor"]
     assert seen["same_storage"] == (rank == owner), seen
     assert after_fwd == 0 and after_fwd_sharded
-    assert all(get_state(m)._recv.untyped_storage().size() == 0 for m in [model, *model.blocks])
+    assert all(get_state(m).group._recv.untyped_storage().size() == 0 for m in [model, *model.blocks])
     return {}
 
 
@@ -263,12 +263,12 @@ def check_controls_and_prefetch() -> dict:
 
     def fwd_hook(name, other):
         def h(mod, args):
-            log.append((f"fwd:{name}", states[other]._unshard_state.value))
+            log.append((f"fwd:{name}", states[other].group.unshard_state))
         return h
 
     def bwd_hook(name, other):
         def h(mod, grad_out):
-            log.append((f"bwd:{name}", states[other]._unshard_state.value))
+            log.append((f"bwd:{name}", states[other].group.unshard_state))
         return h
 
     hooks = [
@@ -293,7 +293,7 @@ def check_controls_and_prefetch() -> dict:
 
     # default (None): blocks reshard after forward, the root does not
     loss = model.loss(x[sl], y[sl])
-    out["default_after_fwd"] = [s._unshard_state.value for s in [get_state(model), *states.values()]]
+    out["default_after_fwd"] = [s.group.unshard_state for s in [get_state(model), *states.values()]]
     loss.backward()
     # reshard_after_forward=False keeps the params materialized until backward ends
     model.set_reshard_after_forward(False)
@@ -301,17 +301,17 @@ def check_controls_and_prefetch() -> dict:
     model.blocks[1].register_forward_hook(
         lambda m, a, o: seen.setdefault("b1_state", None))
     loss = model.loss(x[sl], y[sl])
-    out["raf_false_after_fwd"] = [states[b]._unshard_state.value for b in (b0, b1, b2)]
+    out["raf_false_after_fwd"] = [states[b].group.unshard_state for b in (b0, b1, b2)]
     loss.backward()
-    out["raf_false_after_bwd"] = [states[b]._unshard_state.value for b in (b0, b1, b2)]
+    out["raf_false_after_bwd"] = [states[b].group.unshard_state for b in (b0, b1, b2)]
     model.set_reshard_after_forward(True)
     loss = model.loss(x[sl], y[sl])
-    out["raf_true_after_fwd"] = [s._unshard_state.value for s in [get_state(model), *states.values()]]
+    out["raf_true_after_fwd"] = [s.group.unshard_state for s in [get_state(model), *states.values()]]
     loss.backward()
     # no-grad forward (eval) leaves everything resharded, root included
     with torch.no_grad():
         model.loss(x[sl], y[sl])
-    out["after_eval"] = [s._unshard_state.value for s in [get_state(model), *states.values()]]
+    out["after_eval"] = [s.group.unshard_state for s in [get_state(model), *states.values()]]
     return out
 
 
@@ -365,8 +365,8 @@ def check_mixed_precision() -> dict:
     out["dtypes"] = sorted(map(str, dtypes))
     # root materialized once, blocks twice (forward + backward after reshard_after_forward)
     out["expected_bf16_gather_bytes"] = (W - 1) * 2 * (
-        get_state(model).layout.chunk_numel[rank]
-        + 2 * sum(get_state(b).layout.chunk_numel[rank] for b in model.blocks))
+        get_state(model).group.layout.chunk_numel[rank]
+        + 2 * sum(get_state(b).group.layout.chunk_numel[rank] for b in model.blocks))
     opt = LocalMatrixOpt(opt_groups(model, plan))
     before = {f: local_of(p).clone() for f, p in model.named_parameters()}
     opt.step()

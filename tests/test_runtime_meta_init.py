@@ -261,7 +261,7 @@ def check_identity_repair_and_refusals() -> dict:
     fresh(torch.zeros(2, 4, dtype=torch.long)).sum().backward()
     fresh.set_requires_gradient_sync(True)
     fresh.to_empty(device="cpu")
-    out["accum_dropped"] = all(get_state(m)._accum is None for m in fresh.modules() if get_state(m) is not None)
+    out["accum_dropped"] = all(get_state(m).group.accum is None for m in fresh.modules() if get_state(m) is not None)
     dist.barrier()
     if rank == 0:
         shutil.rmtree(path[0], ignore_errors=True)

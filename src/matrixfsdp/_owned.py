@@ -24,8 +24,8 @@ Why this and not a custom ``Placement`` or a tensor wrapper (measured on torch 2
   ``__get_tensor_shard__`` also checkpoints correctly, but would need its own op coverage for
   optimizers; the DTensor gets that for free.
 
-The one-rank sub-meshes are created once per data-parallel mesh by :func:`owner_meshes` (``W``
-``new_group`` calls, issued in the same order on every rank). Evenly sharded parameters are plain
+The one-rank sub-meshes are created once per data-parallel mesh by :func:`owner_meshes`, without
+a process group (a one-rank ``[Replicate()]`` tensor never communicates). Evenly sharded parameters are plain
 ``Shard(0)`` DTensors on the data-parallel mesh, exactly like stock FSDP2's.
 
 Parameters are constructed with ``DTensor(..., requires_grad=...)`` and marked as parameters
@@ -99,8 +99,11 @@ def owner_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
     subs = _OWNER_MESHES.get(mesh)
     if subs is None:
         ranks = mesh.mesh.flatten().tolist()
+        # No communicator: a one-rank [Replicate()] mesh never communicates (W new_group
+        # calls would mean W communicator splits, with eager NCCL init, for nothing).
         subs = tuple(
-            DeviceMesh(mesh.device_type, [g], mesh_dim_names=("owner",)) for g in ranks
+            DeviceMesh(mesh.device_type, [g], mesh_dim_names=("owner",), _init_backend=False)
+            for g in ranks
         )
         _OWNER_MESHES[mesh] = subs
     return subs

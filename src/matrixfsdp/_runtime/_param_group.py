@@ -239,6 +239,11 @@ class ParamGroup:
     def is_resharded(self) -> bool:
         return not self.unsharded and self._pending_gather is None
 
+    @property
+    def unshard_state(self) -> str:
+        """``"resharded"``, ``"unsharding"`` (gather in flight) or ``"unsharded"``."""
+        return "unsharded" if self.unsharded else "resharded" if self._pending_gather is None else "unsharding"
+
     def unshard(self, async_op: bool = True) -> None:
         """Issue the block's materialization (no-op if in flight or done)."""
         if not self.is_resharded:
