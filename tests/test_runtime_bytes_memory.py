@@ -50,21 +50,21 @@ def check_bytes_per_step(planner: str) -> dict:
     fanout_bound = (W - 1) * (
         max(states[0].group.layout.chunk_numel) * 4
         + 2 * sum(b.max_rank_nbytes for b in plan.block_stats))
-    rs_sent = sum((sum(s.reduce_layout.reduce_splits(len(s.reduce_layout.params)))
-                   - s.reduce_layout.reduce_splits(len(s.reduce_layout.params))[rank]) * 4
+    rs_sent = sum((sum(s.group.reduce_layout.reduce_splits(len(s.group.reduce_layout.params)))
+                   - s.group.reduce_layout.reduce_splits(len(s.group.reduce_layout.params))[rank]) * 4
                   for s in states)
     # stock FSDP2 per rank: padded ring all-gather / reduce-scatter, (W-1) * ceil(n/W) per param
     fsdp2_ag = (W - 1) * 4 * sum(
         math.ceil(p.numel / W) * (1 if p.block == "" else 2) for p in plan.params)
     fsdp2_rs = (W - 1) * 4 * sum(math.ceil(p.numel / W) for p in plan.params if p.fqn in
                                  {f for f, q in model.named_parameters() if q.requires_grad})
-    flags = sum(W * len(s.reduce_layout.params) for s in states) * 4
+    flags = sum(W * len(s.group.reduce_layout.params) for s in states) * 4
     return {
         "snapshot": snap,
         "gather_sent_expected": gather_sent,
         "fanout_bound": fanout_bound,
         "rs_sent_expected": rs_sent,
-        "rs_total_numel_bytes": sum(s.reduce_layout.numel for s in states) * 4 + flags,
+        "rs_total_numel_bytes": sum(s.group.reduce_layout.numel for s in states) * 4 + flags,
         "fsdp2_ag_sent": fsdp2_ag,
         "fsdp2_rs_sent": fsdp2_rs,
         "n_blocks": len(states),

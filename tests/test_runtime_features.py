@@ -432,7 +432,7 @@ def check_freeze_after_sharding() -> dict:
         "grad_diff": compare_to_ref(model, ref, plan, rank, W, "grad"),
         "bias_grad_none": model.blocks[0].up.bias.grad is None,
         "shift_has_grad": model.blocks[2].frozen_shift.grad is not None,
-        "reduced_in_block0": [p.fqn for p in st.reduce_layout.params].count("blocks.0.up.bias"),
+        "reduced_in_block0": [p.fqn for p in st.group.reduce_layout.params].count("blocks.0.up.bias"),
     }
 
 

@@ -68,9 +68,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ._owned import owned_of
+from ._owned import local_tensor, owned_of, wrap_dtensor
 
 __all__ = ["save", "load", "model_state_dict", "optimizer_state_dict", "MODEL_KEY", "OPTIM_KEY"]
 
@@ -171,10 +170,11 @@ def _check_sharded(model: nn.Module, api: str) -> None:
 
     for name, m in model.named_modules():
         st = get_state(m)
-        if st is not None and st.resolved and not st.group.is_resharded:
+        if st is not None and st.resolved and (st.root_ctx.awaiting_backward or not st.group.is_resharded):
             raise RuntimeError(
                 f"{api}: module {name or '<root>'!r} holds materialized (unsharded) parameters; "
-                "a forward is still awaiting its backward: run the backward (or drop its outputs) first"
+                "a forward is still awaiting its backward: run the backward first (run forwards whose "
+                "outputs you discard under torch.no_grad())"
             )
 
 
@@ -251,14 +251,6 @@ def _commit(tmp: str, path: str, token: str) -> None:
 
 
 # ==================================================================================== load
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(torch.empty(shape, device="meta").stride()) if shape else ()
-
-
 def _fresh_like(v: Any) -> Any:
     """A new, uninitialized tensor with ``v``'s layout (never aliasing ``v``)."""
     if isinstance(v, DTensor):
@@ -366,7 +358,7 @@ def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: Tenso
     """A fresh buffer for optimizer state ``name`` of parameter ``p`` in ``p``'s current layout;
     ``None`` when this rank keeps no such state (non-owner, empty shard)."""
     shape, dtype = tuple(tmeta.size), tmeta.properties.dtype
-    local = _local(p)
+    local = local_tensor(p)
     if not isinstance(p, DTensor):
         return torch.empty(shape, dtype=dtype, device=p.device)
     info = owned_of(p)
@@ -378,8 +370,7 @@ def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: Tenso
             return buf  # counters, and whole-matrix state of other shapes (Shampoo/SOAP factors)
         # Same layout as the parameter: torch optimizers (AdamW on DTensor params) keep their
         # state as DTensors like the parameter; matrixfsdp's accept either.
-        meta = TensorMeta(torch.Size(shape), _stride(shape), dtype)
-        return DTensor(buf, DTensorSpec(p.device_mesh, tuple(p.placements), meta), requires_grad=False)
+        return wrap_dtensor(buf, p.device_mesh, p.placements, shape)
     if local.numel() == 0:
         return None
     if len(shape) == 0:
@@ -390,9 +381,8 @@ def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: Tenso
             f"which cannot be placed on a parameter sharded as {tuple(p.placements)} with shape "
             f"{tuple(p.shape)} (only whole-matrix owners keep state of another shape)"
         )
-    meta = TensorMeta(torch.Size(shape), _stride(shape), dtype)
     buf = torch.empty(local.shape, dtype=dtype, device=local.device)
-    return DTensor(buf, DTensorSpec(p.device_mesh, tuple(p.placements), meta), requires_grad=False)
+    return wrap_dtensor(buf, p.device_mesh, p.placements, shape)
 
 
 def _flat_keys(prefix: str, obj: Any) -> dict[str, Any]:
@@ -579,8 +569,8 @@ def load(
         for k, v in model_tpl.items():
             target = live[k]
             if isinstance(target, torch.Tensor):
-                dst = _local(target)
-                src = _local(v)
+                dst = local_tensor(target)
+                src = local_tensor(v)
                 if dst.numel():
                     dst.copy_(src)
             else:  # pragma: no cover - non-tensor extra state

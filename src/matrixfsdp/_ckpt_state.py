@@ -41,26 +41,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ._owned import owned_of, owner_meshes
+from ._owned import local_tensor, owned_of, owner_meshes, wrap_dtensor
 
 if TYPE_CHECKING:
     from .optim._base import MatrixOptimizer
 
 try:
     from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 except ImportError:  # pragma: no cover - torch without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
 __all__ = ["present_state", "accept_state"]
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
 
 
 def _as_dtensor(opt_name: str, key: str, p: Tensor, value: Any) -> Any:
@@ -73,7 +64,7 @@ def _as_dtensor(opt_name: str, key: str, p: Tensor, value: Any) -> Any:
             raise RuntimeError(f"{opt_name}.state_dict: owned parameter without a mesh ({key})")
         mesh, placements, shape = owner_meshes(info.mesh)[info.owner], (Replicate(),), tuple(value.shape)
     else:
-        local = p._local_tensor  # type: ignore[attr-defined]
+        local = local_tensor(p)
         if tuple(value.shape) != tuple(local.shape):
             raise RuntimeError(
                 f"{opt_name}.state_dict: state {key!r} of a DTensor parameter with placements "
@@ -82,8 +73,7 @@ def _as_dtensor(opt_name: str, key: str, p: Tensor, value: Any) -> Any:
                 "another shape"
             )
         mesh, placements, shape = p.device_mesh, tuple(p.placements), tuple(p.shape)  # type: ignore[attr-defined]
-    meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), value.dtype)
-    return DTensor(value, DTensorSpec(mesh, placements, meta), requires_grad=False)
+    return wrap_dtensor(value, mesh, placements, shape)
 
 
 def _param_list(opt: torch.optim.Optimizer) -> list[Tensor]:
@@ -113,7 +103,7 @@ def present_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
     # set_optimizer_state_dict(strict=True) that nothing is missing.
     for idx, p in enumerate(params):
         if idx not in state and DTensor is not None and isinstance(p, DTensor) and p.requires_grad \
-                and p._local_tensor.numel() == 0:  # type: ignore[attr-defined]
+                and local_tensor(p).numel() == 0:
             state[idx] = {}
     return {**sd, "state": dict(sorted(state.items()))}
 
@@ -144,7 +134,7 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
                 else:
                     v = _check_local(name, key, k, p, v)
             elif is_dt and isinstance(v, Tensor) and v.ndim > 0 and info is None:
-                local = p._local_tensor  # type: ignore[attr-defined]
+                local = local_tensor(p)
                 if tuple(v.shape) != tuple(local.shape):
                     raise ValueError(
                         f"{name}.load_state_dict: state {k!r} of parameter {key!r} has shape "
@@ -167,7 +157,7 @@ def _check_local(name: str, key: Any, k: str, p: Tensor, v: Any) -> Tensor:
             f"{tuple(p.placements)} on {p.device_mesh}; load it with torch.distributed.checkpoint "
             "(get_state_dict + dcp.load + set_state_dict), which reshards"
         )
-    local = v._local_tensor
+    local = local_tensor(v)
     if info is None and v.shape != p.shape:
         raise ValueError(
             f"{name}.load_state_dict: state {k!r} of parameter {key!r} has global shape "

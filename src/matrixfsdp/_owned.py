@@ -51,6 +51,7 @@ __all__ = [
     "owner_meshes",
     "make_sharded_param",
     "make_sharded_grad",
+    "wrap_dtensor",
     "local_tensor",
     "full_tensor",
     "set_full_",
@@ -109,9 +110,14 @@ def owner_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
     return subs
 
 
-def _spec(mesh: DeviceMesh, placement: Any, shape: tuple[int, ...], dtype: torch.dtype) -> DTensorSpec:
+def wrap_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Any, shape: tuple[int, ...],
+                 *, requires_grad: bool = False) -> DTensor:
+    """A DTensor of global ``shape`` (contiguous strides) around ``local`` as is: no copy, no
+    dispatch (``DTensor.from_local`` would run ops that, on a rank outside a one-rank owner mesh,
+    replace the local tensor). The one place the runtime, optimizers and checkpoints build one."""
     stride = torch.empty(shape, device="meta").stride() if shape else ()
-    return DTensorSpec(mesh, (placement,), TensorMeta(torch.Size(shape), tuple(stride), dtype))
+    spec = DTensorSpec(mesh, tuple(placements), TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor(local, spec, requires_grad=requires_grad)
 
 
 def make_sharded_param(
@@ -130,10 +136,10 @@ def make_sharded_param(
     ``local`` is used as is (no copy): on the owner it may be the original parameter's storage.
     """
     if owner is None:
-        spec = _spec(mesh, Shard(0), shape, local.dtype)
+        dt = wrap_dtensor(local.detach(), mesh, (Shard(0),), shape, requires_grad=requires_grad)
     else:
-        spec = _spec(owner_meshes(mesh)[owner], Replicate(), shape, local.dtype)
-    dt = DTensor(local.detach(), spec, requires_grad=requires_grad)
+        dt = wrap_dtensor(local.detach(), owner_meshes(mesh)[owner], (Replicate(),), shape,
+                          requires_grad=requires_grad)
     dt._is_param = True  # makes isinstance(dt, nn.Parameter) true, as nn.Parameter(dt) would
     if owner is not None:
         setattr(dt, _OWNED_ATTR, Owned(owner=owner, kind=kind, mesh=mesh))
@@ -142,10 +148,7 @@ def make_sharded_param(
 
 def make_sharded_grad(param: DTensor, local_grad: torch.Tensor) -> DTensor:
     """A gradient DTensor with ``param``'s layout around ``local_grad`` (same local shape)."""
-    spec = param._spec
-    if local_grad.dtype != spec.tensor_meta.dtype:
-        spec = _spec(spec.mesh, spec.placements[0], tuple(spec.shape), local_grad.dtype)
-    return DTensor(local_grad, spec, requires_grad=False)
+    return wrap_dtensor(local_grad, param.device_mesh, param.placements, tuple(param.shape))
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -139,7 +139,8 @@ def drop_stale_state(module: nn.Module) -> None:
     for m in module.modules():
         state = get_state(m)
         if state is not None and state.ctx is not None and torch._C._current_graph_task_id() == -1:
-            state.ctx.begin_iteration()
+            if not state.ctx.awaiting_backward:
+                state.ctx.begin_iteration()
             check_layout(state.ctx)
             return
 

@@ -164,6 +164,9 @@ class RootContext:
     graph_task: int | None = None  # the backward being run (its first pre-backward was seen)
     accumulating: bool = True  # this backward accumulates into .grad (see [Note: gradient path])
     pinned: bool = False  # blocks stay unsharded for a double backward
+    #: a grad-mode forward ran since the last backward or iteration start (checkpoint helpers
+    #: refuse to touch parameters a pending backward would read)
+    awaiting_backward: bool = False
     pending: list[PendingReduce] = field(default_factory=list)
     #: gradients of parameters this rank did not use, awaiting the summed usage flags
     undecided: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -189,6 +192,7 @@ class RootContext:
             for s in self.states:
                 s.group.take_grads()
         self.pinned = False
+        self.awaiting_backward = False
         for s in self.states:
             if not s.group.is_resharded:
                 s.group.reshard()
@@ -236,6 +240,7 @@ class RootContext:
         finally:
             self.callback_queued = False
             self.graph_task = None
+            self.awaiting_backward = self.pinned
 
     # ---------------------------------------------------------------------------- reductions
     def issue_reduce(self, state: "BlockState", grads: list[torch.Tensor | None]) -> None:
@@ -359,7 +364,9 @@ class BlockState:
         if output is None:
             return None
         if torch.is_grad_enabled():
-            output = _wrap_grad_tensors(_PreBackward, (self, ctx.anchor), output)
+            wrapped = _wrap_grad_tensors(_PreBackward, (self, ctx.anchor), output)
+            ctx.awaiting_backward |= wrapped is not output
+            output = wrapped
         return self._cast_output(output)
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
