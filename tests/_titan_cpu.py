@@ -400,8 +400,8 @@ def tiny_qwen3_config(*, steps: int, global_batch: int = 4, seq_len: int = 32, d
       embeddings (as the debug model), fused QKV, SDPA inner attention (FlexAttention would compile
       with inductor: study obstacle 5; SDPA is titan's test-only swap,
       experiments/graph_trainer/common_utils.py:63-71);
-    * loss: plain ``CrossEntropyLoss`` (the debug config's ``ChunkedLossWrapper`` calls ``lm_head``
-      outside the root forward: obstacle 10);
+    * loss: plain ``CrossEntropyLoss`` (the debug config's ``ChunkedLossWrapper``, which calls
+      ``lm_head`` outside the root forward, is the "chunked" variant of tests/test_titan.py);
     * data: :class:`NullTokenizer`, :class:`SyntheticTokens`; ``hf_assets_path=""``;
     * ``training``: ``global_batch_size=global_batch``, ``local_batch_size=global_batch //
       world_size`` (no gradient accumulation), ``seq_len``, ``steps``, float32 params and reduce,

@@ -26,7 +26,9 @@ RTOL = 1e-5
 def _train(steps: int, dump_folder: str, optimizer: str, variant: str = "plain") -> dict:
     """Pool worker: tiny Qwen3 converted with with_matrixfsdp, trained in this rank's process.
     ``variant``: "ac" adds torchtitan's selective activation checkpointing; "reset_params" drops
-    ``param_init`` from some modules so torchtitan initializes them with reset_parameters()."""
+    ``param_init`` from some modules so torchtitan initializes them with reset_parameters();
+    "chunked" uses torchtitan's ChunkedLossWrapper (the head is applied outside the model's forward,
+    chunk by chunk, each chunk backwarded on its own)."""
     import torch
     import torch.distributed as dist
 
@@ -43,6 +45,10 @@ def _train(steps: int, dump_folder: str, optimizer: str, variant: str = "plain")
         from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
         cfg.activation_checkpoint = SelectiveAC.Config()
+    elif variant == "chunked":  # torchtitan's default loss: lm_head runs outside the forward
+        from torchtitan.components.loss import ChunkedLossWrapper
+
+        cfg.loss = ChunkedLossWrapper.Config(num_chunks=2, loss_fn=cfg.loss)
     elif variant == "reset_params":
         for layer in cfg.model_spec.model.layers:
             layer.feed_forward.w1.param_init = None
@@ -98,12 +104,13 @@ def test_titan_trainer_matrixfsdp_world_size_invariant(tmp_path, optimizer):
     assert ref["losses"][-1] < ref["losses"][0], ref["losses"]
 
 
-@pytest.mark.parametrize("variant", ["ac", "reset_params"])
+@pytest.mark.parametrize("variant", ["ac", "reset_params", "chunked"])
 def test_titan_trainer_variants(tmp_path, variant):
     """Activation checkpointing (the default of torchtitan's configs: its recomputation runs the
-    wrapped inner block, which is the one sharded) and modules initialized by reset_parameters()
-    (run on full tensors, so the init does not depend on the world size)."""
-    ref = get_pool(1).run(_train, STEPS, str(tmp_path), "Muon", "plain" if variant == "ac" else variant,
+    wrapped inner block, which is the one sharded), modules initialized by reset_parameters()
+    (run on full tensors, so the init does not depend on the world size) and the chunked loss
+    (the root's parameters stay unsharded after forward, so the head works outside it)."""
+    ref = get_pool(1).run(_train, STEPS, str(tmp_path), "Muon", "reset_params" if variant == "reset_params" else "plain",
                           timeout=180)[0]
     got = get_pool(2).run(_train, STEPS, str(tmp_path), "Muon", variant, timeout=180)[0]
     assert _close(got["grad_norms"], ref["grad_norms"], RTOL), (got["grad_norms"], ref["grad_norms"])

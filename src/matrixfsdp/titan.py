@@ -22,9 +22,10 @@ What the conversion does:
   ``"SOAP"``; torchtitan's own names still work): owned matrices get the matrix rule, every
   other parameter AdamW, in separate param groups so the LR schedule scales both;
 * ``parallelism.spmd_backend = "partial_dtensor"`` (the "spmd_types" path parallelizes the model
-  itself), ``training.disable_cuda_graphs = True`` (the runtime synchronizes with the host in
-  backward), and a ``ChunkedLossWrapper`` loss is replaced by its inner loss (it calls the
-  output head outside the model's forward, where the root's parameters are not materialized).
+  itself), ``training.disable_cuda_graphs = True`` (the runtime's hooks run Python between kernels). A
+  ``ChunkedLossWrapper`` loss is kept: it runs the output head outside the model's forward, where
+  the root's unsharded parameters stay in place (``reshard_after_forward=False`` for the root, as
+  FSDP2).
 
 Initialization: torchtitan runs ``nn.init`` functions on the parameters after ``to_empty``; on
 owned DTensors some raise on non-owners (``trunc_normal_``) and random ones would advance only
@@ -351,9 +352,6 @@ def with_matrixfsdp(
     )
     config.parallelism = dataclasses.replace(config.parallelism, spmd_backend="partial_dtensor")
     config.training = dataclasses.replace(config.training, disable_cuda_graphs=True)
-    inner = getattr(config.loss, "loss_fn", None)
-    if type(config.loss).__qualname__ == "ChunkedLossWrapper.Config" and inner is not None:
-        config.loss = inner
     return config
 
 
