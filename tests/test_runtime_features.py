@@ -67,7 +67,8 @@ def check_storage() -> dict:
             if rank == pp.owner:
                 # the owner keeps the original storage: no copy of the owned tensor
                 assert local.data_ptr() == ptrs[fqn], fqn
-                assert torch.equal(p.full_tensor(), refp[fqn].detach())
+            # DTensor's full_tensor(): a collective, the whole tensor on every rank
+            assert torch.equal(p.full_tensor(), refp[fqn].detach()), fqn
         # works on every rank (broadcast from the owner / all-gather for even)
         assert torch.equal(full_tensor(p), refp[fqn].detach()), fqn
     return {"owned": n_owned}

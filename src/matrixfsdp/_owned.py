@@ -43,9 +43,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
     "Owned",
+    "OwnedDTensor",
     "owned_of",
     "is_owned",
     "owner_meshes",
@@ -107,17 +109,118 @@ def owner_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
             for g in ranks
         )
         _OWNER_MESHES[mesh] = subs
+        for r, sub in enumerate(subs):
+            _OWNER_OF[sub] = (mesh, r)
     return subs
+
+
+# owner sub-mesh -> (data-parallel mesh, owner rank); filled by owner_meshes
+_OWNER_OF: dict[DeviceMesh, tuple[DeviceMesh, int]] = {}
+
+
+class OwnedDTensor(DTensor):
+    """A DTensor stored whole on one rank of a data-parallel mesh (see
+    [Note: owned tensors to every consumer]).
+
+    It is a ``[Replicate()]`` DTensor on a one-rank owner sub-mesh, so every op, optimizer and DCP
+    save treats it as plain DTensor; what differs is the two calls through which consumers ask for
+    the *full* value, which DTensor alone would answer with the empty local tensor on every rank
+    but the owner: ``full_tensor()`` and ``redistribute(..., [Replicate()])`` broadcast it from
+    the owner over the data-parallel mesh (a collective: every rank of that mesh must call; the
+    redistributed tensor holds the whole value as its local tensor on every rank), and
+    ``redistribute(dp_mesh, [Shard(d)])`` gives the evenly sharded layout. Results of ops on it
+    stay ``OwnedDTensor`` (optimizer state created by ``zeros_like``, ``detach()`` in state dicts).
+
+    Example::
+
+        w = model.blocks[0].mlp.up_proj.weight     # owned by rank 1 of 4
+        w.full_tensor()                            # the whole matrix on every rank
+    """
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # DTensor's own dispatch, then: a result that *is* an argument (in-place and out= ops)
+        # is handed back as the caller's object; new results on an owner mesh stay owned.
+        mine = {id(a._local_tensor): a for a in tree_flatten((args, kwargs or {}))[0]
+                if isinstance(a, OwnedDTensor)}
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+
+        def rewrap(x: Any) -> Any:
+            if isinstance(x, DTensor):
+                same = mine.get(id(x._local_tensor))
+                if same is not None and same._spec == x._spec:
+                    return same
+            return _as_owned_if_owner_mesh(x)
+
+        return tree_map(rewrap, out)
+
+    def _dp(self) -> tuple[DeviceMesh, int]:
+        found = _OWNER_OF.get(self.device_mesh)
+        if found is None:
+            raise RuntimeError(f"matrixfsdp: {self.device_mesh} is not a matrixfsdp owner mesh")
+        return found
+
+    def full_tensor(self, *, grad_placements: Any = None) -> torch.Tensor:  # type: ignore[override]
+        """The whole tensor on every rank of the data-parallel mesh (broadcast from the owner)."""
+        dp, owner = self._dp()
+        local = self._local_tensor.detach()
+        out = local if dp.get_local_rank() == owner else torch.empty(
+            tuple(self.shape), dtype=self.dtype, device=local.device)
+        from ._collectives import collectives_for
+
+        collectives_for(dp.get_group()).broadcast(out, owner)
+        return out
+
+    def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Any = None,
+                     *, async_op: bool = False, forward_dtype: Any = None,
+                     backward_dtype: Any = None) -> DTensor:  # type: ignore[override]
+        """To ``[Replicate()]`` (on its own mesh or the data-parallel one) or ``[Shard(d)]`` on
+        the data-parallel mesh; anything else raises."""
+        dp, owner = self._dp()
+        mesh = self.device_mesh if device_mesh is None else device_mesh
+        placements = tuple(placements) if placements is not None else tuple(self.placements)
+        if len(placements) == 1 and mesh in (dp, self.device_mesh):
+            (pl,) = placements
+            if pl.is_replicate():
+                # Every rank gets the whole tensor as its local tensor. On its own owner mesh the
+                # result stays an OwnedDTensor (torchtitan's state-dict hooks redistribute to
+                # Replicate on the tensor's mesh and copy the result back into the parameter,
+                # which only the owner applies; DCP's full state dict reads its to_local()).
+                return wrap_dtensor(self.full_tensor(), mesh, (Replicate(),), tuple(self.shape))
+            if pl.is_shard() and mesh == dp and type(pl) is Shard and -self.ndim <= pl.dim < self.ndim:
+                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+                full = self.full_tensor()
+                shape, offset = compute_local_shape_and_global_offset(self.shape, dp, (pl,))
+                index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+                return wrap_dtensor(full[index].clone(), dp, (pl,), tuple(self.shape))
+        raise ValueError(
+            "matrixfsdp: an owned tensor (whole on rank "
+            f"{owner} of its data-parallel mesh) can be redistributed to [Replicate()] or, on the "
+            f"data-parallel mesh {dp}, to [Shard(d)]; got mesh {mesh} and placements {placements}"
+        )
+
+
+def _as_owned_if_owner_mesh(x: Any) -> Any:
+    if type(x) is DTensor and x.device_mesh in _OWNER_OF:
+        local = x._local_tensor
+        if x.device_mesh.get_coordinate() is None:
+            # DTensor gives ranks outside a mesh a shapeless [0] tensor; ours hold [0, *shape[1:]]
+            local = local.new_empty((0, *x.shape[1:]) if x.ndim else (0,))
+        return OwnedDTensor(local, x._spec, requires_grad=x.requires_grad)
+    return x
 
 
 def wrap_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Any, shape: tuple[int, ...],
                  *, requires_grad: bool = False) -> DTensor:
     """A DTensor of global ``shape`` (contiguous strides) around ``local`` as is: no copy, no
     dispatch (``DTensor.from_local`` would run ops that, on a rank outside a one-rank owner mesh,
-    replace the local tensor). The one place the runtime, optimizers and checkpoints build one."""
+    replace the local tensor). The one place the runtime, optimizers and checkpoints build one;
+    on an owner sub-mesh it is an :class:`OwnedDTensor`."""
     stride = torch.empty(shape, device="meta").stride() if shape else ()
     spec = DTensorSpec(mesh, tuple(placements), TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
-    return DTensor(local, spec, requires_grad=requires_grad)
+    cls = OwnedDTensor if mesh in _OWNER_OF else DTensor
+    return cls(local, spec, requires_grad=requires_grad)
 
 
 def make_sharded_param(
