@@ -13,6 +13,12 @@ Offline, without a process group (streaming: one tensor in memory at a time)::
     python -m matrixfsdp.checkpoint export --src ckpt/step-100 --dst out/model.safetensors [--max-shard-size 5GB]
     python -m matrixfsdp.checkpoint import --src out/ --dst ckpt/init
 
+Hugging Face ``transformers`` models: ``model.save_pretrained`` does not work on a sharded model
+(it sees empty shards); :func:`save_pretrained` gathers full tensors and writes the same folder
+(config, safetensors, tied weights once) from rank 0::
+
+    matrixfsdp.checkpoint.save_pretrained(model, "out/hf")     # every rank
+
 Names: a checkpoint's model keys are ``"model.<fqn>"`` with the model's own fqns (for the built-in
 :class:`matrixfsdp.Decoder` those are Hugging Face Qwen3 names such as
 ``model.layers.0.self_attn.q_proj.weight``); export writes ``<fqn>`` as the tensor name, with
@@ -29,6 +35,7 @@ from typing import Sequence
 
 from ._checkpoint import MODEL_KEY, OPTIM_KEY, load, model_state_dict, optimizer_state_dict, read_metadata, save
 from ._ckpt_io import ByteTracker, export_safetensors, import_safetensors
+from ._hf import save_pretrained
 
 __all__ = [
     "save",
@@ -39,6 +46,7 @@ __all__ = [
     "export_safetensors",
     "import_safetensors",
     "ByteTracker",
+    "save_pretrained",
     "MODEL_KEY",
     "OPTIM_KEY",
     "main",
