@@ -733,3 +733,41 @@ def w_torch_adamw_resume(root):
 
 def test_torch_adamw_resume(tmp_path):
     assert all(get_pool(2).run(w_torch_adamw_resume, str(tmp_path)))
+
+
+def test_export_writes_tied_weights_once(tmp_path):
+    """A tied Decoder's DCP checkpoint holds the embedding under two keys; export writes it once
+    (as HF's save_pretrained: no lm_head.weight), ``keep_tied=True`` writes both; an untied model
+    keeps its head. The exported folder loads into transformers' Qwen3 with the same weights."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    for tied in (True, False):
+        cfg = dataclasses.replace(matrixfsdp.PRESETS["tiny"], tie_word_embeddings=tied)
+        model = matrixfsdp.Decoder(cfg)
+        ck = tmp_path / f"ck-{tied}"
+        mckpt.save(ck, model)
+        md = mckpt.read_metadata(ck)
+        assert ("model.lm_head.weight" in md.state_dict_metadata) and ("model.model.embed_tokens.weight" in md.state_dict_metadata)
+        out = tmp_path / f"hf-{tied}" / "model.safetensors"
+        mckpt.export_safetensors(ck, out)
+        got = load_file(str(out))
+        assert ("lm_head.weight" in got) == (not tied)
+        sd = model.state_dict()
+        assert all(torch.equal(got[k], sd[k]) for k in got) and set(sd) - set(got) == ({"lm_head.weight"} if tied else set())
+        if tied:
+            both = tmp_path / "keep" / "model.safetensors"
+            assert mckpt.main(["export", "--src", str(ck), "--dst", str(both), "--keep-tied"]) == 0
+            assert "lm_head.weight" in load_file(str(both))
+
+
+def test_checkpoint_cli_prints_no_runpy_warning():
+    """``python -m matrixfsdp.checkpoint`` runs the package's ``__main__`` (not imported by
+    ``import matrixfsdp``), so no 'found in sys.modules' RuntimeWarning is printed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-W", "default", "-m", "matrixfsdp.checkpoint", "--help"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: python -m matrixfsdp.checkpoint"), r
+    assert r.stderr == "", r.stderr

@@ -144,7 +144,12 @@ def test_mesh_argument_needs_1d():
         (dict(elementwise="x"), ValueError, r"elementwise must be one of .* got elementwise='x'"),
         (dict(blocks=["nope"]), ValueError, r"plan_owners: block 'nope' is not a submodule of the model"),
         (dict(blocks=[nn.Linear(2, 2)]), ValueError, r"plan_owners: block Linear .* is not a submodule"),
-        (dict(block_types=(nn.Conv2d,)), ValueError, r"no module of block_types=\('Conv2d',\)"),
+        (dict(block_types=(nn.Conv2d,)), ValueError,
+         r"^plan_owners: block_types must match at least one submodule of the model \(the repeated blocks to "
+         r"wrap with fully_shard\), got block_types=\('Conv2d',\), which matches no module of Net$"),
+        (dict(blocks=[], block_types=None), ValueError,
+         r"^plan_owners: blocks must name at least one submodule \(the repeated blocks to wrap with "
+         r"fully_shard\), got blocks=\[\] \(pass blocks=None to plan the root scope only\)$"),
         (dict(matrix_filter=lambda fqn, p: True), ValueError,
          r"matrix_filter selected 'blocks.0.norm', which is not 2D: got shape=\(4,\)"),
         (dict(cost=lambda info: -1.0), ValueError, r"must return a finite number >= 0, got -1.0"),
@@ -313,4 +318,29 @@ def test_alpha_balanced_beats_canzona_published_figures(meta_models):
 
 def test_public_api_surface():
     assert set(matrixfsdp.__all__) >= {"plan_owners", "OwnerPlan"}
-    assert len(matrixfsdp.__all__) <= 16
+    assert len(matrixfsdp.__all__) <= 17  # 16 + full_tensor (issue 10: documented, now exported)
+
+
+@pytest.mark.parametrize("key", ["num_experts", "num_local_experts"])
+def test_config_from_hf_refuses_moe(tmp_path, key):
+    from matrixfsdp._decoder import config_from_hf
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, key: 8,
+                                "model_type": "qwen3_moe"}))
+    with pytest.raises(ValueError, match=(
+            rf"^config_from_hf: only dense decoders are supported \(the planner's built-in Decoder has no "
+            rf"mixture-of-experts layers\), got {key}=8 in '.*config.json'; plan the transformers model itself "
+            r"with plan_owners\(model, W, block_types=\(DecoderLayer,\)\)$")):
+        config_from_hf(path)
+    path.write_text(json.dumps({"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, key: 0}))
+    assert config_from_hf(path).num_hidden_layers == 2  # 0 experts: dense
+
+
+def test_full_tensor_is_exported():
+    import matrixfsdp
+    from matrixfsdp._owned import full_tensor
+
+    assert matrixfsdp.full_tensor is full_tensor and "full_tensor" in matrixfsdp.__all__

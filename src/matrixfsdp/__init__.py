@@ -16,7 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from . import checkpoint, optim
 from ._clip import clip_grad_norm_
 from ._decoder import PRESETS, Decoder, DecoderConfig, DecoderLayer
-from ._owned import Owned, owned_of, set_full_
+from ._owned import Owned, full_tensor, owned_of, set_full_
 from ._plan import OwnerPlan, ParamPlan
 from ._planner import plan_owners
 from ._runtime import MatrixFSDPModule, fully_shard
@@ -34,6 +34,7 @@ __all__ = [
     "Owned",
     "owned_of",
     "set_full_",
+    "full_tensor",
     "optim",
     "checkpoint",
     "Decoder",

@@ -374,6 +374,50 @@ def _shard_groups(entries: list[TensorEntry], max_bytes: int | None) -> list[lis
 
 
 # ==================================================================================== export
+# [Note: tied weights on export]
+# A DCP checkpoint of a model with tied input/output embeddings holds the tensor under both fqns
+# (DCP records no aliasing: two storage entries), while Hugging Face writes it once (the keys of
+# ``_tied_weights_keys``, e.g. ``lm_head.weight``, are left out and re-tied by ``from_pretrained``
+# when the config says ``tie_word_embeddings``). Offline there is no model to ask, so export uses
+# HF's naming convention plus the values: an entry named like an output head (``lm_head.weight``,
+# ``output.weight``, optionally under a prefix) is dropped when an input embedding of the same
+# prefix (``embed_tokens.weight``, ``tok_embeddings.weight``, ``wte.weight``,
+# ``word_embeddings.weight``, ``tok_emb.weight``, possibly one module level down, e.g.
+# ``model.embed_tokens.weight``) has the same shape, dtype and bitwise-equal values. Untied heads
+# differ from the embedding after any training, so nothing else is dropped; reading both tensors
+# of a candidate pair is the one place export holds two tensors at once.
+_HEAD_LEAVES = ("lm_head.weight", "output.weight")
+_EMBED_LEAVES = ("embed_tokens.weight", "tok_embeddings.weight", "wte.weight", "word_embeddings.weight",
+                 "tok_emb.weight")
+
+
+def _tied_heads(reader: Any, entries: list[Any], names: dict[str, str]) -> set[str]:
+    by_name = {names[e.key]: e for e in entries}
+    dropped: set[str] = set()
+    for name, head in sorted(by_name.items()):
+        leaf = next((h for h in _HEAD_LEAVES if name == h or name.endswith("." + h)), None)
+        if leaf is None:
+            continue
+        scope = name[: -len(leaf)]
+        for cand_name, emb in sorted(by_name.items()):
+            if not cand_name.startswith(scope) or cand_name == name:
+                continue
+            rest = cand_name[len(scope):]
+            if not any(rest == x or (rest.endswith("." + x) and rest.count(".") == x.count(".") + 1)
+                       for x in _EMBED_LEAVES):
+                continue
+            if tuple(emb.shape) != tuple(head.shape) or emb.dtype != head.dtype:
+                continue
+            a = reader.read(head.key)
+            b = reader.read(emb.key)
+            same = torch.equal(a, b)
+            del a, b
+            if same:
+                dropped.add(head.key)
+                break
+    return dropped
+
+
 def export_safetensors(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -383,6 +427,7 @@ def export_safetensors(
     strip_prefix: str = "",
     add_prefix: str = "",
     tracker: ByteTracker | None = None,
+    keep_tied: bool = False,
 ) -> list[str]:
     """Write the model weights of DCP checkpoint ``src`` as safetensors (streaming, no process group).
 
@@ -391,6 +436,10 @@ def export_safetensors(
     out. With ``max_shard_size`` (bytes or ``"5GB"``) the weights are split Hugging Face-style
     into ``<stem>-00001-of-0000N.safetensors`` next to ``dst`` plus ``<dst>.index.json`` (a single
     file when they fit). Returns the files written. See [Note: streaming conversion].
+
+    Tied weights are written once, as Hugging Face's ``save_pretrained`` does (see
+    [Note: tied weights on export]): an output head bitwise equal to the input embedding of the
+    same scope is left out (``keep_tied=True`` writes both).
 
     Example::
 
@@ -413,6 +462,9 @@ def export_safetensors(
         if n in seen:
             raise ValueError(f"{API_EXPORT}: keys {seen[n]!r} and {k!r} both become tensor {n!r}")
         seen[n] = k
+    if not keep_tied:
+        dropped = _tied_heads(reader, entries, names)
+        entries = [e for e in entries if e.key not in dropped]
     entries = sorted(entries, key=lambda e: names[e.key])
     groups = _shard_groups(entries, parse_size(max_shard_size))
     out_dir = os.path.dirname(os.path.abspath(dst))

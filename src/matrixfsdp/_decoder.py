@@ -95,6 +95,14 @@ def config_from_hf(path: str | Path) -> DecoderConfig:
     missing = [k for k in required if k not in cfg]
     if missing:
         raise ValueError(f"config_from_hf: {str(path)!r} lacks {missing}")
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        n = cfg.get(key)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            raise ValueError(
+                f"config_from_hf: only dense decoders are supported (the planner's built-in Decoder "
+                f"has no mixture-of-experts layers), got {key}={n} in {str(path)!r}; plan the "
+                "transformers model itself with plan_owners(model, W, block_types=(DecoderLayer,))"
+            )
     heads = cfg["num_attention_heads"]
     model_type = str(cfg.get("model_type", ""))
     return DecoderConfig(

@@ -101,6 +101,12 @@ def _block_fqns(model: nn.Module, blocks: Iterable[Any] | None, block_types: Any
     if blocks is not None:
         if isinstance(blocks, (nn.Module, str)):
             blocks = [blocks]
+        blocks = list(blocks)
+        if not blocks and block_types is None:
+            raise ValueError(
+                "plan_owners: blocks must name at least one submodule (the repeated blocks to wrap with "
+                "fully_shard), got blocks=[] (pass blocks=None to plan the root scope only)"
+            )
         for b in blocks:
             if isinstance(b, str):
                 if b not in names:
@@ -124,7 +130,9 @@ def _block_fqns(model: nn.Module, blocks: Iterable[Any] | None, block_types: Any
         found = [name for name, mod in named if isinstance(mod, block_types)]
         if not found:
             raise ValueError(
-                f"plan_owners: no module of block_types={tuple(t.__name__ for t in block_types)} in the model"
+                f"plan_owners: block_types must match at least one submodule of the model (the repeated "
+                f"blocks to wrap with fully_shard), got block_types={tuple(t.__name__ for t in block_types)}, "
+                f"which matches no module of {type(model).__name__}"
             )
         out.update(found)
     out.discard("")  # the model itself is the root scope

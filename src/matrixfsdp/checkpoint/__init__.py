@@ -13,12 +13,22 @@ Offline, without a process group (streaming: one tensor in memory at a time)::
     python -m matrixfsdp.checkpoint export --src ckpt/step-100 --dst out/model.safetensors [--max-shard-size 5GB]
     python -m matrixfsdp.checkpoint import --src out/ --dst ckpt/init
 
+Hugging Face ``transformers`` models: ``model.save_pretrained`` does not work on a sharded model
+(it sees empty shards); :func:`save_pretrained` gathers full tensors and writes the same folder
+(config, safetensors, tied weights once) from rank 0::
+
+    matrixfsdp.checkpoint.save_pretrained(model, "out/hf")     # every rank
+
 Names: a checkpoint's model keys are ``"model.<fqn>"`` with the model's own fqns (for the built-in
 :class:`matrixfsdp.Decoder` those are Hugging Face Qwen3 names such as
 ``model.layers.0.self_attn.q_proj.weight``); export writes ``<fqn>`` as the tensor name, with
 ``--strip-prefix P`` removing ``P`` from the front of each fqn and ``--add-prefix Q`` prepending
 ``Q``; import applies the same options to tensor names. Optimizer state (``"optim.*"``) is never
 exported.
+
+``python -m matrixfsdp.checkpoint`` runs ``matrixfsdp/checkpoint/__main__.py``, a module the
+package never imports, so the interpreter prints no ``runpy`` RuntimeWarning (``import
+matrixfsdp`` imports this package first).
 """
 
 from __future__ import annotations
@@ -27,8 +37,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from ._checkpoint import MODEL_KEY, OPTIM_KEY, load, model_state_dict, optimizer_state_dict, read_metadata, save
-from ._ckpt_io import ByteTracker, export_safetensors, import_safetensors
+from .._checkpoint import MODEL_KEY, OPTIM_KEY, load, model_state_dict, optimizer_state_dict, read_metadata, save
+from .._ckpt_io import ByteTracker, export_safetensors, import_safetensors
+from .._hf import save_pretrained
 
 __all__ = [
     "save",
@@ -39,6 +50,7 @@ __all__ = [
     "export_safetensors",
     "import_safetensors",
     "ByteTracker",
+    "save_pretrained",
     "MODEL_KEY",
     "OPTIM_KEY",
     "main",
@@ -56,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--dst", required=True, help="output .safetensors path (index and shards go next to it)")
     ex.add_argument("--max-shard-size", default=None,
                     help="split into model-0000i-of-0000N.safetensors + index.json above this size (e.g. 5GB)")
+    ex.add_argument("--keep-tied", action="store_true",
+                    help="also write an output head equal to the input embedding (default: tied weights once, as HF)")
     im = sub.add_parser("import", help="safetensors (file, index json or directory) -> DCP checkpoint")
     im.add_argument("--src", required=True, help="a .safetensors file, a .safetensors.index.json or a directory")
     im.add_argument("--dst", required=True, help="DCP checkpoint directory to create")
@@ -79,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "export":
             files = export_safetensors(args.src, args.dst, max_shard_size=args.max_shard_size,
                                        state_key=args.state_key, strip_prefix=args.strip_prefix,
-                                       add_prefix=args.add_prefix)
+                                       add_prefix=args.add_prefix, keep_tied=args.keep_tied)
             for f in files:
                 print(f)
         else:
@@ -90,6 +104,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
