@@ -306,10 +306,22 @@ def _swap_class(module: nn.Module) -> None:
     cls = type(module)
     new_cls = _CLS_CACHE.get(cls)
     if new_cls is None:
-        new_cls = type(f"MatrixFSDP{cls.__name__}", (MatrixFSDPModule, cls),
-                       {"__deepcopy__": _unimplemented_deepcopy})
+        attrs: dict[str, Any] = {"__deepcopy__": _unimplemented_deepcopy}
+        if callable(getattr(cls, "save_pretrained", None)):  # a Hugging Face model
+            attrs["save_pretrained"] = _save_pretrained
+        new_cls = type(f"MatrixFSDP{cls.__name__}", (MatrixFSDPModule, cls), attrs)
         _CLS_CACHE[cls] = new_cls
     module.__class__ = new_cls
+
+
+def _save_pretrained(self: nn.Module, save_directory: Any, **kwargs: Any) -> Any:
+    """Hugging Face's ``save_pretrained`` on a sharded model: call it on every rank (a
+    collective, as with FSDP2); see :func:`matrixfsdp.checkpoint.save_pretrained`."""
+    if "state_dict" in kwargs:  # full tensors given (rank 0 inside matrixfsdp's save_pretrained)
+        return super(type(self), self).save_pretrained(save_directory, **kwargs)  # type: ignore[misc]
+    from .._hf import save_pretrained
+
+    return save_pretrained(self, save_directory, **kwargs)
 
 
 # ================================================================================ hooks
