@@ -39,7 +39,7 @@ def check_errors() -> int:
 
     # --- argument types and unsupported keywords
     model, plan = _fresh(W)
-    with pytest.raises(TypeError, match=r"matrixfsdp.fully_shard: plan must be a matrixfsdp OwnerPlan .* got dict"):
+    with pytest.raises(TypeError, match=r"matrixfsdp.fully_shard: plan must be None or a matrixfsdp OwnerPlan .* got dict"):
         fully_shard(model, mesh=mesh, plan={})
     with pytest.raises(TypeError, match=r"matrixfsdp.fully_shard: expects one nn.Module .* got list"):
         fully_shard([model.blocks[0]], mesh=mesh, plan=plan)

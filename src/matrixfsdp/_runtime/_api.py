@@ -23,7 +23,7 @@ from .._owned import local_tensor, owner_meshes
 from .._plan import OwnerPlan
 from ._init import (API, CLAIM_ATTR, STATE_ATTR, _check_call, _check_mesh, _check_not_torch_fsdp,
                     _check_world_size, _collect_managed, _is_planned_model, _resolve,
-                    _verify_plan_digest, cls_name, default_mesh, get_state)
+                    _verify_plan_digest, cls_name, default_mesh, get_state, plan_call, resolve_call)
 from ._state import BlockState, RootContext, ShardConfig
 
 __all__ = ["fully_shard", "MatrixFSDPModule", "UnshardHandle", "comm_counter", "get_state",
@@ -47,7 +47,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: Any = None,
     ignored_params: set[nn.Parameter] | None = None,
-    plan: OwnerPlan,
+    plan: OwnerPlan | None = None,
     collectives: str = "all_to_all",
 ) -> nn.Module:
     """Shard ``module``'s parameters as ``plan`` says (owner or even placement), FSDP2-style.
@@ -90,9 +90,10 @@ def fully_shard(
     mesh = mesh if mesh is not None else default_mesh()
     _check_mesh(mesh)
     coll = collectives_for(mesh.get_group(), collectives)
-    _verify_plan_digest(plan, mesh, coll)  # collective: before any plan-dependent check
-    _check_world_size(plan, mesh)
-    owner_meshes(mesh)  # collective on the first call per mesh (same call on every rank)
+    if plan is not None:
+        _verify_plan_digest(plan, mesh, coll)  # collective: before any plan-dependent check
+        _check_world_size(plan, mesh)
+    owner_meshes(mesh)
 
     params = _collect_managed(module, set(ignored_params or ()))
     config = ShardConfig(mesh=mesh, reshard_after_forward=reshard_after_forward,
@@ -114,7 +115,12 @@ def fully_shard(
         module._register_load_state_dict_pre_hook(to_sharded),
     ]
     _swap_class(module)
-    if _is_planned_model(module, plan):
+    if plan is None:  # drop-in: shard this call's parameters now (see [Note: drop-in planning])
+        call_plan = plan_call(params, mesh) if params else None
+        if call_plan is not None:
+            _verify_plan_digest(call_plan, mesh, coll)
+        resolve_call(module, state, call_plan, mesh, coll)
+    elif _is_planned_model(module, plan):
         _resolve(module, plan, mesh)
     return module
 

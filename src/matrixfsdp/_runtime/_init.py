@@ -94,7 +94,7 @@ def _collect_managed(module: nn.Module, ignored: set[nn.Parameter]) -> list[Mana
                 )
             mp = by_id.get(id(p))
             if mp is None:
-                by_id[id(p)] = ManagedParam(fqn="", sites=((m, attr),), orig=p)
+                by_id[id(p)] = ManagedParam(fqn=name, sites=((m, attr),), orig=p)
             else:
                 mp.sites = (*mp.sites, (m, attr))
         for child_name, child in m.named_children():
@@ -103,6 +103,93 @@ def _collect_managed(module: nn.Module, ignored: set[nn.Parameter]) -> list[Mana
 
     visit(module, "")
     return list(by_id.values())
+
+
+# [Note: drop-in planning]
+# Without ``plan``, ``fully_shard`` works like torch's: every call shards the parameters it manages
+# at once (so an optimizer built after the last call sees the sharded ones). Each call plans its
+# own parameters with the planner's defaults, as one scope, and then relabels ranks so that the
+# call's most loaded rank (owned parameter and optimizer-state bytes) goes to the rank the earlier
+# calls on the mesh loaded least: an online LPT over calls, in program order, identical on every
+# rank, and checked across ranks (one 32-byte all-gather per call). A call whose module contains
+# modules wrapped before becomes their root (FSDP2 finds its root the same way, lazily); the root
+# must be wrapped before the first forward. A whole-model ``plan`` balances better (it sees every
+# block at once); this path is for drop-in use.
+_LOADS: dict[Any, list[float]] = {}
+
+
+def plan_call(params: list[ManagedParam], mesh: DeviceMesh) -> OwnerPlan:
+    """The plan of one plan-less ``fully_shard`` call (see [Note: drop-in planning])."""
+    import dataclasses
+
+    from .._planner import plan_owners
+
+    W = mesh.size()
+    holder = nn.Module()  # the call's own parameters, by their names in the call's module
+    for mp in params:
+        *path, attr = mp.fqn.split(".")
+        m = holder
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, nn.Module())
+            m = getattr(m, part)
+        orig = mp.orig
+        m.register_parameter(attr, nn.Parameter(torch.empty(orig.shape, dtype=orig.dtype, device="meta"),
+                                                requires_grad=orig.requires_grad))
+    plan = plan_owners(holder, W, blocks=[holder])
+    loads = [0.0] * W
+    for pp in plan.params:
+        if pp.owner is not None:
+            loads[pp.owner] += pp.nbytes + pp.state_nbytes
+    key = (tuple(mesh.mesh.flatten().tolist()), mesh.device_type)
+    tally = _LOADS.setdefault(key, [0.0] * W)
+    heavy = sorted(range(W), key=lambda r: (-loads[r], r))
+    light = sorted(range(W), key=lambda r: (tally[r], r))
+    perm = dict(zip(heavy, light))
+    for r in range(W):
+        tally[perm[r]] += loads[r]
+    return dataclasses.replace(plan, params=tuple(
+        dataclasses.replace(pp, owner=None if pp.owner is None else perm[pp.owner]) for pp in plan.params))
+
+
+def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, mesh: DeviceMesh,
+                 coll: SegmentCollectives) -> None:
+    """Shard one plan-less call's parameters and make its module the root of every wrapped module
+    under it (see [Note: drop-in planning])."""
+    rank = mesh.get_local_rank()
+    dtypes = sorted({str(mp.orig.dtype).removeprefix("torch.") for mp in state.params})  # type: ignore[union-attr]
+    if state.config.mp_policy.param_dtype is None and len(dtypes) > 1:
+        raise ValueError(f"{API}: {cls_name(module)} mixes parameter dtypes {dtypes}; set "
+                         "mp_policy.param_dtype to materialize them in one dtype")
+    if plan is not None:  # None: the module manages no parameter of its own
+        order = {p.fqn: i for i, p in enumerate(plan.params)}
+        state.params.sort(key=lambda mp: order[mp.fqn])
+        for mp in state.params:
+            mp.plan = plan[mp.fqn]
+            shard_param(mp, mesh, rank)
+    entries = [(name, s) for name, m in module.named_modules() if (s := get_state(m)) is not None]
+    for name, s in entries:
+        if s.ctx is not None and s.ctx.forward_order:
+            raise RuntimeError(
+                f"{API}: {name!r} already ran forward under another root; wrap the root "
+                "(the model) before the first forward"
+            )
+        if s.config.mesh != mesh:
+            raise ValueError(f"{API}: {name!r} was wrapped with mesh {s.config.mesh} but its root "
+                             f"{cls_name(module)} with {mesh}; use one data-parallel mesh")
+    comm = CommContext(mesh_device(mesh))
+    state.resolve(fqn="", rank=rank, coll=coll, comm=comm)
+    ctx = RootContext(root=state, states=[s for _, s in entries], comm=comm)
+    for name, s in entries:
+        s.ctx, s.is_root, s.fqn = ctx, s is state, name
+        s.group.comm = comm
+        s.group.fqn = name
+    names: dict[int, str] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)
+    for _, s in entries:
+        for mp in s.params:  # names relative to the (new) root
+            mp.fqn = names.get(id(mp.sharded), mp.fqn)
 
 
 def _is_planned_model(module: nn.Module, plan: OwnerPlan) -> bool:
@@ -202,9 +289,9 @@ def _check_call(module: Any, plan: Any, shard_placement_fn: Any, offload_policy:
             f"{API}: expects one nn.Module (grouping several modules is not supported), "
             f"got {type(module).__name__}"
         )
-    if not isinstance(plan, OwnerPlan):
+    if plan is not None and not isinstance(plan, OwnerPlan):
         raise TypeError(
-            f"{API}: plan must be a matrixfsdp OwnerPlan (from matrixfsdp.plan_owners), "
+            f"{API}: plan must be None or a matrixfsdp OwnerPlan (from matrixfsdp.plan_owners), "
             f"got {type(plan).__name__}"
         )
     if shard_placement_fn is not None:
