@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from _harness import get_pool
+from _harness import DistPool
 
 SCENARIOS = ["plain", "raf_false", "raf_true_root", "accumulate_no_sync", "accumulate_sync",
              "multi_forward", "mixed_precision"]
@@ -90,7 +90,13 @@ def dropin_check(kind: str, scenario: str) -> dict:
 
 @pytest.mark.parametrize("kind", ["mlp_stack", "transformer"])
 def test_dropin_matches_torch_fully_shard(kind):
-    pool = get_pool(2)
+    # Own workers: torch.testing._internal.common_utils freezes torch.backends flags at import,
+    # which later tests (torchtitan sets them) must not inherit from a shared pool.
+    with DistPool(2) as pool:
+        _run_all(pool, kind)
+
+
+def _run_all(pool, kind):
     for scenario in SCENARIOS:
         tol = 1e-6  # measured: bitwise equal to torch's FSDP2 at W=2 in every scenario
         for r in pool.run(dropin_check, kind, scenario):
