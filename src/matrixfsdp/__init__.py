@@ -8,7 +8,7 @@ locally with zero communication.
     for block in model.blocks:
         matrixfsdp.fully_shard(block, mesh=mesh, plan=plan)
     matrixfsdp.fully_shard(model, mesh=mesh, plan=plan)
-    opt = matrixfsdp.optim.Muon(model.parameters(), lr=0.02)
+    opt = matrixfsdp.optim.Muon(model, lr=0.02)
 """
 
 from torch.distributed.fsdp import MixedPrecisionPolicy

@@ -3,9 +3,13 @@
 Every optimizer here is one ``torch.optim.Optimizer`` that holds *all* of a model's parameters and
 routes each one, per param group, either to its matrix rule (Muon, Shampoo, SOAP) or to AdamW:
 
-* ``group["algorithm"] == "auto"`` (default): 2D parameters get the matrix rule, the rest AdamW;
-  on a model sharded by ``matrixfsdp.fully_shard`` the owner plan decides instead (placement
-  ``"matrix"`` gets the matrix rule; owned tails and evenly sharded tensors get AdamW);
+* ``Optimizer(model)`` (an ``nn.Module``): the planner's rule, identical sharded or plain (see
+  [Note: one routing rule]): block and root matrices get the matrix rule, embeddings, output
+  heads and non-2D tensors AdamW;
+* ``group["algorithm"] == "auto"`` (default for parameter lists): 2D parameters get the matrix
+  rule, the rest AdamW; on a model sharded by ``matrixfsdp.fully_shard`` the owner plan decides
+  instead (placement ``"matrix"`` gets the matrix rule; owned tails and evenly sharded tensors get
+  AdamW). State dicts record each parameter's rule, and loading under other rules raises;
 * ``group["algorithm"] == <rule name>``: every parameter of the group gets the matrix rule, and a
   non-2D parameter is a ``ValueError`` at construction;
 * ``group["algorithm"] == "adamw"``: every parameter gets AdamW (embeddings, output heads, ...).
@@ -97,7 +101,34 @@ class MatrixOptimizer(Optimizer):
         defaults = {**defaults, "algorithm": "auto", **adamw}
         # Constructor arguments first, so their errors name no group.
         self._check_hparams(defaults, "")
+        if isinstance(params, torch.nn.Module):
+            params = self._module_groups(params)
         super().__init__(params, defaults)
+
+    def _module_groups(self, model: torch.nn.Module) -> list[dict[str, Any]]:
+        """[Note: one routing rule] ``Optimizer(model)`` routes every parameter by the planner's
+        rule, sharded or not: 2D weights get the matrix rule, except embeddings and output heads
+        (``default_matrix_filter``), everything else AdamW. On a sharded model the owner plan's
+        decision is used (the same rule unless the plan was built with another ``matrix_filter``),
+        so a plain reference run and a sharded run of the same model step every parameter alike.
+        ``Optimizer(model.parameters())`` with ``algorithm="auto"`` cannot see modules: there a
+        plain 2D tensor gets the matrix rule (embeddings and heads included)."""
+        from .._planner import default_matrix_filter
+
+        head_rows = frozenset(m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding))
+        matrix, rest = [], []
+        for fqn, p in model.named_parameters():
+            info = owned_of(p)
+            if info is not None:
+                is_matrix = info.kind == "matrix"
+            elif _DTensor is not None and isinstance(p, _DTensor):
+                is_matrix = False  # evenly sharded: element-wise for the plan
+            else:
+                module = model.get_submodule(fqn.rpartition(".")[0])
+                is_matrix = default_matrix_filter(fqn, p, module, head_rows)
+            (matrix if is_matrix else rest).append(p)
+        return [g for g in (dict(params=matrix, algorithm=self.rule), dict(params=rest, algorithm="adamw"))
+                if g["params"]]
 
     # ----------------------------------------------------------------------------- validation
     def _fail(self, msg: str, where: str) -> NoReturn:
@@ -296,10 +327,18 @@ class MatrixOptimizer(Optimizer):
     # ----------------------------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:
         """Torch's state dict; state of DTensor parameters is presented as DTensors (aliasing
-        the local state) with the parameter's layout, so DCP can save and reshard it."""
+        the local state) with the parameter's layout, so DCP can save and reshard it. Each param
+        group records the rule of each of its parameters (``"routes"``), which
+        :meth:`load_state_dict` checks."""
         from .._ckpt_state import present_state
 
-        return present_state(self, super().state_dict())
+        sd = present_state(self, super().state_dict())
+        routes = self._routes()
+        sd["param_groups"] = [{**g, "routes": r} for g, r in zip(sd["param_groups"], routes)]
+        return sd
+
+    def _routes(self) -> list[list[str]]:
+        return [[self._route(g, p) for p in g["params"]] for g in self.param_groups]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Torch's loader, except that wide (float32) matrix statistics keep their dtype.
@@ -310,6 +349,20 @@ class MatrixOptimizer(Optimizer):
         """
         from .._ckpt_state import accept_state
 
+        mine = self._routes()
+        for i, saved in enumerate(state_dict["param_groups"]):
+            got = saved.get("routes")
+            if got is not None and i < len(mine) and list(got) != mine[i]:
+                diff = [k for k, (a, b) in enumerate(zip(got, mine[i])) if a != b]
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: param group {i} was saved with other "
+                    f"update rules than this optimizer applies (parameter {diff[0] if diff else len(got)}: "
+                    f"saved {got[diff[0]] if diff else len(got)!r}, now "
+                    f"{mine[i][diff[0]] if diff else len(mine[i])!r}); build both optimizers the same way, "
+                    "e.g. Optimizer(model), which routes a sharded and a plain model alike"
+                )
+        state_dict = {**state_dict, "param_groups": [{k: v for k, v in g.items() if k != "routes"}
+                                                     for g in state_dict["param_groups"]]}
         state_dict = accept_state(self, state_dict)
         super().load_state_dict(state_dict)
         if not self.wide_state:
