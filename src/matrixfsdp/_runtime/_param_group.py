@@ -383,6 +383,10 @@ class ParamGroup:
         others, which the root resolves (see [Note: unused parameters])."""
         pending.handle.wait()
         rl, out = pending.layout, pending.out
+        if self.comm.on_device:
+            # allocated on the reduce stream, read by the compute stream from now on (gradients
+            # are views of it): its memory must not return to the reduce stream's pool early
+            out.record_stream(torch.accelerator.current_stream(out.device))
         n = rl.chunk_numel[self.rank]
         undecided = []
         with torch.no_grad():
