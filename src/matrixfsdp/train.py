@@ -203,6 +203,14 @@ def _spawned(rank: int, cfg: TrainConfig, world: int, store_path: str) -> None:
         sys.exit(status)
 
 
+def _start_method() -> str:
+    # fork: the children share the parent's imported torch (no 3 s re-import each); the parent
+    # has run no torch op (no thread pools, no CUDA), which is what makes forking safe.
+    import multiprocessing
+
+    return "fork" if "fork" in multiprocessing.get_all_start_methods() and sys.platform == "linux" else "spawn"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the main job; returns the exit status (see the module docstring)."""
     args = build_parser().parse_args(argv)
@@ -241,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="matrixfsdp-train-") as tmp:
         try:
             mp.start_processes(_spawned, args=(cfg, world, os.path.join(tmp, "store")), nprocs=world,
-                               join=True, start_method="spawn")
+                               join=True, start_method=_start_method())
         except mp.ProcessExitedException as e:
             if e.exit_code == 2:
                 return 2  # a TrainError: rank 0 printed it
