@@ -59,3 +59,11 @@ def test_incomplete_hf_config(tmp_path, capsys):
     cfg.write_text(json.dumps({"vocab_size": 10}))
     assert main(["--hf-config", str(cfg), "--world", "2"]) == 2
     assert "lacks ['hidden_size'" in capsys.readouterr().err
+
+
+def test_qwen3_32b_on_32_ranks_reaches_every_bound(capsys):
+    """The planner example of the README (it was the README's first command)."""
+    assert main(["--model", "qwen3-32b", "--world", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "OwnerPlan  world_size=32" in out
+    assert "worst gamma_B / bound: 1.000" in out

@@ -84,6 +84,8 @@ class TrainConfig:
     seq_len: int = 128
     seed: int = 0
     collectives: str = "all_to_all"
+    lr: float | None = None        # None: OPTIMIZER_LRS[optimizer]
+    adamw_lr: float | None = None
     compare: bool = True
     ckpt_every: int = 100
     eval_every: int = 50
@@ -98,7 +100,12 @@ class TrainConfig:
     def fingerprint(self) -> dict[str, Any]:
         """What a resumed run must share with the checkpoint's run."""
         return {k: getattr(self, k) for k in ("model", "optimizer", "steps", "batch", "seq_len", "seed",
-                                                "max_corpus_bytes")}
+                                                "max_corpus_bytes", "lr", "adamw_lr")}
+
+    def lrs(self) -> tuple[float, float]:
+        """(matrix lr, AdamW lr) of the matrixfsdp run."""
+        lr, adamw_lr = OPTIMIZER_LRS[self.optimizer]
+        return (lr if self.lr is None else self.lr, adamw_lr if self.adamw_lr is None else self.adamw_lr)
 
 
 def run_names(cfg: TrainConfig) -> list[str]:
@@ -192,7 +199,7 @@ def _build_matrixfsdp(cfg: TrainConfig) -> _Run:
     for layer in model.model.layers:
         matrixfsdp.fully_shard(layer, mesh=mesh, plan=plan, collectives=cfg.collectives)
     matrixfsdp.fully_shard(model, mesh=mesh, plan=plan, collectives=cfg.collectives)
-    lr, adamw_lr = OPTIMIZER_LRS[cfg.optimizer]
+    lr, adamw_lr = cfg.lrs()
     params = list(model.parameters())
     opt: torch.optim.Optimizer
     if cfg.optimizer == "muon":

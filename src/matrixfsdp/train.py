@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="muon", choices=list(OPTIMIZER_LRS),
                    help="optimizer of the matrixfsdp run: matrices get it, the rest AdamW "
                         "(learning rates: " + ", ".join(f"{k} {a:g}" for k, (a, _) in OPTIMIZER_LRS.items()) + ")")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate of the matrices in the matrixfsdp run (default: per --optimizer, above)")
+    p.add_argument("--adamw-lr", type=float, default=None,
+                   help="learning rate of its AdamW parameters (embeddings, head, norms; default 3e-3)")
     p.add_argument("--world", type=_positive("--world"), default=None,
                    help="data-parallel ranks (processes) to start; default 2, or torchrun's WORLD_SIZE")
     p.add_argument("--steps", type=_positive("--steps"), default=200, help="optimizer steps per run")
@@ -109,12 +113,16 @@ def config_from_args(args: argparse.Namespace, world: int) -> TrainConfig:
         raise TrainError("--resume and --overwrite exclude each other")
     if args.stop_after is not None and args.stop_after >= args.steps:
         raise TrainError(f"--stop-after {args.stop_after} must be below --steps {args.steps}")
+    for name in ("lr", "adamw_lr"):
+        v = getattr(args, name)
+        if v is not None and not (v > 0 and v < float("inf")):
+            raise TrainError(f"--{name.replace('_', '-')} must be a positive number, got {v}")
     if args.sample_bytes < 0:
         raise TrainError(f"--sample-bytes must be >= 0, got {args.sample_bytes}")
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
     cfg = TrainConfig(out=args.out, model=args.model, optimizer=args.optimizer, steps=args.steps,
                       batch=args.batch, seq_len=args.seq_len, seed=args.seed, collectives=args.collectives,
-                      compare=args.compare, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
+                      lr=args.lr, adamw_lr=args.adamw_lr, compare=args.compare, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
                       sample_bytes=args.sample_bytes, resume=args.resume, stop_after=args.stop_after,
                       threads=threads, max_corpus_bytes=args.max_corpus_bytes, progress=args.progress)
     out = Path(args.out)
