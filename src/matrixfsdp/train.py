@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate of the matrices in the matrixfsdp run (default: per --optimizer, above)")
     p.add_argument("--adamw-lr", type=float, default=None,
-                   help="learning rate of its AdamW parameters (embeddings, head, norms; default 3e-3)")
+                   help="learning rate of its AdamW parameters (embeddings, head, norms; default 3e-3, "
+                        "1.5e-3 with --optimizer adamw)")
     p.add_argument("--world", type=_positive("--world"), default=None,
                    help="data-parallel ranks (processes) to start; default 2, or torchrun's WORLD_SIZE")
     p.add_argument("--steps", type=_positive("--steps"), default=200, help="optimizer steps per run")
