@@ -231,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         world = tr_world or args.world or 2
         cfg = config_from_args(args, world)
     except TrainError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks; one reports
+            print(f"error: {e}", file=sys.stderr)
         return 2
 
     missing = [m for m in ("tqdm", "matplotlib") if importlib.util.find_spec(m) is None]
