@@ -14,6 +14,7 @@ with save_pretrained (gathered on rank 0 from the matrixfsdp checkpoint) to --ou
 import argparse
 import os
 import pathlib
+import sys
 import sysconfig
 
 import torch
@@ -113,6 +114,14 @@ def _spawned(rank: int, world: int, args: argparse.Namespace) -> None:
         main(args)
     finally:
         dist.destroy_process_group()
+    exit_now()
+
+
+def exit_now() -> None:
+    # torch 2.13 + gloo: a worker thread may still be releasing the last collective's tensors when
+    # the interpreter shuts down, which aborts the process (SIGABRT); skip the shutdown.
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
@@ -136,6 +145,7 @@ if __name__ == "__main__":
             main(args)
         finally:
             dist.destroy_process_group()
+        exit_now()
     else:
         try:
             torch.multiprocessing.spawn(_spawned, args=(args.world, args), nprocs=args.world)

@@ -14,6 +14,7 @@ import argparse
 import math
 import os
 import pathlib
+import sys
 import sysconfig
 
 import torch
@@ -99,6 +100,14 @@ def _spawned(rank: int, world: int, args: argparse.Namespace) -> None:
         train(args)
     finally:
         dist.destroy_process_group()
+    exit_now()
+
+
+def exit_now() -> None:
+    # torch 2.13 + gloo: a worker thread may still be releasing the last collective's tensors when
+    # the interpreter shuts down, which aborts the process (SIGABRT); skip the shutdown.
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
@@ -121,6 +130,7 @@ if __name__ == "__main__":
             train(args)
         finally:
             dist.destroy_process_group()
+        exit_now()
     else:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         if os.path.exists(f"{args.out}.store"):

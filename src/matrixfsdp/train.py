@@ -200,6 +200,20 @@ def _rank_main(cfg: TrainConfig) -> int:
     return status
 
 
+def _exit_now(status: int) -> None:
+    """End this rank's process without interpreter finalization.
+
+    torch 2.13 + gloo: a collective's worker thread drops its references to the collective's
+    tensors only after signalling completion; if that happens while the main thread finalizes
+    the interpreter, taking the GIL aborts the process (``terminate called without an active
+    exception``; see [Note: collectives right before exit] in ``_checkpoint.py``). Everything
+    is written and the process group destroyed by now, so nothing is lost by skipping it.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def _spawned(rank: int, cfg: TrainConfig, world: int, store_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -207,9 +221,7 @@ def _spawned(rank: int, cfg: TrainConfig, world: int, store_path: str) -> None:
     torch.set_num_threads(cfg.threads)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(minutes=10))
-    status = _rank_main(cfg)
-    if status:
-        sys.exit(status)
+    _exit_now(_rank_main(cfg))
 
 
 def _start_method() -> str:
@@ -250,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.overwrite and dist.get_rank() == 0:
             _overwrite(cfg)
         dist.barrier()
-        return _rank_main(cfg)
+        _exit_now(_rank_main(cfg))
 
     import torch.multiprocessing as mp
 
