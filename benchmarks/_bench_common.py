@@ -600,6 +600,20 @@ def summarize(xs: Sequence[float]) -> dict[str, float]:
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
 
 
+def command_line(script: str, argv: Sequence[str] | None = None) -> str:
+    """The command that is running, as typed from the repository root (for results headers).
+
+    ``script`` is the benchmark's ``__file__``; ``argv`` the arguments its ``main`` parsed
+    (``None``: ``sys.argv[1:]``), so the header records the ``--out`` and options actually used.
+    """
+    import shlex
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.relpath(os.path.abspath(script), root)
+    args = list(sys.argv[1:] if argv is None else argv)
+    return "python " + shlex.join([path, *args])
+
+
 def env_info(device: torch.device | None = None) -> dict[str, Any]:
     """Versions and machine; with a CUDA ``device`` also the CUDA/NCCL versions and the GPU."""
     info: dict[str, Any] = {

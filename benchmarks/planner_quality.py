@@ -17,8 +17,11 @@ import json
 import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+import _bench_common as bc
 
 from matrixfsdp import plan_owners
 from matrixfsdp._decoder import PRESETS, Decoder, DecoderLayer
@@ -95,16 +98,38 @@ def timed_plan(model, W, **kw):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--models", nargs="*", default=list(MODELS))
-    ap.add_argument("--worlds", nargs="*", type=int, default=list(WORLDS))
+    ap = argparse.ArgumentParser(description="Planner quality against lower bounds (and Canzona's partitions).")
+    ap.add_argument("--out", default=None, help="write OUT.jsonl (row by row, as they come) and OUT.md; "
+                                                "stdout then gets only the markdown summary")
+    ap.add_argument("--models", nargs="*", default=list(MODELS), help="presets to plan")
+    ap.add_argument("--worlds", nargs="*", type=int, default=list(WORLDS), help="world sizes")
+    ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                    help="progress bar on stderr (default: when stderr is a terminal)")
     args = ap.parse_args(argv)
+    command = bc.command_line(__file__, argv)
+    from tqdm.auto import tqdm
+
+    sink = None
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        sink = open(args.out + ".jsonl", "w")
+
+    def emit(row: dict) -> None:
+        if sink is not None:  # as it goes: an interrupted run keeps its finished rows
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+        else:
+            print(json.dumps(row), flush=True)
+
+    cells = len(args.models) * len(args.worlds) + (4 if "qwen3-32b" in args.models else 0)
+    bar = tqdm(total=cells, unit="plan", file=sys.stderr,
+               disable=(not sys.stderr.isatty()) if args.progress is None else not args.progress)
     rows = []
     for name in args.models:
         with torch.device("meta"):
             model = Decoder(PRESETS[name])
         for W in args.worlds:
+            bar.set_description(f"{name} W={W}")
             plan, secs = timed_plan(model, W)
             roles = list(_role_loads(plan.params, "cost").values())
             total = sum(p.cost for p in plan.params)
@@ -128,8 +153,9 @@ def main(argv=None) -> int:
             }
             best_bound = max(x for x in (row["bound_three_term"], row["bound_l2_capacity"], row["bound_ilp"]) if x)
             row["cost_over_best_bound"] = round(plan.cost_imbalance / best_bound, 4)
-            print(json.dumps(row), flush=True)
+            emit(row)
             rows.append(row)
+            bar.update(1)
     # Canzona comparison (Fig. 3c: Qwen3-32B, DP=32, FLOPs 1.43x, memory 1.11x)
     canz = []
     if "qwen3-32b" in args.models:
@@ -137,6 +163,7 @@ def main(argv=None) -> int:
             model = Decoder(PRESETS["qwen3-32b"])
         for policy in ("naive_static", "alpha_balanced"):
             for bucket in (40_000_000, 500_000_000):
+                bar.set_description(f"qwen3-32b W=32 {policy}")
                 plan, secs = timed_plan(model, 32, policy=policy, bucket_numel=bucket)
                 r = {
                     "model": "qwen3-32b", "world": 32, "policy": policy, "bucket_numel": bucket,
@@ -144,22 +171,22 @@ def main(argv=None) -> int:
                     "memory_imbalance": round(plan.state_imbalance, 4),
                     "plan_ms": round(secs * 1e3, 1),
                 }
-                print(json.dumps(r), flush=True)
+                emit(r)
                 canz.append(r)
-    md = render(rows, canz)
+                bar.update(1)
+    bar.close()
+    md = render(rows, canz, command)
     print(md)
-    if args.out:
-        with open(args.out + ".jsonl", "w") as f:
-            for r in rows + canz:
-                f.write(json.dumps(r) + "\n")
-        with open(args.out + ".md", "w") as f:
-            f.write(md)
+    if sink is not None:
+        sink.close()
+        Path(args.out + ".md").write_text(md)
+        print(f"wrote {args.out}.jsonl and {args.out}.md", file=sys.stderr)
     return 0
 
 
-def render(rows, canz) -> str:
+def render(rows, canz, command: str) -> str:
     head = (
-        f"<!-- produced by: python benchmarks/planner_quality.py --out benchmarks/results/planner_quality -->\n"
+        f"<!-- produced by: {command} -->\n"
         f"<!-- {datetime.date.today()} torch {torch.__version__} python {platform.python_version()} -->\n\n"
         "| model | W | cost imb. | 3-term bound | L2/capacity bound | ILP bound | cost / best bound | "
         "bytes imb. (bound) | worst gamma_B / bound | max gamma_B | plan ms |\n"

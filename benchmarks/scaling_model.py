@@ -54,6 +54,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+import _bench_common as bc
+
 from matrixfsdp import plan_owners
 from matrixfsdp._cost import newton_schulz_flops
 from matrixfsdp._decoder import PRESETS, Decoder, DecoderLayer
@@ -455,9 +457,10 @@ def main(argv=None) -> int:
         for W in args.worlds:
             for r in simulate(m, W):
                 r.fwd_bwd_ms, r.step_ms, r.total_ms = (round(x * 1e3, 2) for x in (r.fwd_bwd_ms, r.step_ms, r.total_ms))
-                print(json.dumps(asdict(r)), flush=True)
+                if not args.out:  # with --out, stdout gets only the summary
+                    print(json.dumps(asdict(r)), flush=True)
                 rows.append(r)
-    md = render(rows, args.models, args.worlds)
+    md = render(rows, args.models, args.worlds, bc.command_line(__file__, argv))
     print(md)
     if args.out:
         with open(args.out + ".jsonl", "w") as f:
@@ -477,9 +480,9 @@ def crossover(rows: list[Row], model: str, impl: str, ref: str = "fsdp2_distmuon
     return None
 
 
-def render(rows: list[Row], models, worlds) -> str:
+def render(rows: list[Row], models, worlds, command: str) -> str:
     out = [
-        "<!-- produced by: python benchmarks/scaling_model.py --out benchmarks/results/scaling_model -->",
+        f"<!-- produced by: {command} -->",
         f"<!-- {datetime.date.today()} torch {torch.__version__} python {platform.python_version()}; "
         f"hardware assumptions: {asdict(HW)} -->",
         "",

@@ -668,10 +668,11 @@ def markdown(result: dict[str, Any], command: str) -> str:
 def emit(result: dict[str, Any], args: argparse.Namespace, command: str) -> None:
     add_ratios(result["rows"])
     lines = [bc.dumps({"meta": result["meta"]})] + [bc.dumps(r) for r in result["rows"]]
-    for ln in lines:
-        print(ln)
+    if not args.out:  # with --out, stdout gets only the markdown summary
+        for ln in lines:
+            print(ln)
+        print()
     md = markdown(result, command)
-    print()
     print(md)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

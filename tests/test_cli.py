@@ -59,3 +59,62 @@ def test_incomplete_hf_config(tmp_path, capsys):
     cfg.write_text(json.dumps({"vocab_size": 10}))
     assert main(["--hf-config", str(cfg), "--world", "2"]) == 2
     assert "lacks ['hidden_size'" in capsys.readouterr().err
+
+
+def test_qwen3_32b_on_32_ranks_reaches_every_bound(capsys):
+    """The planner example of the README (it was the README's first command)."""
+    assert main(["--model", "qwen3-32b", "--world", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "OwnerPlan  world_size=32" in out
+    assert "worst gamma_B / bound: 1.000" in out
+
+
+def test_help_names_the_default_model_and_every_option(capsys):
+    from matrixfsdp.plan import build_parser
+
+    parser = build_parser()
+    assert all(a.help for a in parser._actions), [a.dest for a in parser._actions if not a.help]
+    text = parser.format_help()
+    assert "plans qwen3-32b" in text and "(default: qwen3-32b)" in text
+    assert "qwen3-4b,qwen3-8b,qwen3-14b" in text  # natural order
+
+
+def test_report_sorted_naturally_explains_gamma_and_fits_120_columns(capsys):
+    assert main(["--model", "qwen3-0.6b", "--world", "64"]) == 0
+    out = capsys.readouterr().out
+    blocks = [line.split()[0] for line in out.splitlines() if line.startswith("  model.layers.")]
+    assert blocks[:3] == ["model.layers.0", "model.layers.1", "model.layers.2"] and len(blocks) == 28
+    assert "gamma_B: a block's most loaded owner's bytes / (block bytes / W)" in out
+    assert max(len(line) for line in out.splitlines()) <= 120
+
+
+def test_sizes_in_the_config_dtype(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_0_6B_HF, "torch_dtype": "float32"}))
+    assert main(["--hf-config", str(tmp_path), "--world", "8", "--no-ranks", "--no-blocks"]) == 0  # a folder
+    out32 = capsys.readouterr().out
+    assert "in float32" in out32 and "(2.22 GiB)" in out32
+    assert main(["--model", "qwen3-0.6b", "--world", "8", "--no-ranks", "--no-blocks"]) == 0
+    assert "in bfloat16" in (out := capsys.readouterr().out) and "(1.11 GiB)" in out
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--world", "8", "--policy", "alpha_balanced", "--alpha", "-3"], "error: plan_owners: alpha must be"),
+    (["--world", "8", "--policy", "alpha_balanced", "--bucket-numel", "0"], "error: plan_owners: bucket_numel"),
+])
+def test_bad_values_are_error_lines(argv, msg, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(msg) and "Traceback" not in err
+
+
+def test_closed_pipe_exits_quietly():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run(f"{sys.executable} -m matrixfsdp.plan --world 32 | head -1", shell=True,
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert res.stdout.startswith("# qwen3-32b") and res.stderr == "", res.stderr

@@ -23,6 +23,22 @@ from ._runtime import MatrixFSDPModule, fully_shard
 
 __version__ = "0.1.0"
 
+#: Submodules loaded on first attribute access (``matrixfsdp.titan`` imports torchtitan, ``train``
+#: tqdm and matplotlib; ``import matrixfsdp`` stays light and works without them).
+_LAZY_SUBMODULES = ("titan", "train", "plan")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
+
 __all__ = [
     "plan_owners",
     "OwnerPlan",

@@ -137,14 +137,52 @@ def _err(e: Exception) -> str:
     return f"{name}|{e}"
 
 
+# [Note: collectives right before exit]
+# The error agreement below is often the last collective of a program: a script catches the
+# ``FileNotFoundError`` of a missing checkpoint (or finishes after a save) and exits. Gloo runs a
+# collective on a worker thread, which signals completion and only then drops its references to
+# the collective's tensors. Dropping a reference to a tensor that has a Python object takes the
+# GIL (``TensorImpl::decref_pyobject``). If the main thread has meanwhile reached interpreter
+# finalization, taking the GIL ends the worker thread with a forced unwind through a ``noexcept``
+# destructor (``~AsyncAllgatherWork``): ``terminate called without an active exception``, SIGABRT
+# (seen in about 1 of 6 runs at W=2; a core dump shows exactly that stack). ``all_gather_object``
+# allocates its tensors internally, so the agreement uses ``all_gather`` on tensors of its own
+# and returns only once gloo holds no reference to them (their use count is back to 1).
+
+
+def _wait_released(tensors: list[torch.Tensor], timeout_s: float = 10.0) -> None:
+    """Wait until no other owner (a backend's worker thread) references ``tensors``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while any(t._use_count() > 1 for t in tensors) and time.monotonic() < deadline:
+        time.sleep(1e-4)
+
+
+def _all_gather_strings(msg: str | None, process_group: Any = None) -> list[str | None]:
+    """``all_gather_object`` for short strings, safe right before exit (see the Note above)."""
+    world = dist.get_world_size(process_group)
+    data = b"" if msg is None else b"\x01" + msg.encode()
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, size, group=process_group)
+    n = max(1, max(int(s) for s in sizes))
+    buf = torch.zeros(n, dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    outs = [torch.zeros(n, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(outs, buf, group=process_group)
+    _wait_released([size, *sizes, buf, *outs])
+    return [None if int(k) == 0 else bytes(o[1:int(k)].tolist()).decode() for k, o in zip(sizes, outs)]
+
+
 def _raise_agreed(error: str | None, process_group: Any = None) -> None:
     """Raise the first (lowest-rank) error among all ranks on every rank (``error`` is
-    ``"ExcName|message"`` or None). One ``all_gather_object``; so no rank hangs while another
+    ``"ExcName|message"`` or None). One exchange of the strings; so no rank hangs while another
     raises."""
     errors: list[Any] = [error]
     if _dist_on():
-        errors = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(errors, error, group=process_group)
+        errors = _all_gather_strings(error, process_group)
     for r, e in enumerate(errors):
         if e is not None:
             name, msg = e.split("|", 1)

@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ._plan import OwnerPlan
 
-__all__ = ["format_plan", "human_bytes"]
+__all__ = ["format_plan", "human_bytes", "natural_key"]
+
+#: Rows are kept within this many columns (the per-rank "owns" list is cut to fit).
+WIDTH = 120
+
+
+def natural_key(s: str) -> list:
+    """Sort key that orders digit runs by value: ``layers.2`` before ``layers.10``."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", s) if t]
+
+
+def _fit(names: list[str], width: int) -> str:
+    """As many of ``names`` as fit in ``width`` columns, then ``... (+N)``."""
+    out = ""
+    for i, n in enumerate(names):
+        more = len(names) - i - 1
+        cand = (out + ", " if out else "") + n
+        tail = f", ... (+{more})" if more else ""
+        if len(cand) + len(tail) > width:
+            return (out + ", " if out else "") + f"... (+{len(names) - i})"
+        out = cand
+    return out
 
 
 def human_bytes(n: float) -> str:
@@ -36,21 +58,22 @@ def format_plan(plan: "OwnerPlan", *, per_rank: bool = True, per_block: bool = T
         f"{s['bytes_imbalance'] / s['bytes_imbalance_bound']:10.3f}",
         f"    params + state     {s['state_imbalance']:8.3f}",
         f"    worst gamma_B / bound: {s['max_gamma_ratio']:.3f}  (max gamma_B {s['max_gamma']:.2f})",
+        "    gamma_B: a block's most loaded owner's bytes / (block bytes / W), i.e. its collective's "
+        "slowdown vs even",
     ]
     if per_rank:
         lines += ["", "  rank  owned   param bytes   +state bytes        cost  owns"]
         for st in plan.rank_stats:
-            owned = [p.fqn for p in plan.owned_by(st.rank)]
-            shown = ", ".join(owned[:4]) + (f", ... (+{len(owned) - 4})" if len(owned) > 4 else "")
-            lines.append(
-                f"  {st.rank:4d}  {st.num_owned:5d}  {human_bytes(st.nbytes):>12}  "
-                f"{human_bytes(st.nbytes + st.state_nbytes):>13}  {st.cost:10.3e}  {shown}"
-            )
+            owned = sorted((p.fqn for p in plan.owned_by(st.rank)), key=natural_key)
+            row = (f"  {st.rank:4d}  {st.num_owned:5d}  {human_bytes(st.nbytes):>12}  "
+                   f"{human_bytes(st.nbytes + st.state_nbytes):>13}  {st.cost:10.3e}  ")
+            lines.append(row + _fit(owned, max(20, WIDTH - len(row))))
     if per_block and plan.block_stats:
-        lines += ["", "  block                                   bytes    gamma_B   bound   ratio"]
-        for b in plan.block_stats:
+        w = max(36, *(len(b.fqn) for b in plan.block_stats))
+        lines += ["", f"  {'block':<{w}}      bytes    gamma_B   bound   ratio"]
+        for b in sorted(plan.block_stats, key=lambda b: natural_key(b.fqn)):
             lines.append(
-                f"  {b.fqn:<36} {human_bytes(b.nbytes):>10}  {b.gamma:8.3f}  {b.gamma_lower_bound:6.3f}  "
+                f"  {b.fqn:<{w}} {human_bytes(b.nbytes):>10}  {b.gamma:8.3f}  {b.gamma_lower_bound:6.3f}  "
                 f"{b.gamma / b.gamma_lower_bound:6.3f}"
             )
     return "\n".join(lines)

@@ -1,0 +1,181 @@
+"""torchtitan configs trained by matrixfsdp: Qwen3 0.6B / 8B / 32B with Muon, Shampoo or SOAP,
+and a CPU-sized Qwen3 on the Python standard library's source.
+
+GPU clusters (torchtitan's own launcher; the configs are its stock Qwen3 configs -- c4 data, the
+Qwen3 tokenizer under ./assets/hf/Qwen3-*, as torchtitan documents -- with the optimizer and the
+parallelization replaced by matrixfsdp.titan.with_matrixfsdp)::
+
+    pip install -c constraints.txt -e ".[titan]"
+    torchrun --nproc-per-node 8 -m torchtitan.train --module recipes.titan_configs --config qwen3_8b_muon
+    torchrun --nnodes 4 --nproc-per-node 8 ... --config qwen3_32b_soap --training.steps 3000
+
+CPU (2 processes, a tiny Qwen3, byte tokens, no downloads; see recipes/titan_cpu.py for the three
+shims torchtitan 0.3 needs on a CPU-only machine)::
+
+    torchrun --nproc-per-node 2 recipes/titan_cpu.py --training.steps 50
+
+Config names: ``qwen3_{0_6b,8b,32b}_{muon,shampoo,soap}`` and ``qwen3_cpu_muon``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.tokenizer import BaseTokenizer
+
+from matrixfsdp.titan import with_matrixfsdp
+
+#: (matrix lr, optimizer_kwargs) per optimizer; the AdamW rate of the other parameters comes
+#: from the source config (3e-4 / 8e-4 in torchtitan's Qwen3 configs).
+OPTIMIZERS: dict[str, tuple[float, dict[str, Any]]] = {
+    "Muon": (0.02, {}),
+    "Shampoo": (3e-3, {"precondition_frequency": 20, "start_preconditioning_step": 20}),
+    "SOAP": (3e-3, {"precondition_frequency": 10}),
+}
+
+
+def _convert(config: Any, optimizer: str) -> Any:
+    lr, kwargs = OPTIMIZERS[optimizer]
+    return with_matrixfsdp(config, optimizer=optimizer, lr=lr, optimizer_kwargs=kwargs)
+
+
+def _qwen3_8b() -> Any:
+    """torchtitan 0.3 has no plain ``qwen3_8b`` config: its 14B config with the 8B model."""
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.models.qwen3 import model_registry
+    from torchtitan.models.qwen3.config_registry import qwen3_14b
+
+    config = qwen3_14b()
+    config.model_spec = model_registry("8B")
+    config.loss = CrossEntropyLoss.Config(global_vocab_size=config.model_spec.model.vocab_size)
+    config.hf_assets_path = "./assets/hf/Qwen3-8B"
+    return config
+
+
+def _base(name: str) -> Any:
+    from torchtitan.models.qwen3 import config_registry as reg
+
+    return {"0_6b": reg.qwen3_0_6b, "8b": _qwen3_8b, "32b": reg.qwen3_32b}[name]()
+
+
+def qwen3_0_6b_muon() -> Any: return _convert(_base("0_6b"), "Muon")          # noqa: E704
+def qwen3_0_6b_shampoo() -> Any: return _convert(_base("0_6b"), "Shampoo")    # noqa: E704
+def qwen3_0_6b_soap() -> Any: return _convert(_base("0_6b"), "SOAP")          # noqa: E704
+def qwen3_8b_muon() -> Any: return _convert(_base("8b"), "Muon")              # noqa: E704
+def qwen3_8b_shampoo() -> Any: return _convert(_base("8b"), "Shampoo")        # noqa: E704
+def qwen3_8b_soap() -> Any: return _convert(_base("8b"), "SOAP")              # noqa: E704
+def qwen3_32b_muon() -> Any: return _convert(_base("32b"), "Muon")            # noqa: E704
+def qwen3_32b_shampoo() -> Any: return _convert(_base("32b"), "Shampoo")      # noqa: E704
+def qwen3_32b_soap() -> Any: return _convert(_base("32b"), "SOAP")            # noqa: E704
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU-sized: a byte tokenizer and the stdlib's source as data (no files to download)
+# ------------------------------------------------------------------------------------------------
+class ByteTokenizer(BaseTokenizer):
+    """UTF-8 bytes as tokens (vocabulary 256)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseTokenizer.Config):
+        vocab_size: int = 256
+
+    def __init__(self, config: Config, *, tokenizer_path: str | None = None, **kwargs: Any):
+        super().__init__()
+        self.vocab_size = config.vocab_size
+        self.eos_id = 0
+
+    def encode(self, text: str, *args: Any, **kwargs: Any) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int], *args: Any, **kwargs: Any) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
+
+
+class StdlibBytes(BaseDataLoader):
+    """Random byte windows of the stdlib's top-level ``*.py`` files (every 10th file left out).
+
+    Global microbatch ``m`` is drawn from a generator seeded with ``seed + m``; dp rank ``r`` takes
+    its rows, so a step sees the same tokens at any world size. The position is checkpointed.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        seed: int = 0
+
+    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer: Any = None,
+                 seq_len: int, local_batch_size: int, **kwargs: Any):
+        files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+        text = b"".join(f.read_bytes() for i, f in enumerate(files) if i % 10 != 9)
+        self.data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        self.seed, self.world, self.rank = config.seed, dp_world_size, dp_rank
+        self.seq_len, self.local = seq_len, local_batch_size
+        self.microbatch = 0
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        while True:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.microbatch)
+            starts = torch.randint(0, self.data.numel() - self.seq_len - 1, (self.local * self.world,), generator=g)
+            starts = starts[self.rank * self.local:(self.rank + 1) * self.local]
+            rows = self.data[starts[:, None] + torch.arange(self.seq_len + 1)].long()
+            self.microbatch += 1
+            yield {"input": rows[:, :-1]}, rows[:, 1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"microbatch": self.microbatch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.microbatch = state_dict.get("microbatch", 0)
+
+
+def qwen3_cpu_muon() -> Any:
+    """torchtitan's Qwen3 debug model made CPU-sized (dim 128, 4 layers, byte vocabulary, SDPA
+    attention, fp32), trained on the stdlib's source by matrixfsdp + Muon."""
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_layers, _qwen3_norm
+    from torchtitan.models.qwen3.config_registry import qwen3_debugmodel
+    from torchtitan.models.qwen3.model import Qwen3Model
+
+    vocab, dim, head_dim, seq_len = 256, 128, 32, 128
+    config = qwen3_debugmodel()
+    model = Qwen3Model.Config(
+        vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim), enable_weight_tying=False,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
+        layers=_build_qwen3_layers(
+            fuse_qkv=True, n_layers=4, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim, hidden_dim=3 * dim,
+            attn_backend="flex", rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=seq_len, theta=1000000.0)),
+    )
+    for layer in model.layers:  # FlexAttention compiles with inductor: SDPA on CPU
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config.model_spec = dataclasses.replace(config.model_spec, flavor="cpu_bytes", model=model)
+    config.hf_assets_path = ""
+    config.dump_folder = "runs/titan_cpu"
+    config.tokenizer = ByteTokenizer.Config()
+    config.dataloader = StdlibBytes.Config()
+    config.loss = CrossEntropyLoss.Config(global_vocab_size=vocab)
+    config.activation_checkpoint = None
+    config.compile.enable = False
+    config.checkpoint.enable = False
+    t = config.training
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    t.steps, t.seq_len, t.global_batch_size, t.local_batch_size = 100, seq_len, 16, 16 // world
+    t.mixed_precision_param = t.mixed_precision_reduce = "float32"
+    config.parallelism.data_parallel_shard_degree = -1
+    config.lr_scheduler.warmup_steps = 10
+    config.metrics.log_freq = 10
+    config.comm.trace_buf_size = 0
+    return with_matrixfsdp(config, optimizer="Muon", lr=0.02, adamw_lr=3e-3,
+                           optimizer_kwargs={"ns_dtype": torch.float32})

@@ -1,0 +1,44 @@
+"""Benchmark scripts: headers record the command actually run, --out keeps stdout to a summary,
+planner_quality writes rows as it goes, step_balance measures (no committed results read)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def test_planner_quality_header_stdout_and_rows(tmp_path):
+    out = tmp_path / "pq"
+    res = _bench("planner_quality.py", "--models", "tiny", "--worlds", "2", "3", "--out", str(out))
+    md = (tmp_path / "pq.md").read_text()
+    assert md.splitlines()[0] == (f"<!-- produced by: python benchmarks/planner_quality.py --models tiny "
+                                  f"--worlds 2 3 --out {out} -->")
+    assert not any(line.startswith("{") for line in res.stdout.splitlines())  # summary only
+    assert "| tiny | 2 |" in res.stdout
+    rows = [json.loads(line) for line in (tmp_path / "pq.jsonl").read_text().splitlines()]
+    assert [r["world"] for r in rows] == [2, 3]
+
+
+def test_step_balance_measures(tmp_path):
+    src = (ROOT / "benchmarks" / "step_balance.py").read_text()
+    assert "step_cpu_w" not in src and "results" not in src.split('"""', 2)[2]  # reads no committed results
+    out = tmp_path / "sb"
+    res = _bench("step_balance.py", "--worlds", "2", "--out", str(out))
+    row = json.loads((tmp_path / "sb.jsonl").read_text())
+    assert row["world"] == 2 and row["distributed_step_s"] > 0 and len(row["distributed_local_step_s"]) == 2
+    assert (tmp_path / "sb.md").read_text().startswith(
+        f"<!-- produced by: python benchmarks/step_balance.py --worlds 2 --out {out} -->")
+    assert not any(line.startswith("{") for line in res.stdout.splitlines())
