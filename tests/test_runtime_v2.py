@@ -470,3 +470,40 @@ def test_no_w_fold_send_copy_and_counted_temporaries():
         assert r["max_sent"] <= r["chunk_max"], r  # the chunk itself, never W-1 copies of it
         assert all(r["temp_ok"]) and all(t > 0 for t in r["temp_peaks"]), r
         assert r["groups_created"] == 0, r  # owner meshes need no communicator
+
+
+# ================================================================================ reentrant AC
+class ReentrantCheckpointDecoder(TinyDecoder):
+    """Every block under torch's *reentrant* activation checkpointing (its forward runs under
+    no_grad; backward recomputes it in a nested backward)."""
+
+    def forward(self, idx, use_extra=False):
+        import functools
+
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.tok_emb(idx) + self.pos_emb[: idx.shape[1]]
+        for i, blk in enumerate(self.blocks):
+            fn = functools.partial(blk, use_extra=use_extra) if i == self.cfg.gated_block else blk
+            x = checkpoint(fn, x, use_reentrant=True)
+        return self.head(self.norm(x))
+
+
+def reentrant_check() -> dict:
+    rank, W = dist.get_rank(), dist.get_world_size()
+    cfg, model, ref, plan = _setup(W, model_cls=ReentrantCheckpointDecoder)
+    out = {"grad_diff": 0.0}
+    for step in range(2):
+        x, y = make_batch(cfg, step, BATCH)
+        model.loss(x[_slices(W)[rank]], y[_slices(W)[rank]], use_extra=step == 1).backward()
+        sum(ref.loss(x[s], y[s], use_extra=step == 1) for s in _slices(W)).div(W).backward()
+        out["grad_diff"] = max(out["grad_diff"], compare_to_ref(model, ref, plan, rank, W, "grad"))
+        for m in (model, ref):
+            m.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_reentrant_activation_checkpointing(W):
+    for r in get_pool(W).run(reentrant_check):
+        assert r["grad_diff"] <= TOL, r
