@@ -80,3 +80,37 @@ def test_full_tensors_and_full_state_dicts_on_every_rank(W, tmp_path):
         assert r["redistribute_replicate"] and r["redistribute_shard"], r
         assert "can be redistributed to [Replicate()] or" in r["bad_redistribute"], r
         assert r["full_sd"] and r["torch_save_roundtrip"] and r["adamw_state_full"], r
+
+
+def optim_full_state_check(name: str) -> dict:
+    rank, W = dist.get_rank(), dist.get_world_size()
+    model, ref, mesh, plan = _setup(W)
+    kw = {"ns_dtype": torch.float32} if name == "Muon" else {"precondition_frequency": 1} if name == "SOAP" else {}
+    opt = getattr(matrixfsdp.optim, name)(model, lr=0.01, **kw)
+    for step in range(2):
+        x, y = make_batch(TinyConfig(), step, 2 * W)
+        model.loss(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    keys = {fqn: sorted(st) for fqn, st in osd["state"].items()}
+    every = [None] * W
+    dist.all_gather_object(every, keys)
+    out = {"same_keys": all(k == keys for k in every), "n_params": len(keys), "mismatch": [],
+           "key_diff": [(f, every[0].get(f), every[1].get(f)) for f in set(every[0]) | set(every[1])
+                        if every[0].get(f) != every[1].get(f)][:4]}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():  # this rank's own state == the full dict's entries
+        for k, v in st.items():
+            full = osd["state"][names[id(p)]][k]
+            if matrixfsdp.owned_of(p) is not None and not torch.equal(full, v):
+                out["mismatch"].append((names[id(p)], k))
+    out["empty"] = [(f, k) for f, st in osd["state"].items() for k, v in st.items()
+                    if torch.is_tensor(v) and v.ndim and 0 in v.shape]
+    return out
+
+
+@pytest.mark.parametrize("name", ["Muon", "Shampoo", "SOAP"])
+def test_full_optimizer_state_dict_of_matrix_optimizers(name):
+    for r in get_pool(2).run(optim_full_state_check, name):
+        assert r["same_keys"] and r["n_params"] > 0 and not r["mismatch"] and not r["empty"], r

@@ -9,17 +9,19 @@ parameter as a DTensor (:func:`present_state`), and ``load_state_dict`` accepts 
 
 * **owned parameter** (``matrixfsdp.owned_of(p)`` is set): every non-scalar state tensor
   (momentum, Adam moments, Shampoo/SOAP factors ``L``/``R``, roots, eigenbases ``QL``/``QR``)
-  becomes a ``[Replicate()]`` DTensor on the parameter's one-rank owner mesh, with the state
-  tensor's own shape. Only the owner has state, so only the owner has these keys and DCP writes
-  each one once, as one full chunk, from the owner;
+  and its 0-dim ``step`` counter become ``[Replicate()]`` (owned) DTensors on the parameter's
+  one-rank owner mesh, with the state tensor's own shape. Only the owner has the data; once it
+  has state, every other rank presents the same keys as empty owned DTensors (shapes from the
+  optimizer's state initializer run on a ``meta`` tensor), so all ranks hold the same keys (DCP's
+  full state dict gathers them key by key) and DCP writes each one once, as one full chunk, from
+  the owner;
 * **evenly sharded (``Shard(0)``) or any other DTensor parameter** (also stock FSDP2's): a state
   tensor with the local shard's shape becomes a DTensor with the parameter's mesh, placements and
   global shape; DCP writes each rank's rows;
 * a parameter whose local tensor is empty (an owned one on a non-owner) gets an empty state
   entry, so ``set_optimizer_state_dict(strict=True)`` finds nothing missing;
-* scalars (the 0-dim ``step`` counters) stay plain tensors. For an owned parameter only the owner
-  has one; for an even parameter every rank with a non-empty shard has the same value and DCP's
-  de-duplication writes it once.
+* scalars of evenly sharded parameters (the 0-dim ``step`` counters) stay plain tensors: every
+  rank with a non-empty shard has the same value and DCP's de-duplication writes it once.
 
 The DTensors alias the live state tensors (no copy): ``dcp.save`` reads them, ``dcp.load`` writes
 into them in place. Loading then reshards like any FSDP2 state: the saved chunk(s) of a tensor are
@@ -56,9 +58,11 @@ __all__ = ["present_state", "accept_state"]
 
 def _as_dtensor(opt_name: str, key: str, p: Tensor, value: Any) -> Any:
     """``value`` (a local state tensor of DTensor parameter ``p``) as a DTensor; see the Note."""
-    if not isinstance(value, Tensor) or value.ndim == 0 or isinstance(value, DTensor):
+    if not isinstance(value, Tensor) or isinstance(value, DTensor):
         return value
     info = owned_of(p)
+    if value.ndim == 0 and info is None:
+        return value  # an even parameter's step counter: the same on every rank with a shard
     if info is not None:
         if info.mesh is None:  # pragma: no cover - make_sharded_param always sets it
             raise RuntimeError(f"{opt_name}.state_dict: owned parameter without a mesh ({key})")
@@ -99,12 +103,35 @@ def present_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
             st = {k: _as_dtensor(name, f"state[{idx}][{k!r}]", p, v) for k, v in st.items()}
         state[idx] = st
     # A DTensor parameter whose local tensor is empty (an owned parameter on a non-owner, an
-    # empty even shard) never has state here; an explicit empty entry tells
+    # empty even shard) never has state here, nor has one never stepped. Once its owner has state, a
+    # non-owner presents the
+    # same keys, as empty owned DTensors of the owner's global shapes (the optimizer's own state
+    # initializer run on a meta tensor): every rank then holds the same keys, which DCP's full
+    # state dict gathers key by key. Otherwise an explicit empty entry (on every rank alike) tells
     # set_optimizer_state_dict(strict=True) that nothing is missing.
+    remote = getattr(opt, "_remote_state", set())
     for idx, p in enumerate(params):
-        if idx not in state and DTensor is not None and isinstance(p, DTensor) and p.requires_grad \
-                and local_tensor(p).numel() == 0:
-            state[idx] = {}
+        if idx not in state and DTensor is not None and isinstance(p, DTensor) and p.requires_grad:
+            info = owned_of(p)
+            remote_entry = info is not None and id(p) in remote and local_tensor(p).numel() == 0
+            state[idx] = _remote_entry(opt, p, info) if remote_entry else {}
+    return {**sd, "state": dict(sorted(state.items()))}
+
+
+def _remote_entry(opt: "MatrixOptimizer", p: Tensor, info: Any) -> dict[str, Any]:
+    """The keys and global shapes of the owner's state of ``p``, as empty owned DTensors."""
+    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+    schema = opt._state_schema(p, group)
+    mesh = owner_meshes(info.mesh)[info.owner]
+    local = local_tensor(p)
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if isinstance(v, Tensor):
+            shape = tuple(v.shape)
+            empty = torch.empty((0, *shape[1:]) if shape else (0,), dtype=v.dtype, device=local.device)
+            v = wrap_dtensor(empty, mesh, (Replicate(),), shape)
+        out[k] = v
+    return out
     return {**sd, "state": dict(sorted(state.items()))}
 
 
@@ -126,7 +153,9 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
         is_dt = DTensor is not None and isinstance(p, DTensor)
         info = owned_of(p)
         if is_dt and info is not None and info.mesh is not None and info.mesh.get_local_rank() != info.owner:
-            continue  # non-owners keep no state for an owned parameter
+            if st:  # non-owners keep no state for an owned parameter, only that its owner has some
+                opt._remote_state.add(id(p))
+            continue
         for k, v in st.items():
             if DTensor is not None and isinstance(v, DTensor):
                 if not is_dt:

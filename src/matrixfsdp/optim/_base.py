@@ -103,6 +103,8 @@ class MatrixOptimizer(Optimizer):
         self._check_hparams(defaults, "")
         if isinstance(params, torch.nn.Module):
             params = self._module_groups(params)
+        #: ids of owned parameters whose owner (another rank) has state (see present_state)
+        self._remote_state: set[int] = set()
         super().__init__(params, defaults)
 
     def _module_groups(self, model: torch.nn.Module) -> list[dict[str, Any]]:
@@ -251,6 +253,7 @@ class MatrixOptimizer(Optimizer):
                 continue
             param = local_tensor(p)
             if param.numel() == 0:
+                self._note_remote(p)
                 continue  # non-owner of a matrix (or an empty shard): no state, no compute
             grad = local_tensor(p.grad)
             if grad.is_sparse:
@@ -285,12 +288,33 @@ class MatrixOptimizer(Optimizer):
     def _init_states(self) -> None:
         for _, group, p, route in self._routed():
             param = local_tensor(p)
+            if p.grad is not None and param.numel() == 0:
+                self._note_remote(p)
             if p.grad is None or param.numel() == 0:
                 continue
             if route == "adamw":
                 self._adamw_init_state(param, self.state[p])
             else:
                 self._matrix_init_state(param, self.state[p], group)
+
+    def _note_remote(self, p: Tensor) -> None:
+        """An owned parameter stepped on its owner (every rank sees the same gradients)."""
+        if owned_of(p) is not None:
+            self._remote_state.add(id(p))
+
+    def _state_schema(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """The state keys (and global shapes, on ``meta``) the owner of ``p`` holds, with the
+        placeholders its state dict adds."""
+        meta = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
+        schema: dict[str, Any] = {}
+        if self._route(group, p) == "adamw":
+            self._adamw_init_state(meta, schema)
+        else:
+            self._matrix_init_state(meta, schema, group)
+        for key, dep in self._state_placeholders.items():
+            if key not in schema and isinstance(schema.get(dep), Tensor):
+                schema[key] = torch.zeros_like(schema[dep])
+        return schema
 
     def _adamw_init_state(self, param: Tensor, state: dict[str, Any]) -> None:
         state["step"] = new_step_counter()
@@ -334,7 +358,9 @@ class MatrixOptimizer(Optimizer):
 
         sd = present_state(self, super().state_dict())
         routes = self._routes()
-        sd["param_groups"] = [{**g, "routes": r} for g, r in zip(sd["param_groups"], routes)]
+        # dtypes (Muon's ns_dtype) as strings: DCP's full state dicts only carry plain values
+        sd["param_groups"] = [{**{k: str(v) if isinstance(v, torch.dtype) else v for k, v in g.items()},
+                               "routes": r} for g, r in zip(sd["param_groups"], routes)]
         return sd
 
     def _routes(self) -> list[list[str]]:
@@ -361,7 +387,14 @@ class MatrixOptimizer(Optimizer):
                     f"{mine[i][diff[0]] if diff else len(mine[i])!r}); build both optimizers the same way, "
                     "e.g. Optimizer(model), which routes a sharded and a plain model alike"
                 )
-        state_dict = {**state_dict, "param_groups": [{k: v for k, v in g.items() if k != "routes"}
+        def restore(k: str, v: Any) -> Any:  # "torch.float32" -> torch.float32 (see state_dict)
+            if isinstance(v, str) and v.startswith("torch.") and any(
+                    isinstance(g.get(k), torch.dtype) for g in self.param_groups):
+                dt = getattr(torch, v.removeprefix("torch."), None)
+                return dt if isinstance(dt, torch.dtype) else v
+            return v
+
+        state_dict = {**state_dict, "param_groups": [{k: restore(k, v) for k, v in g.items() if k != "routes"}
                                                      for g in state_dict["param_groups"]]}
         state_dict = accept_state(self, state_dict)
         super().load_state_dict(state_dict)
