@@ -507,3 +507,33 @@ def reentrant_check() -> dict:
 def test_reentrant_activation_checkpointing(W):
     for r in get_pool(W).run(reentrant_check):
         assert r["grad_diff"] <= TOL, r
+
+
+# ================================================================================ outside-user findings
+def inplace_and_retype_check() -> dict:
+    rank, W = dist.get_rank(), dist.get_world_size()
+    cfg, model, ref, plan = _setup(W)
+    x, y = make_batch(cfg, 0, BATCH)
+    out = {}
+    # an in-place op on a sharded module's output (temperature scaling), as plain torch allows
+    logits = model(x[_slices(W)[rank]])
+    logits /= 2.0
+    F.cross_entropy(logits.reshape(-1, cfg.vocab), y[_slices(W)[rank]].reshape(-1)).backward()
+    rl = sum(F.cross_entropy((ref(x[s]) / 2.0).reshape(-1, cfg.vocab), y[s].reshape(-1)) for s in _slices(W)) / W
+    rl.backward()
+    out["inplace_grad_diff"] = compare_to_ref(model, ref, plan, rank, W, "grad")
+    # model.to(dtype) after sharding: buffers and unsharded leaves follow the new dtype
+    model.zero_grad(), ref.zero_grad()
+    model.to(torch.float64), ref.to(torch.float64)
+    with torch.no_grad():
+        out["float64_loss_diff"] = (model.loss(x[_slices(W)[rank]], y[_slices(W)[rank]])
+                                    - ref.loss(x[_slices(W)[rank]], y[_slices(W)[rank]])).abs().item()
+    out["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    return out
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_inplace_on_outputs_and_model_to_dtype(W):
+    for r in get_pool(W).run(inplace_and_retype_check):
+        assert r["inplace_grad_diff"] <= TOL and r["float64_loss_diff"] <= 1e-12, r
+        assert r["dtypes"] == ["torch.float64"]

@@ -153,15 +153,30 @@ class ParamGroup:
         self.fqn, self.rank, self.coll, self.comm = fqn, rank, coll, comm
         self.world_size = coll.world_size
         self.layout = BlockLayout.from_plans([p.plan for p in self.params], self.world_size)
-        dtypes = {p.sharded.dtype for p in self.params}  # one dtype unless mp.param_dtype is set
-        self.param_dtype = next(iter(dtypes)) if dtypes else torch.float32
-        self.compute_dtype = self.mp_policy.param_dtype or self.param_dtype
-        self.reduce_dtype = self.mp_policy.reduce_dtype or self.compute_dtype
-        self._cast = any(p.sharded.dtype != self.compute_dtype for p in self.params)
         self._splits = self.layout.gather_splits(rank)
+        self.refresh_dtypes()
         self.refresh_trainable()
         device = self.params[0].local.device if self.params else torch.device("cpu")
         self.realloc(device)
+
+    def refresh_dtypes(self) -> bool:
+        """(Re)derive the compute and reduce dtypes from the parameters (resolution, and after
+        ``model.to(dtype)``); returns whether anything changed (the buffers must follow)."""
+        dtypes = sorted({str(p.sharded.dtype) for p in self.params})
+        if len(dtypes) > 1 and self.mp_policy.param_dtype is None:
+            raise ValueError(f"matrixfsdp.fully_shard: block {self.fqn!r} mixes parameter dtypes {dtypes}; "
+                             "set mp_policy.param_dtype to materialize them in one dtype")
+        param_dtype = self.params[0].sharded.dtype if self.params else torch.float32
+        new = (param_dtype, self.mp_policy.param_dtype or param_dtype)
+        if new == (getattr(self, "param_dtype", None), getattr(self, "compute_dtype", None)):
+            return False
+        if self.accum is not None:
+            raise RuntimeError(f"matrixfsdp.fully_shard: the parameters of block {self.fqn!r} changed "
+                               "dtype while unreduced gradients are accumulated; run a synced backward first")
+        self.param_dtype, self.compute_dtype = new
+        self.reduce_dtype = self.mp_policy.reduce_dtype or self.compute_dtype
+        self._cast = any(p.sharded.dtype != self.compute_dtype for p in self.params)
+        return True
 
     def realloc(self, device: torch.device) -> None:
         """(Re)create the buffers and unsharded leaves on ``device`` (resolution, ``to_empty``,

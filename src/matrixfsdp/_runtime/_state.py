@@ -110,7 +110,10 @@ class _PostBackward(torch.autograd.Function):
     def forward(ctx: Any, state: "BlockState", *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state = state
         ctx.set_materialize_grads(False)
-        return inputs
+        # Aliases, not the inputs themselves: a tensor a custom Function returns as-is becomes a
+        # view that refuses in-place ops; a detached alias behaves as in plain torch (it shares
+        # the version counter, so modifying a tensor autograd saved still raises, as without us).
+        return tuple(t.detach() for t in inputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -127,7 +130,7 @@ class _PreBackward(torch.autograd.Function):
                 *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state = state
         ctx.set_materialize_grads(False)
-        return outputs
+        return tuple(t.detach() for t in outputs)  # aliases: see _PostBackward
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -413,7 +416,8 @@ class BlockState:
         wrapper, an inner submodule) swaps our DTensors for ones DTensor's dispatch built: they lose
         the :class:`Owned` metadata, and ranks outside an owned tensor's one-rank mesh get a 1-D
         ``tensor([])`` instead of their ``[0, ...]`` segment. Data of correctly shaped segments is
-        kept; wrong empty segments are re-created; the buffers follow the parameters' device.
+        kept; wrong empty segments are re-created; the buffers follow the parameters' device and
+        dtype (``model.to(torch.float64)`` after sharding).
         """
         g = self.group
         swapped = [mp.check_layout(g.rank, g.world_size, self.config.mesh, str(self.fqn))
@@ -423,7 +427,8 @@ class BlockState:
             raise RuntimeError(f"matrixfsdp.fully_shard: block {self.fqn!r} has parameters on several "
                                f"devices {sorted(map(str, devices))}; move the whole model with to_empty")
         device = next(iter(devices)) if devices else g._recv.device
-        if any(swapped) or g._recv.device != device:
+        retyped = g.refresh_dtypes()  # always evaluated: model.to(dtype) also swaps tensors
+        if any(swapped) or retyped or g._recv.device != device:
             g.reshard()
             g.realloc(device)
 
