@@ -105,8 +105,9 @@ def owner_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
         # No communicator: a one-rank [Replicate()] mesh never communicates (W new_group
         # calls would mean W communicator splits, with eager NCCL init, for nothing).
         subs = tuple(
-            DeviceMesh(mesh.device_type, [g], mesh_dim_names=("owner",), _init_backend=False)
-            for g in ranks
+            # named after the owner, so DTensor's errors tell the meshes apart ("owned_by_rank3")
+            DeviceMesh(mesh.device_type, [g], mesh_dim_names=(f"owned_by_rank{r}",), _init_backend=False)
+            for r, g in enumerate(ranks)
         )
         _OWNER_MESHES[mesh] = subs
         for r, sub in enumerate(subs):
