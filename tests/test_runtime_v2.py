@@ -241,9 +241,9 @@ def _train_with(disturb, steps=4) -> dict:
     keep = []
     for step in range(steps):
         x, y = make_batch(cfg, step, BATCH)
-        disturb(step, model, x[mine], y[mine], keep)
         model.loss(x[mine], y[mine]).backward()
         sum(ref.loss(x[s], y[s]) for s in _slices(W)).div(W).backward()
+        disturb(step, model, x[mine], y[mine], keep)  # between backward and the optimizer step
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     return {"param_diff": compare_to_ref(model, ref, plan, rank, W, "param")}
 
@@ -255,8 +255,9 @@ def _gc_skew(step, model, x, y, keep):
         junk = model.loss(x, y)
         cycle = [junk]
         cycle.append(cycle)
-    if step == 2 and dist.get_rank() == 0:
-        gc.collect()  # collected on rank 0 only, mid-training
+        del junk, cycle
+        if dist.get_rank() == 0:
+            gc.collect()  # collected on rank 0 only, before the next iteration
     if step == 3:
         gc.enable()
 
@@ -273,6 +274,7 @@ def _forward_raises(step, model, x, y, keep):
         model.loss(x, y)
     except RuntimeError as e:
         assert "bad batch" in str(e)
+        keep.append(e)  # a loop that logs its errors keeps the traceback (and its frames) alive
     h.remove()
 
 
