@@ -43,6 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._decoder import Decoder, DecoderConfig, DecoderLayer
+from ._owned import local_tensor
 from ._train_data import VOCAB_SIZE, Corpus, heldout_windows, load_corpus, local_batch
 
 __all__ = ["TrainConfig", "MODEL_SIZES", "OPTIMIZER_LRS", "run_rank", "TrainError", "latest_checkpoint",
@@ -152,10 +153,6 @@ def lr_multiplier(step: int, steps: int) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, t)))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _scalar(t: torch.Tensor) -> float:
     return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
 
@@ -165,7 +162,7 @@ def _param_digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
         h.update(name.encode())
-        h.update(_local(p).detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(local_tensor(p).detach().contiguous().view(torch.uint8).numpy().tobytes())
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, h.hexdigest())
     return hashlib.sha256("".join(parts).encode()).hexdigest()

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .._owned import owned_of
+from .._owned import local_tensor, owned_of  # one local-tensor helper for the package
 from ._adamw import adamw_step, new_step_counter
 
 try:  # torch builds without distributed have no DTensor; then nothing is one.
@@ -66,12 +66,6 @@ ADAMW_DEFAULTS: dict[str, Any] = {
     "adamw_weight_decay": None,
 }
 
-
-def local_tensor(t: Tensor) -> Tensor:
-    """The local tensor of a DTensor (an alias under ``no_grad``), or ``t`` itself."""
-    if _DTensor is not None and isinstance(t, _DTensor):
-        return t.to_local()
-    return t
 
 
 def wide_dtype(dtype: torch.dtype) -> torch.dtype:
