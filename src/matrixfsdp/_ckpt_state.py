@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ._owned import local_tensor, owned_of, owner_meshes, wrap_dtensor
+from ._owned import empty_local, local_tensor, owned_of, owner_meshes, wrap_dtensor
 
 if TYPE_CHECKING:
     from .optim._base import MatrixOptimizer
@@ -109,7 +109,7 @@ def present_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
     # initializer run on a meta tensor): every rank then holds the same keys, which DCP's full
     # state dict gathers key by key. Otherwise an explicit empty entry (on every rank alike) tells
     # set_optimizer_state_dict(strict=True) that nothing is missing.
-    remote = getattr(opt, "_remote_state", set())
+    remote = opt._remote_state
     for idx, p in enumerate(params):
         if idx not in state and DTensor is not None and isinstance(p, DTensor) and p.requires_grad:
             info = owned_of(p)
@@ -128,11 +128,9 @@ def _remote_entry(opt: "MatrixOptimizer", p: Tensor, info: Any) -> dict[str, Any
     for k, v in schema.items():
         if isinstance(v, Tensor):
             shape = tuple(v.shape)
-            empty = torch.empty((0, *shape[1:]) if shape else (0,), dtype=v.dtype, device=local.device)
-            v = wrap_dtensor(empty, mesh, (Replicate(),), shape)
+            v = wrap_dtensor(empty_local(shape, v.dtype, local.device), mesh, (Replicate(),), shape)
         out[k] = v
     return out
-    return {**sd, "state": dict(sorted(state.items()))}
 
 
 def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:

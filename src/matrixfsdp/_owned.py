@@ -202,12 +202,18 @@ class OwnedDTensor(DTensor):
         )
 
 
+def empty_local(shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """What a rank that does not own a tensor of global ``shape`` holds: ``[0, *shape[1:]]``
+    (``[0]`` for a 0-dim tensor)."""
+    return torch.empty((0, *shape[1:]) if shape else (0,), dtype=dtype, device=device)
+
+
 def _as_owned_if_owner_mesh(x: Any) -> Any:
     if type(x) is DTensor and x.device_mesh in _OWNER_OF:
         local = x._local_tensor
         if x.device_mesh.get_coordinate() is None:
-            # DTensor gives ranks outside a mesh a shapeless [0] tensor; ours hold [0, *shape[1:]]
-            local = local.new_empty((0, *x.shape[1:]) if x.ndim else (0,))
+            # DTensor gives ranks outside a mesh a shapeless [0] tensor; ours hold empty_local
+            local = empty_local(tuple(x.shape), local.dtype, local.device)
         return OwnedDTensor(local, x._spec, requires_grad=x.requires_grad)
     return x
 
@@ -263,29 +269,14 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
     """The full value of a sharded parameter on every rank (a collective: call on all ranks).
 
-    Owned parameters are broadcast from their owner over the data-parallel mesh (the owner gets
-    its own local tensor back, no copy); evenly sharded ones use ``DTensor.full_tensor()``; plain
-    tensors are returned unchanged.
+    ``DTensor.full_tensor()`` (owned parameters are :class:`OwnedDTensor`: broadcast from their
+    owner, who gets its own local tensor back, no copy); plain tensors are returned unchanged.
 
     Example::
 
         w = matrixfsdp.full_tensor(model.blocks[0].mlp.up.weight)  # same on every rank
     """
-    info = owned_of(param)
-    if info is None:
-        return param.full_tensor() if isinstance(param, DTensor) else param
-    mesh = info.mesh
-    if mesh is None:
-        raise RuntimeError("matrixfsdp.full_tensor: owned parameter has no data-parallel mesh")
-    local = local_tensor(param).detach()
-    if mesh.get_local_rank() == info.owner:
-        out = local
-    else:
-        out = torch.empty(tuple(param.shape), dtype=param.dtype, device=local.device)
-    from ._collectives import collectives_for
-
-    collectives_for(mesh.get_group()).broadcast(out, info.owner)
-    return out
+    return param.full_tensor() if isinstance(param, DTensor) else param  # owned: OwnedDTensor's
 
 
 @torch.no_grad()
