@@ -182,6 +182,39 @@ class _Base:
                                        async_op=async_op)
         return Handle([work] if async_op else [])
 
+    def all_gather_inplace(self, buf: torch.Tensor, splits: Sequence[int], *, async_op: bool) -> Handle:
+        """``buf`` (1-D) is ``W`` intervals of sizes ``splits`` in rank order; fill every peer's
+        interval from its owner, in place (this rank's interval is the send buffer). NCCL: one list
+        ``all_to_all`` over views of ``buf``; gloo: one ``batch_isend_irecv`` fan-out. Nothing is
+        copied or padded."""
+        splits = list(splits)
+        W, r = self.world_size, self.rank
+        if len(splits) != W or sum(splits) != buf.numel():
+            raise ValueError(
+                f"all_gather_inplace: splits {splits} do not match W={W} and buffer numel {buf.numel()}"
+            )
+        es = buf.element_size()
+        self.counter.record("all_gather", splits[r] * (W - 1) * es, (buf.numel() - splits[r]) * es)
+        if W == 1:
+            return Handle()
+        views = list(torch.split(buf, splits))
+        mine = views[r]
+        if dist.get_backend(self.group) == "nccl":
+            outs = [v if s != r else mine[:0] for s, v in enumerate(views)]
+            ins = [mine if d != r else mine[:0] for d in range(W)]
+            work = dist.all_to_all(outs, ins, group=self.group, async_op=async_op)
+            return Handle([work] if async_op else [])
+        ops = [dist.P2POp(dist.irecv, v, group=self.group, group_peer=s)
+               for s, v in enumerate(views) if s != r and v.numel()]
+        if mine.numel():
+            ops += [dist.P2POp(dist.isend, mine, group=self.group, group_peer=d) for d in range(W) if d != r]
+        if not ops:
+            return Handle()
+        h = Handle(dist.batch_isend_irecv(ops))
+        if not async_op:
+            h.wait()
+        return h
+
     def all_gather_fixed(self, t: torch.Tensor) -> torch.Tensor:
         out = t.new_empty(self.world_size * t.numel())  # gloo wants a flat output
         self.counter.record("all_gather_fixed", t.nbytes * (self.world_size - 1),

@@ -352,21 +352,21 @@ _VERIFIED: dict[tuple[int, tuple[int, ...]], Any] = {}
 _DIGEST_BYTES = 32
 
 
-def _verify_plan_digest(plan: OwnerPlan, mesh: DeviceMesh, coll: SegmentCollectives) -> None:
+def _verify_plan_digest(plan: OwnerPlan, mesh: DeviceMesh, coll: SegmentCollectives, *, api: str = API) -> None:
     """All ranks exchange the plan digest (one all-gather of 32 bytes); raise on mismatch."""
     key = (id(plan), tuple(mesh.mesh.flatten().tolist()))
     if key in _VERIFIED:
         return
     mine = torch.frombuffer(bytearray(bytes.fromhex(plan.digest)), dtype=torch.uint8)
     if mine.numel() != _DIGEST_BYTES:
-        raise ValueError(f"{API}: malformed plan digest {plan.digest!r}")
+        raise ValueError(f"{api}: malformed plan digest {plan.digest!r}")
     device = mesh_device(mesh)
     gathered = coll.all_gather_fixed(mine.to(device)).cpu()
     digests = [bytes(row.tolist()).hex() for row in gathered]
     if len(set(digests)) != 1:
         by_rank = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
         raise RuntimeError(
-            f"{API}: the plan differs across ranks ({by_rank}); every rank must build the same "
+            f"{api}: the plan differs across ranks ({by_rank}); every rank must build the same "
             "plan (same model, world size and planner arguments, or load one saved plan)"
         )
     _VERIFIED[key] = weakref.finalize(plan, _VERIFIED.pop, key, None)
