@@ -3,6 +3,7 @@ same optimizer: gradients compared directly, parameters after 10 steps, collecti
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -107,3 +108,210 @@ def test_matches_ddp(W, stage):
         assert r["param_diff"] <= (0.0 if W == 2 else 1e-6) and r["moved"] > 1e-3, r
     owned = sorted(n for r in res for n in r["owned"])
     assert len(owned) == len(set(owned))  # every parameter has exactly one owner
+
+
+def _ref_grads_equal(model, ref, tol):
+    """Owners' gradients against DDP's (every rank holds DDP's); non-owners must have none."""
+    worst, bad = 0.0, []
+    ref_p = dict(ref.module.named_parameters())
+    for n, p in model.named_parameters():
+        info, q = replica_of(p), ref_p[n]
+        if info is None:
+            continue
+        if not info.is_local:
+            if p.grad is not None:
+                bad.append(("non-owner grad", n))
+            continue
+        if (p.grad is None) != (q.grad is None):
+            bad.append(("none mismatch", n))
+        elif p.grad is not None:
+            worst = max(worst, (p.grad - q.grad).abs().max().item())
+    return worst, bad
+
+
+def accumulation_and_clipping(stage: int, spelling: str) -> dict:
+    """Two micro-batches per step (the first without gradient sync), clipping across ranks."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    cfg, model, ref = _setup(stage)
+    opt, ref_opt = matrixfsdp.optim.Muon(model, **KW), matrixfsdp.optim.Muon(ref.module, **KW)
+    per = BATCH // W
+    out = {"grad_diff": 0.0, "bad": [], "norm_diff": 0.0, "calls": []}
+    counter = model.comm_counter()
+    for step in range(3):
+        counter.reset()
+        for micro in range(2):
+            x, y = make_batch(cfg, 10 * step + micro, BATCH)
+            sl = slice(rank * per, (rank + 1) * per)
+            last = micro == 1
+            if spelling == "no_sync":
+                ctx, rctx = (model.no_sync(), ref.no_sync()) if not last else (contextlib.nullcontext(),) * 2
+            else:
+                model.set_requires_gradient_sync(last)
+                ctx, rctx = contextlib.nullcontext(), (ref.no_sync() if not last else contextlib.nullcontext())
+            with ctx:
+                model.loss(x[sl], y[sl]).backward()
+            with rctx:
+                o = ref(x[sl])
+                torch.nn.functional.cross_entropy(o.reshape(-1, o.shape[-1]), y[sl].reshape(-1)).backward()
+        out["calls"].append(dict(counter.calls))
+        g, bad = _ref_grads_equal(model, ref, 0)
+        out["grad_diff"] = max(out["grad_diff"], g)
+        out["bad"] += bad
+        norm = matrixfsdp.clip_grad_norm_(model.parameters(), 0.05)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.module.parameters(), 0.05)
+        out["norm_diff"] = max(out["norm_diff"], (norm - ref_norm).abs().item())
+        out["norm"] = ref_norm.item()
+        g, bad = _ref_grads_equal(model, ref, 0)
+        out["clipped_grad_diff"] = g
+        out["bad"] += bad
+        opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
+    model.sync_params()
+    ref_p = dict(ref.module.named_parameters())
+    out["param_diff"] = max((p - ref_p[n]).abs().max().item() for n, p in model.named_parameters())
+    return out
+
+
+@pytest.mark.parametrize("spelling", ["no_sync", "set_requires_gradient_sync"])
+def test_gradient_accumulation_and_clipping_match_ddp(spelling):
+    for r in get_pool(2).run(accumulation_and_clipping, 2, spelling):
+        assert not r["bad"], r["bad"]
+        assert r["grad_diff"] <= 1e-7 and r["clipped_grad_diff"] <= 1e-7, r
+        assert r["norm"] > 0.05 and r["norm_diff"] <= 1e-6, r  # clipping was active
+        assert r["param_diff"] <= 1e-6, r
+        # the micro-batch without sync communicates nothing: one reduce-scatter per bucket per step
+        assert all(c == r["calls"][1] for c in r["calls"][1:]) and "reduce_scatter" in r["calls"][0]
+
+
+def mixed_precision() -> dict:
+    """bf16 autocast with bf16 gradient reduction, against DDP with a bf16 compression hook (torch's
+    own ``bf16_compress_hook`` refuses gloo; this is the same computation)."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    cfg, model, ref = _setup(2, reduce_dtype=torch.bfloat16)
+
+    def bf16_hook(state, bucket):
+        buf = bucket.buffer()
+        c = buf.to(torch.bfloat16).div_(W)
+
+        def back(fut):
+            buf.copy_(fut.value()[0])
+            return buf
+        return dist.all_reduce(c, async_op=True).get_future().then(back)
+
+    ref.register_comm_hook(None, bf16_hook)
+    opt, ref_opt = matrixfsdp.optim.Muon(model, **KW), matrixfsdp.optim.Muon(ref.module, **KW)
+    per = BATCH // W
+    out = {"grad_diff": 0.0, "bad": []}
+    for step in range(3):
+        x, y = make_batch(cfg, step, BATCH)
+        sl = slice(rank * per, (rank + 1) * per)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model.loss(x[sl], y[sl])
+            o = ref(x[sl])
+            ref_loss = torch.nn.functional.cross_entropy(o.float().reshape(-1, o.shape[-1]), y[sl].reshape(-1))
+        loss.backward()
+        ref_loss.backward()
+        g, bad = _ref_grads_equal(model, ref, 0)
+        out["grad_diff"] = max(out["grad_diff"], g)
+        out["bad"] += bad
+        out["grad_dtype"] = str(next(p.grad.dtype for p in model.parameters() if p.grad is not None))
+        opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
+    model.sync_params()
+    ref_p = dict(ref.module.named_parameters())
+    out["param_diff"] = max((p - ref_p[n]).abs().max().item() for n, p in model.named_parameters())
+    return out
+
+
+def test_mixed_precision_matches_ddp_bf16_hook():
+    for r in get_pool(2).run(mixed_precision):
+        assert not r["bad"], r["bad"]
+        assert r["grad_dtype"] == "torch.float32"
+        # bf16 reduction: both sides round the same products (the division by W=2 is exact)
+        assert r["grad_diff"] == 0.0, r
+        assert r["param_diff"] <= 1e-6, r
+
+
+def autograd_grad_and_host_syncs() -> dict:
+    """torch.autograd.grad leaves .grad alone and communicates nothing; forward and backward of a
+    step where every parameter is used make no host synchronization."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    cfg, model, ref = _setup(2)
+    counter = model.comm_counter()
+    x, y = make_batch(cfg, 0, BATCH)
+    counter.reset()
+    loss = model.loss(x, y, use_extra=True)
+    (gx,) = torch.autograd.grad(loss, [model.blocks[0].up.weight])
+    out = {"grad_calls": counter.total_calls, "grads_none": all(p.grad is None for p in model.parameters()),
+           "gx_norm": gx.norm().item()}
+    # host syncs: patch the tensor methods that read device memory into Python
+    import matrixfsdp._zero._replicate as rep
+
+    calls = []
+    originals = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "cpu", "numpy")}
+
+    def spy(name):
+        orig = originals[name]
+
+        def f(self, *a, **k):
+            import traceback
+
+            if any("matrixfsdp" in fr.filename for fr in traceback.extract_stack()[:-1]):
+                calls.append(name)
+            return orig(self, *a, **k)
+        return f
+
+    opt = matrixfsdp.optim.Muon(model, **KW)
+    for step in range(2):
+        for n in originals:
+            setattr(torch.Tensor, n, spy(n))
+        try:
+            model.loss(x, y, use_extra=True).backward()
+        finally:
+            for n, f in originals.items():
+                setattr(torch.Tensor, n, f)
+        opt.step(); opt.zero_grad()
+    out["host_syncs"] = calls
+    return out
+
+
+def test_autograd_grad_untouched_and_no_host_sync():
+    for r in get_pool(2).run(autograd_grad_and_host_syncs):
+        assert r["grad_calls"] == 0 and r["grads_none"] and r["gx_norm"] > 0, r
+        assert r["host_syncs"] == [], r["host_syncs"]
+
+
+def bytes_and_state() -> dict:
+    rank, W = dist.get_rank(), dist.get_world_size()
+    cfg, model, ref = _setup(2, policy="alpha_balanced", alpha=0.0)
+    opt = matrixfsdp.optim.Muon(model, **KW)
+    ref_opt = matrixfsdp.optim.Muon(ref.module, **KW)
+    counter = model.comm_counter()
+    x, y = make_batch(cfg, 0, BATCH)
+    model.loss(x, y, use_extra=True).backward()
+    o = ref(x, use_extra=True)
+    torch.nn.functional.cross_entropy(o.reshape(-1, o.shape[-1]), y.reshape(-1)).backward()
+    opt.step(); ref_opt.step()
+    counter.reset()
+    model.loss(x, y, use_extra=True).backward()  # a full step: gathers, then reductions
+    sent = sum(counter.bytes_sent.values())
+    nbytes = lambda st: sum(v.nbytes for s in st.values() for v in s.values() if torch.is_tensor(v))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    largest = max(nbytes({0: ref_opt.state[q]}) for q in ref.module.parameters() if q in ref_opt.state)
+    return {"sent": sent, "calls": dict(counter.calls), "numel": sum(p.numel() for p in trainable),
+            "n_params": len(trainable), "state": nbytes(opt.state), "ddp_state": nbytes(ref_opt.state),
+            "largest_state": largest, "buckets": len(dict(model.owner_plan.meta)["buckets"])}
+
+
+@pytest.mark.parametrize("W", [2, 4])
+def test_bytes_equal_ddp_allreduce_and_state_is_sharded(W):
+    res = get_pool(W).run(bytes_and_state)
+    r0 = res[0]
+    # a ring all-reduce moves 2 (W-1)/W N elements per rank; reduce-scatter + all-gather move the
+    # same in total (uneven intervals shift bytes between ranks), plus one usage flag per parameter
+    total = sum(r["sent"] for r in res)
+    ddp_total = W * 2 * (W - 1) / W * r0["numel"] * 4
+    assert ddp_total <= total <= ddp_total + (W - 1) * r0["n_params"] * 4, (total, ddp_total)
+    for r in res:
+        assert r["calls"] == {"all_gather": r["buckets"], "reduce_scatter": r["buckets"]}, r
+        # alpha=0: even split of every bucket; state <= DDP's / W + the largest parameter's state
+        assert r["state"] <= r["ddp_state"] / W + r["largest_state"], r
+    assert sum(r["state"] for r in res) == r0["ddp_state"]

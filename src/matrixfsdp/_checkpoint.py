@@ -398,6 +398,9 @@ def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: Tenso
     shape, dtype = tuple(tmeta.size), tmeta.properties.dtype
     local = local_tensor(p)
     if not isinstance(p, DTensor):
+        replica = getattr(p, "_matrixfsdp_replica", None)
+        if replica is not None and not replica.is_local:
+            return None  # matrixfsdp.replicate: the owner keeps (and loads) this state
         return torch.empty(shape, dtype=dtype, device=p.device)
     info = owned_of(p)
     if info is not None:

@@ -1,7 +1,8 @@
 """Gradient clipping for owner-placed parameters.
 
 ``torch.nn.utils.clip_grad_norm_`` cannot be used on a matrixfsdp model: owned gradients live on
-one-rank owner meshes, and DTensor refuses to combine tensors of different meshes. Every element
+one-rank owner meshes, and DTensor refuses to combine tensors of different meshes; under
+``matrixfsdp.replicate`` each gradient exists on its owner only. Every element
 of every gradient lives on exactly one rank (owned: the owner; even: its row shard), so the global
 norm is one all-reduce of the ranks' local partial sums.
 """
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ._owned import local_tensor, owned_of
+from ._zero import replica_of
 
 __all__ = ["clip_grad_norm_"]
 
@@ -54,6 +56,10 @@ def clip_grad_norm_(
     group = process_group
     if group is None:
         for p in params:
+            replica = replica_of(p)
+            if replica is not None:
+                group = replica.group
+                break
             info = owned_of(p)
             mesh = info.mesh if info is not None else getattr(p, "device_mesh", None)
             if mesh is not None and mesh.size() > 1:
@@ -67,7 +73,9 @@ def clip_grad_norm_(
     first = not distributed or inf or dist.get_rank(group) == 0
     local = torch.zeros((), dtype=torch.float32, device=device)
     for p, g in zip(params, grads):
-        if g.numel() == 0 or (not isinstance(p.grad, DTensor) and not first):
+        # owned gradients (DTensor, or replicate's: only the owner has one) count on their rank
+        sharded = isinstance(p.grad, DTensor) or replica_of(p) is not None
+        if g.numel() == 0 or (not sharded and not first):
             continue
         if inf:
             local = torch.maximum(local, g.abs().max().float())

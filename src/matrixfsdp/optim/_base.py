@@ -68,6 +68,12 @@ ADAMW_DEFAULTS: dict[str, Any] = {
 
 
 
+def _remote_replica(p: Tensor) -> bool:
+    """A parameter of a ``matrixfsdp.replicate`` model that another rank owns (and updates)."""
+    info = getattr(p, "_matrixfsdp_replica", None)
+    return info is not None and not info.is_local
+
+
 def wide_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype of Shampoo/SOAP statistics: at least float32 (bf16 factors lose the spectrum)."""
     return torch.promote_types(dtype, torch.float32)
@@ -243,7 +249,7 @@ class MatrixOptimizer(Optimizer):
             self._init_states()
             return loss
         for index, group, p, route in self._routed():
-            if p.grad is None:
+            if p.grad is None or _remote_replica(p):
                 continue
             param = local_tensor(p)
             if param.numel() == 0:
@@ -281,6 +287,8 @@ class MatrixOptimizer(Optimizer):
 
     def _init_states(self) -> None:
         for _, group, p, route in self._routed():
+            if _remote_replica(p):
+                continue  # matrixfsdp.replicate: another rank updates it and keeps its state
             param = local_tensor(p)
             if p.grad is not None and param.numel() == 0:
                 self._note_remote(p)
