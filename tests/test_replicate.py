@@ -345,7 +345,11 @@ def w_save_replicate(root: str) -> str:
     opt = matrixfsdp.optim.Muon(model, **KW)
     _train(model, opt, cfg, 3)
     mckpt.save(f"{root}/zero", model, opt)
-    return "ok"
+    # torch's full optimizer state dict: the same keys on every rank, the owners' values
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    return {f: {k: v.detach().clone() for k, v in st.items()} for f, st in full["state"].items()}
 
 
 def w_load(root: str, kind: str, src: str) -> dict:
@@ -377,7 +381,7 @@ def w_load(root: str, kind: str, src: str) -> dict:
     else:
         mckpt.load(f"{root}/{src}", model, opt)
     out = {"state": _owned_state(model, opt),
-           "params": {n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()
+           "params": {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                       for n, p in model.named_parameters()}}
     if kind == "fully_shard":  # and write a checkpoint of the matrixfsdp ZeRO-3 layout
         _train(model, opt, cfg, 1, start=3)
@@ -411,9 +415,13 @@ def test_checkpoints_reshard_and_convert(tmp_path):
     W=2; ZeRO-3 -> replicate W=3: parameters and every optimizer state tensor bitwise, each state on
     exactly one rank."""
     root = str(tmp_path)
-    get_pool(2).run(w_save_replicate, root)
+    full = get_pool(2).run(w_save_replicate, root)
     ref = _plain_reference(f"{root}/zero")
     assert len(ref["state"]) > 20
+    for r in full:
+        assert r.keys() == ref["state"].keys()
+        for f, st in r.items():
+            assert all(torch.equal(st[k], ref["state"][f][k]) for k in st), f
     _check_same(get_pool(3).run(w_load, root, "replicate", "zero"), ref)
     _check_same(get_pool(4).run(w_load, root, "replicate", "zero"), ref)
     res = get_pool(2).run(w_load, root, "fully_shard", "zero")

@@ -111,6 +111,11 @@ def present_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
     # set_optimizer_state_dict(strict=True) that nothing is missing.
     remote = opt._remote_state
     for idx, p in enumerate(params):
+        replica = getattr(p, "_matrixfsdp_replica", None)
+        if replica is not None:
+            if p.requires_grad:
+                state[idx] = _replica_entry(opt, p, replica, state.get(idx))
+            continue
         if idx not in state and DTensor is not None and isinstance(p, DTensor) and p.requires_grad:
             info = owned_of(p)
             remote_entry = info is not None and id(p) in remote and local_tensor(p).numel() == 0
@@ -133,6 +138,29 @@ def _remote_entry(opt: "MatrixOptimizer", p: Tensor, info: Any) -> dict[str, Any
     return out
 
 
+def _replica_entry(opt: "MatrixOptimizer", p: Tensor, info: Any, st: dict[str, Any] | None) -> dict[str, Any]:
+    """State of a ``matrixfsdp.replicate`` parameter, as owned DTensors on its owner's one-rank
+    mesh: the same checkpoint layout as ``fully_shard``'s owned parameters. Every rank presents
+    every trainable parameter's keys without communicating: non-owners as empty owned DTensors,
+    the owner its state or, before its first step, the state a first step starts from (the
+    [Note: state-initialization step] state: loading it is the same as having none)."""
+    if not info.is_local:
+        return _remote_entry(opt, p, info)
+    if not st:
+        group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+        st = {}
+        if opt._route(group, p) == "adamw":
+            opt._adamw_init_state(p.detach(), st)
+        else:
+            opt._matrix_init_state(p.detach(), st, group)
+        for key, dep in getattr(opt, "_state_placeholders", {}).items():
+            if key not in st and isinstance(st.get(dep), Tensor):
+                st[key] = torch.zeros_like(st[dep])
+    mesh = owner_meshes(info.mesh)[info.owner]
+    return {k: wrap_dtensor(v, mesh, (Replicate(),), tuple(v.shape)) if isinstance(v, Tensor) else v
+            for k, v in st.items()}
+
+
 def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
     """The inverse of :func:`present_state` for ``load_state_dict``: DTensor values become their
     local tensors (checked against the parameter's layout); state of an owned parameter on a
@@ -148,6 +176,12 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
             state[key] = st
             continue
         out: dict[str, Any] = {}
+        replica = getattr(p, "_matrixfsdp_replica", None)
+        if replica is not None:  # matrixfsdp.replicate: only the owner keeps state
+            if replica.is_local:
+                state[key] = {k: local_tensor(v) if isinstance(v, Tensor) else v for k, v in st.items()
+                              if not (k in placeholders and isinstance(v, Tensor) and not bool(torch.any(v)))}
+            continue
         is_dt = DTensor is not None and isinstance(p, DTensor)
         info = owned_of(p)
         if is_dt and info is not None and info.mesh is not None and info.mesh.get_local_rank() != info.owner:

@@ -126,12 +126,15 @@ def replicate(
                     coll.broadcast(p.data, 0)
             for buf in module.buffers():
                 coll.broadcast(buf.data, 0)
+    from .._owned import owner_meshes
+
+    owner_meshes(mesh)  # optimizer state is presented on them (see [Note: optimizer state in state dicts])
     state = ReplicateState(module, buckets, named, rank=rank, world_size=W, coll=coll, stage=stage)
     state.plan = plan
     state.mesh = mesh
     for b in buckets:
         for slot, p in zip(b.layout.slots, b.params):
-            setattr(p, _ATTR, ReplicaInfo(slot.owner, rank, group))
+            setattr(p, _ATTR, ReplicaInfo(slot.owner, rank, mesh))
             p.register_post_accumulate_grad_hook(state.on_grad)
     _install_hooks(module, state)
     setattr(module, _STATE_ATTR, state)

@@ -59,7 +59,11 @@ class ReplicaInfo:
 
     owner: int
     rank: int
-    group: Any
+    mesh: Any  # the 1-D data-parallel DeviceMesh
+
+    @property
+    def group(self) -> Any:
+        return self.mesh.get_group()
 
     @property
     def is_local(self) -> bool:
