@@ -522,3 +522,47 @@ def bad_input(case: str) -> str:
 def test_errors_on_every_rank(case, expected):
     for msg in get_pool(2).run(bad_input, case):
         assert msg.startswith(expected), msg
+
+
+# ==================================================================================== Hugging Face
+def hf_vs_ddp(tied: bool, checkpointing: bool) -> dict:
+    import warnings
+
+    from test_hf import BATCH as HB, build, tokens
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    model, _ = build("qwen3", tied)
+    ref = DDP(copy.deepcopy(model))
+    matrixfsdp.replicate(model, stage=2)  # defaults: alpha-balanced buckets, default mesh
+    if checkpointing:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable()
+            ref.module.gradient_checkpointing_enable()
+    model.train(); ref.train()
+    opt, ref_opt = matrixfsdp.optim.Muon(model, **KW), matrixfsdp.optim.Muon(ref.module, **KW)
+    per = HB // W
+    out = {"grad_diff": 0.0, "bad": [], "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+    for step in range(3):
+        ids = tokens(step)[rank * per:(rank + 1) * per]
+        model(input_ids=ids, labels=ids).loss.backward()
+        ref(input_ids=ids, labels=ids).loss.backward()
+        g, bad = _ref_grads_equal(model, ref, 0)
+        out["grad_diff"] = max(out["grad_diff"], g)
+        out["bad"] += bad
+        opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
+    ids = tokens(9)[:1, :4]
+    out["generate_equal"] = torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False),
+                                        ref.module.generate(ids, max_new_tokens=4, do_sample=False))
+    ref_p = dict(ref.module.named_parameters())
+    out["param_diff"] = max((p - ref_p[n]).abs().max().item() for n, p in model.named_parameters())
+    return out
+
+
+@pytest.mark.parametrize("tied,checkpointing", [(False, True), (True, False)])
+def test_hugging_face_qwen3_matches_ddp(tied, checkpointing):
+    pytest.importorskip("transformers")
+    for r in get_pool(2).run(hf_vs_ddp, tied, checkpointing):
+        assert r["tied"] == tied and not r["bad"], r
+        assert r["grad_diff"] <= 1e-7 and r["param_diff"] <= 1e-6, r
+        assert r["generate_equal"]
