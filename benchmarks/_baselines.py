@@ -729,6 +729,10 @@ class Zero1Owner(Impl):
         self.opts = [Muon(muon_param_groups(mine), **self.cfg.muon_kwargs())] if mine else []
         if self.opts:
             self.notes.append(check_routes(self.opts[0], mine) + " (rank's own)")
+        load = [0.0] * self.world
+        for n, p in named:
+            load[self.owner[n]] += _muon_cost(_strip(n), p)
+        self.balance = _imbalance(load)
         self.notes.append("owners: LPT on Newton-Schulz FLOPs (matrices) then bytes (AdamW tensors); "
                           "per-parameter async dist.reduce in backward, async dist.broadcast after step")
 
@@ -795,6 +799,89 @@ class MatrixFSDP(Impl):
                           f"(source={self.ctx.matrixfsdp_source})")
 
 
+# ================================================================================ ZeRO-1/2 (issue 12)
+def _imbalance(loads: list[float]) -> float:
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean if mean else 1.0
+
+
+def _muon_cost(n: str, p: torch.Tensor) -> float:
+    """Per-parameter step work: Newton-Schulz FLOPs for Muon matrices, ~12 FLOPs/element for AdamW."""
+    return _ns_flops(p.shape) if is_muon_param(n, p) else 12.0 * p.numel()
+
+
+#: bucket size of the replicate rows (elements): ~5 buckets on the benchmark model, so the
+#: reduce-scatters overlap backward and the all-gathers overlap forward
+REPLICATE_BUCKET_NUMEL = 1_500_000
+
+
+class MatrixReplicate(Impl):
+    """``matrixfsdp.replicate`` (ZeRO-2 on the planner's bucket partition): DDP-style flat buckets,
+    one uneven reduce-scatter per bucket in backward, a local step on this rank's parameters only,
+    one all-gather per bucket issued at the next forward (so ``step`` makes no collective)."""
+
+    policy, alpha = "alpha_balanced", 0.5
+
+    def setup(self) -> None:
+        import matrixfsdp
+
+        model = build_model(self.cfg)
+        plan = matrixfsdp.plan_owners(model, self.ctx.mesh, policy=self.policy, alpha=self.alpha,
+                                      elementwise="owned", bucket_numel=REPLICATE_BUCKET_NUMEL)
+        matrixfsdp.replicate(model, mesh=self.ctx.mesh, plan=plan, stage=2)
+        self.model = model
+        self.opts = [Muon(muon_param_groups(model.named_parameters()), **self.cfg.muon_kwargs())]
+        self.notes.append(check_routes(self.opts[0], model.named_parameters()))
+        named = self.named_parameters()
+        load = [0.0] * self.world
+        for (n, p), pp in zip(named, (plan[f] for f, _ in model.named_parameters())):
+            load[pp.owner] += _muon_cost(n, p)
+        self.balance = _imbalance(load)
+        self.notes.append(f"plan_owners(policy={self.policy!r}, alpha={self.alpha}, elementwise='owned', "
+                          f"bucket_numel={REPLICATE_BUCKET_NUMEL}) -> {len(dict(plan.meta)['buckets'])} buckets; "
+                          f"replicate(stage=2); step balance (max/mean Muon FLOPs) {self.balance:.3f}")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self.model, tokens)
+
+
+def _replicate_impl(name: str, policy: str, alpha: float) -> type[Impl]:
+    return type(f"MatrixReplicate_{name}", (MatrixReplicate,), {"name": name, "policy": policy, "alpha": alpha})
+
+
+class ZeroRedundancyMuon(Impl):
+    """DDP + torch's ``ZeroRedundancyOptimizer`` wrapping ``matrixfsdp.optim.Muon``: parameters
+    partitioned by size (torch's greedy), each rank steps its partition, then every parameter is
+    broadcast from its rank inside ``step()``."""
+
+    name = "zero_redundancy_muon"
+
+    def setup(self) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = build_model(self.cfg, self.ctx.device)
+        self.model = DDP(model, gradient_as_bucket_view=True)
+        self.model.register_comm_hook(None, _python_allreduce_hook)
+        zero = ZeroRedundancyOptimizer(muon_param_groups(self.model.named_parameters()), optimizer_class=Muon,
+                                       **self.cfg.muon_kwargs())
+        self.opts = [zero]
+        names = {id(p): n for n, p in self.named_parameters()}
+        load = [sum(_muon_cost(names[id(p)], p) for g in groups for p in g["params"])
+                for groups in zero._partition_parameters()]
+        self.balance = _imbalance(load)
+        self.notes.append(f"ZeroRedundancyOptimizer(optimizer_class=matrixfsdp.optim.Muon), torch's size-greedy "
+                          f"partition; step balance {self.balance:.3f}")
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o.optim for o in self.opts]  # the local optimizer holds this rank's state
+
+
 IMPLS: dict[str, type[Impl]] = {
-    c.name: c for c in (DDPMuon, FSDP2GatherMuon, FSDP2DistMuon, Zero1Owner, FSDP2AdamW, MatrixFSDP)
+    c.name: c for c in (DDPMuon, FSDP2GatherMuon, FSDP2DistMuon, Zero1Owner, FSDP2AdamW, MatrixFSDP,
+                        _replicate_impl("replicate_a0", "alpha_balanced", 0.0),
+                        _replicate_impl("replicate_a0.5", "alpha_balanced", 0.5),
+                        _replicate_impl("replicate_a1", "alpha_balanced", 1.0),
+                        _replicate_impl("replicate_naive", "naive_static", 0.0),
+                        ZeroRedundancyMuon)
 }

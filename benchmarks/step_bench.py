@@ -158,6 +158,8 @@ def run_one(name: str, cfg: BenchConfig, ctx: Context, args: argparse.Namespace,
         impl.teardown()
         return row
     row.pop("status_if_failed", None)
+    if getattr(impl, "balance", None) is not None:  # largest per-rank step work over the mean
+        row["step_balance"] = round(float(impl.balance), 4)
 
     n_steps = args.warmup + args.steps
     per_rank_times: list[tuple[float, float, float]] = []
@@ -558,6 +560,28 @@ def markdown(result: dict[str, Any], command: str) -> str:
         L.append("")
 
     ratio_matrix("### Total-time ratios, row / column (same repeat; median over repeats)", "total_s")
+    balanced = [n for n in ok_names if any("step_balance" in r for r in ok if r["impl"] == n)]
+    if balanced and REFERENCE in ok_names:
+        L.append("### Sharded optimizer steps against their balance limit")
+        L.append("")
+        L.append(f"balance = largest per-rank step work / mean (Muon Newton-Schulz FLOPs, ~12 FLOPs per AdamW "
+                 f"element); limit = {REFERENCE} step (every rank steps everything) x balance / W, the step time "
+                 "of a perfectly parallel split with this imbalance; medians over clean repeats.")
+        L.append("")
+        L.append(f"| implementation | balance | step s | limit s | step / limit | fwd+bwd / {REFERENCE} fwd+bwd |")
+        L.append("|---|---:|---:|---:|---:|---:|")
+        ref_step = stats(REFERENCE, "step_s")
+        ref_fb = stats(REFERENCE, "fb_s")
+        W = meta["world"]
+        for n in balanced:
+            b = next(r["step_balance"] for r in ok if r["impl"] == n and "step_balance" in r)
+            st, fb = stats(n, "step_s"), stats(n, "fb_s")
+            if not (st and ref_step and fb and ref_fb):
+                continue
+            limit = ref_step["median"] * b / W
+            L.append(f"| {n} | {b:.3f} | {st['median']:.4f} | {limit:.4f} | {st['median'] / limit:.2f} | "
+                     f"{fb['median'] / ref_fb['median']:.3f} |")
+        L.append("")
     ratio_matrix("### Optimizer-step ratios, row / column", "step_s")
     # communication (repeat 0 rows; deterministic)
     L.append("## Communication per rank per step (measured steps; max over ranks)")
