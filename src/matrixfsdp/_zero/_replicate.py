@@ -133,7 +133,9 @@ class Bucket:
     def put(self, i: int, grad: torch.Tensor | None) -> None:
         """Slot ``i``'s contribution: ``grad / W`` (DDP's pre-divide) and flag 1, or zeros and
         flag 0 for a parameter this rank did not use."""
-        assert self.grad_buf is not None and not self.ready[i]
+        if self.grad_buf is None or self.ready[i]:
+            raise RuntimeError(f"matrixfsdp.replicate: internal error, slot {i} of bucket "
+                               f"{self.layout.index} written twice or outside a backward")
         n = self.layout.slots[i].numel
         dst = self.grad_buf[self.goff[i]:self.goff[i] + n]
         if grad is None:
@@ -146,7 +148,6 @@ class Bucket:
         self.n_ready += 1
 
     def launch(self) -> None:
-        assert self.grad_buf is not None
         splits = self.layout.grad_splits
         self.out = torch.empty(splits[self.rank], dtype=self.reduce_dtype, device=self.device)
         self.reduce_handle = self.coll.reduce_scatter_segments(self.out, self.grad_buf, splits, async_op=True)
@@ -154,7 +155,9 @@ class Bucket:
     def finish(self) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]]:
         """Wait for the reduction; ``(param, averaged grad, summed flag or None)`` for every
         parameter this rank owns (the flag only where this rank did not use the parameter)."""
-        assert self.reduce_handle is not None and self.out is not None
+        if self.reduce_handle is None or self.out is None:
+            raise RuntimeError(f"matrixfsdp.replicate: internal error, bucket {self.layout.index} "
+                               "finished without a reduction in flight")
         self.reduce_handle.wait()
         self.reduce_handle = None
         out, self.out = self.out, None
