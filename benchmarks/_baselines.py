@@ -841,8 +841,11 @@ class MatrixReplicate(Impl):
                           f"bucket_numel={REPLICATE_BUCKET_NUMEL}) -> {len(dict(plan.meta)['buckets'])} buckets; "
                           f"replicate(stage=2); step balance (max/mean Muon FLOPs) {self.balance:.3f}")
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return lm_loss(self.model, tokens)
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        # after step() only owners hold the new values until the next forward's all-gathers;
+        # anything that reads parameters in between finishes them first (as state_dict() does)
+        self.model.sync_params()
+        return super().named_parameters()
 
 
 def _replicate_impl(name: str, policy: str, alpha: float) -> type[Impl]:

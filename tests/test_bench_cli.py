@@ -42,3 +42,21 @@ def test_step_balance_measures(tmp_path):
     assert (tmp_path / "sb.md").read_text().startswith(
         f"<!-- produced by: python benchmarks/step_balance.py --worlds 2 --out {out} -->")
     assert not any(line.startswith("{") for line in res.stdout.splitlines())
+
+
+def test_step_bench_zero_rows_run_and_match_ddp(tmp_path):
+    """The issue-12 rows of step_bench on a small model: they run, match ddp_muon's parameters,
+    make no collective in the optimizer step (replicate) and report their step balance."""
+    out = tmp_path / "sb"
+    _bench("step_bench.py", "--world", "2", "--impls", "ddp_muon,replicate_a0.5,replicate_naive,zero_redundancy_muon",
+           "--repeats", "1", "--warmup", "2", "--steps", "1", "--parity-steps", "2", "--retries", "0",
+           "--max-foreign", "1.0", "--hidden", "64", "--intermediate", "128", "--layers", "2", "--vocab", "256",
+           "--seq", "32", "--heads", "2", "--kv-heads", "1", "--out", str(out))
+    rows = {r["impl"]: r for r in map(json.loads, (tmp_path / "sb.jsonl").read_text().splitlines()) if "impl" in r}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    for name in ("replicate_a0.5", "replicate_naive", "zero_redundancy_muon"):
+        assert rows[name]["parity"]["max_abs_diff"] <= 1e-6, rows[name]["parity"]
+        assert rows[name]["step_balance"] >= 1.0
+    for name in ("replicate_a0.5", "replicate_naive"):
+        assert all(c["step"]["calls"] == 0 for c in rows[name]["comm_per_rank"])
+    assert "Sharded optimizer steps against their balance limit" in (tmp_path / "sb.md").read_text()
