@@ -145,6 +145,7 @@ class OwnedDTensor(DTensor):
         # is handed back as the caller's object; new results on an owner mesh stay owned.
         mine = {id(a._local_tensor): a for a in tree_flatten((args, kwargs or {}))[0]
                 if isinstance(a, OwnedDTensor)}
+        _refuse_plain_write_target(func, args)
         out = super().__torch_dispatch__(func, types, args, kwargs)
 
         def rewrap(x: Any) -> Any:
@@ -241,6 +242,23 @@ class OwnedDTensor(DTensor):
             "matrixfsdp: an owned tensor (whole on rank "
             f"{owner} of its data-parallel mesh) can be redistributed to [Replicate()] or, on the "
             f"data-parallel mesh {dp}, to [Shard(d)]; got mesh {mesh} and placements {placements}"
+        )
+
+
+def _refuse_plain_write_target(func: Any, args: Any) -> None:
+    """An in-place op writing a plain tensor from owned operands has no sound meaning (the owner
+    would update it, the other ranks not, and the copies diverge silently). It happens after
+    set_optimizer_state_dict(full_state_dict=True) with a torch optimizer and a 0-dim owned
+    parameter: torch's loader passes 0-dim state (e.g. AdamW's exp_avg) as plain tensors."""
+    schema = func._schema
+    if (args and schema.arguments and type(args[0]) is torch.Tensor
+            and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write):
+        raise ValueError(
+            f"matrixfsdp: {schema.name} would write a plain tensor of shape {tuple(args[0].shape)} "
+            "from an owned (one-rank-mesh) DTensor; a torch optimizer's state of a 0-dim owned "
+            "parameter becomes a plain tensor when loaded with set_optimizer_state_dict("
+            "full_state_dict=True) (torch keeps 0-dim state values as plain tensors); load it "
+            "from a DCP (sharded) checkpoint, or use matrixfsdp.optim, whose state is local"
         )
 
 
