@@ -146,6 +146,7 @@ class OwnedDTensor(DTensor):
         mine = {id(a._local_tensor): a for a in tree_flatten((args, kwargs or {}))[0]
                 if isinstance(a, OwnedDTensor)}
         _refuse_plain_write_target(func, args)
+        _refuse_mixed_owner_meshes(func, args, kwargs)
         out = super().__torch_dispatch__(func, types, args, kwargs)
 
         def rewrap(x: Any) -> Any:
@@ -259,6 +260,22 @@ def _refuse_plain_write_target(func: Any, args: Any) -> None:
             "parameter becomes a plain tensor when loaded with set_optimizer_state_dict("
             "full_state_dict=True) (torch keeps 0-dim state values as plain tensors); load it "
             "from a DCP (sharded) checkpoint, or use matrixfsdp.optim, whose state is local"
+        )
+
+
+def _refuse_mixed_owner_meshes(func: Any, args: Any, kwargs: Any) -> None:
+    """DTensor refuses ops on tensors of different meshes; say why owned ones have different
+    meshes and what computes the usual cross-parameter reductions instead."""
+    meshes = {id(a._spec.mesh): a._spec.mesh for a in tree_flatten((args, kwargs or {}))[0]
+              if isinstance(a, DTensor)}
+    if len(meshes) > 1:
+        names = sorted(str(m.mesh_dim_names or m) for m in meshes.values())
+        raise ValueError(
+            f"matrixfsdp: {func._schema.name} combines DTensors on different meshes {names}: "
+            "owned parameters (and their gradients) live whole on one-rank owner meshes, one per "
+            "owner, so arithmetic across parameters of different owners is not a DTensor op; "
+            "clip with matrixfsdp.clip_grad_norm_(model.parameters(), max_norm), or reduce local "
+            "terms (p.to_local()) and all-reduce them"
         )
 
 
