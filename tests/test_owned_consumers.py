@@ -114,3 +114,30 @@ def optim_full_state_check(name: str) -> dict:
 def test_full_optimizer_state_dict_of_matrix_optimizers(name):
     for r in get_pool(2).run(optim_full_state_check, name):
         assert r["same_keys"] and r["n_params"] > 0 and not r["mismatch"] and not r["empty"], r
+
+
+def cross_owner_check() -> dict:
+    W = dist.get_world_size()
+    model, ref, mesh, plan = _setup(W)
+    x, y = make_batch(TinyConfig(), 0, 2 * W)
+    model.loss(x, y).backward()
+    out = {}
+    for what, fn in [("clip", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)),
+                     ("l2", lambda: sum(p.pow(2).sum() for p in model.parameters()).full_tensor())]:
+        try:
+            fn()
+            out[what] = None
+        except ValueError as e:
+            out[what] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_cross_owner_arithmetic_raises_a_clear_error_on_every_rank(W):
+    # stock FSDP2 computes both; owned tensors of different owners share no mesh (README)
+    res = get_pool(W).run(cross_owner_check, timeout=90)
+    for r in res:
+        assert "aten::stack combines DTensors on different meshes" in r["clip"], r
+        assert "aten::add combines DTensors on different meshes" in r["l2"], r
+        for msg in r.values():
+            assert "owned_by_rank" in msg and "matrixfsdp.clip_grad_norm_" in msg, r

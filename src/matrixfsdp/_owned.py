@@ -35,6 +35,7 @@ outside the owner mesh replaces the local tensor by a shapeless ``[0]`` tensor.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,6 +145,8 @@ class OwnedDTensor(DTensor):
         # is handed back as the caller's object; new results on an owner mesh stay owned.
         mine = {id(a._local_tensor): a for a in tree_flatten((args, kwargs or {}))[0]
                 if isinstance(a, OwnedDTensor)}
+        _refuse_plain_write_target(func, args)
+        _refuse_mixed_owner_meshes(func, args, kwargs)
         out = super().__torch_dispatch__(func, types, args, kwargs)
 
         def rewrap(x: Any) -> Any:
@@ -154,6 +157,47 @@ class OwnedDTensor(DTensor):
             return _as_owned_if_owner_mesh(x)
 
         return tree_map(rewrap, out)
+
+    # [Note: torch's full state-dict loaders and owned tensors]
+    # set_model_state_dict / set_optimizer_state_dict with full_state_dict=True distribute each
+    # incoming full tensor onto the local DTensor's mesh; torch 2.13 assumes every rank is in
+    # that mesh, which a one-rank owner mesh breaks in two places (no public hook runs earlier):
+    # * broadcast_from_rank0=True: ``_distribute_tensors`` copies
+    #   ``full[slices]`` into ``to_local()``; for a rank outside the mesh
+    #   ``compute_local_shape_and_global_offset`` gives offset ``()``, so the slice is the whole
+    #   tensor and the copy into the ``[0, ...]`` local raised on non-owners while the owner went
+    #   on to the next broadcast (a hang). Called from there, a non-owner's ``to_local()`` hands
+    #   out a scratch buffer of the full shape instead: the copy lands nowhere (a non-owner holds
+    #   none of the value), the owner's copy writes its parameter; every rank then loads alike.
+    # * without it: ``_distribute_state_dict`` runs ``distribute_tensor`` on the owner mesh,
+    #   which broadcasts over that mesh's process group; owner meshes have none (see
+    #   owner_meshes), so the owner raised and the others went on. Read from there, the mesh
+    #   raises a ValueError on every rank at the same key instead (every rank's local state
+    #   holds the same owned keys).
+    # Caller detection compares code objects (exact; if torch renames them, the tests fail).
+
+    def to_local(self, *, grad_placements: Any = None) -> torch.Tensor:  # type: ignore[override]
+        if (self._spec.mesh.get_coordinate() is None
+                and sys._getframe(1).f_code is _dsd_code("_distribute_tensors")):
+            local = self._local_tensor
+            return torch.empty(tuple(self.shape), dtype=local.dtype, device=local.device)
+        return super().to_local(grad_placements=grad_placements)
+
+    @property
+    def device_mesh(self) -> DeviceMesh:  # type: ignore[override]
+        if sys._getframe(1).f_code is _dsd_code("_distribute_state_dict"):
+            dp, owner = self._dp()
+            raise ValueError(
+                "matrixfsdp: set_model_state_dict/set_optimizer_state_dict with "
+                "StateDictOptions(full_state_dict=True) and broadcast_from_rank0=False would "
+                f"distribute a tensor of shape {tuple(self.shape)} with distribute_tensor on its "
+                f"one-rank owner mesh {self._spec.mesh.mesh_dim_names} (rank {owner} of the "
+                "data-parallel mesh), which has no process group; pass "
+                "StateDictOptions(full_state_dict=True, broadcast_from_rank0=True) (rank 0's "
+                "dict is used, other ranks may pass {}) or write tensors with "
+                "matrixfsdp.set_full_"
+            )
+        return self._spec.mesh
 
     def _dp(self) -> tuple[DeviceMesh, int]:
         found = _OWNER_OF.get(self.device_mesh)
@@ -200,6 +244,52 @@ class OwnedDTensor(DTensor):
             f"{owner} of its data-parallel mesh) can be redistributed to [Replicate()] or, on the "
             f"data-parallel mesh {dp}, to [Shard(d)]; got mesh {mesh} and placements {placements}"
         )
+
+
+def _refuse_plain_write_target(func: Any, args: Any) -> None:
+    """An in-place op writing a plain tensor from owned operands has no sound meaning (the owner
+    would update it, the other ranks not, and the copies diverge silently). It happens after
+    set_optimizer_state_dict(full_state_dict=True) with a torch optimizer and a 0-dim owned
+    parameter: torch's loader passes 0-dim state (e.g. AdamW's exp_avg) as plain tensors."""
+    schema = func._schema
+    if (args and schema.arguments and type(args[0]) is torch.Tensor
+            and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write):
+        raise ValueError(
+            f"matrixfsdp: {schema.name} would write a plain tensor of shape {tuple(args[0].shape)} "
+            "from an owned (one-rank-mesh) DTensor; a torch optimizer's state of a 0-dim owned "
+            "parameter becomes a plain tensor when loaded with set_optimizer_state_dict("
+            "full_state_dict=True) (torch keeps 0-dim state values as plain tensors); load it "
+            "from a DCP (sharded) checkpoint, or use matrixfsdp.optim, whose state is local"
+        )
+
+
+def _refuse_mixed_owner_meshes(func: Any, args: Any, kwargs: Any) -> None:
+    """DTensor refuses ops on tensors of different meshes; say why owned ones have different
+    meshes and what computes the usual cross-parameter reductions instead."""
+    meshes = {id(a._spec.mesh): a._spec.mesh for a in tree_flatten((args, kwargs or {}))[0]
+              if isinstance(a, DTensor)}
+    if len(meshes) > 1:
+        names = sorted(str(m.mesh_dim_names or m) for m in meshes.values())
+        raise ValueError(
+            f"matrixfsdp: {func._schema.name} combines DTensors on different meshes {names}: "
+            "owned parameters (and their gradients) live whole on one-rank owner meshes, one per "
+            "owner, so arithmetic across parameters of different owners is not a DTensor op; "
+            "clip with matrixfsdp.clip_grad_norm_(model.parameters(), max_norm), or reduce local "
+            "terms (p.to_local()) and all-reduce them"
+        )
+
+
+_DSD_CODES: dict[str, Any] = {}
+
+
+def _dsd_code(name: str) -> Any:
+    """The code object of ``torch.distributed._state_dict_utils.<name>`` (None if absent)."""
+    if name not in _DSD_CODES:
+        from torch.distributed import _state_dict_utils
+
+        fn = getattr(_state_dict_utils, name, None)
+        _DSD_CODES[name] = getattr(fn, "__code__", None)
+    return _DSD_CODES[name]
 
 
 def empty_local(shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torch.Tensor:
