@@ -455,7 +455,10 @@ def buffers_check() -> dict:
     finally:
         dist.batch_isend_irecv, dist.all_to_all_single = orig_batch, orig_a2a
     states = [get_state(model), *(get_state(b) for b in model.blocks)]
-    chunk_max = max(s.group.layout.chunk_numel[rank] for s in states)
+    # gathers send this rank's chunk; gloo's reduce-scatter sends each destination its own chunk
+    # (``_p2p_reduce_scatter``): nothing sent is larger than the largest rank's chunk plus its
+    # usage flags (one per parameter)
+    chunk_max = max(max(s.group.layout.chunk_numel) + len(s.params) for s in states)
     es = 4
     return {
         "max_sent": max(sent), "chunk_max": chunk_max, "groups_created": groups_created,

