@@ -60,3 +60,11 @@ def test_step_bench_zero_rows_run_and_match_ddp(tmp_path):
     for name in ("replicate_a0.5", "replicate_naive"):
         assert all(c["step"]["calls"] == 0 for c in rows[name]["comm_per_rank"])
     assert "Sharded optimizer steps against their balance limit" in (tmp_path / "sb.md").read_text()
+
+
+def test_plot_zero_reads_step_bench_results(tmp_path):
+    res = _bench("plot_zero.py", "benchmarks/results/step_cpu_w4_zero.jsonl", "--out", str(tmp_path / "z.png"))
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert (tmp_path / "z.png").stat().st_size > 10_000
+    assert {r["impl"] for r in rows} >= {"replicate_a0.5", "zero1_owner", "zero_redundancy_muon"}
+    assert all(r["limit"] > 0 and r["balance"] >= 1.0 for r in rows)
