@@ -566,3 +566,26 @@ def test_hugging_face_qwen3_matches_ddp(tied, checkpointing):
         assert r["tied"] == tied and not r["bad"], r
         assert r["grad_diff"] <= 1e-7 and r["param_diff"] <= 1e-6, r
         assert r["generate_equal"]
+
+
+def stage_buffers(stage: int) -> dict:
+    """ZeRO-1 keeps each bucket's gradient buffer for the run; ZeRO-2 frees it after the
+    reduction, so a rank then holds only its own gradients."""
+    from matrixfsdp._zero import state_of
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    cfg, model, _ = _setup(stage)
+    x, y = make_batch(cfg, 0, BATCH)
+    model.loss(x, y, use_extra=True).backward()
+    st = state_of(model)
+    held = sum(b.grad_buf.numel() for b in st.buckets if b.grad_buf is not None)
+    grads = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
+    own = sum(b.layout.param_splits[rank] for b in st.buckets)
+    return {"held": held, "grads": grads, "own": own, "total": sum(b.grad_numel for b in st.buckets)}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage_1_keeps_and_stage_2_frees_gradient_buffers(stage):
+    for r in get_pool(2).run(stage_buffers, stage):
+        assert r["grads"] == r["own"], r  # .grad only on this rank's parameters, in both stages
+        assert r["held"] == (r["total"] if stage == 1 else 0), r
