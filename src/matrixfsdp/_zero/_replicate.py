@@ -320,8 +320,9 @@ class ReplicateState:
             raise RuntimeError(
                 "matrixfsdp.replicate: a backward that accumulates into .grad ran inside another "
                 "backward that reduces gradients (reentrant activation checkpointing, "
-                "torch.utils.checkpoint(..., use_reentrant=True), or backward() called from a "
-                "backward hook); use torch.utils.checkpoint(..., use_reentrant=False) (Hugging Face: "
+                "torch.utils.checkpoint(..., use_reentrant=True), backward() called from a backward "
+                "hook, or a second backward after one that raised with no forward in between); use "
+                "torch.utils.checkpoint(..., use_reentrant=False) (Hugging Face: "
                 "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}))"
             )
         self.check_views()
