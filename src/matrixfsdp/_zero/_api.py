@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, NoReturn
+import weakref
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -137,6 +138,7 @@ def replicate(
             setattr(p, _ATTR, ReplicaInfo(slot.owner, rank, mesh))
             p.register_post_accumulate_grad_hook(state.on_grad)
     _install_hooks(module, state)
+    _watch_optimizer_steps(state)
     setattr(module, _STATE_ATTR, state)
     _swap_class(module)
     return module
@@ -170,6 +172,29 @@ def _install_hooks(module: nn.Module, state: ReplicateState) -> None:
     module.register_forward_pre_hook(lambda mod, args: state.pre_forward_root(), prepend=True)
     module.register_forward_hook(lambda mod, args, out: state.post_forward_root(out))
     module.register_state_dict_pre_hook(lambda *a, **k: state.sync_params())
+
+
+_LIVE: "weakref.WeakSet[ReplicateState]" = weakref.WeakSet()
+_STEP_HOOK: Any = None
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global step post-hook: an optimizer holding a managed parameter changed (its owners')
+    parameters, so the next forward must gather (see [Note: stale parameters])."""
+    for state in list(_LIVE):
+        if state.dirty:
+            continue
+        if any(id(p) in state.where for g in optimizer.param_groups for p in g["params"]):
+            state.dirty = True
+
+
+def _watch_optimizer_steps(state: ReplicateState) -> None:
+    global _STEP_HOOK
+    _LIVE.add(state)
+    if _STEP_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 def state_of(module: nn.Module, what: str = "") -> ReplicateState:
@@ -209,6 +234,32 @@ class MatrixReplicateModule:
     def comm_counter(self) -> CommCounter:
         return state_of(self).coll.counter  # type: ignore[arg-type]
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``to()``, ``double()``, ``to_empty()``...: the parameters are views of the flat buckets,
+        so a conversion that changes their dtype or device is refused before anything changes;
+        one that keeps both (``to_empty``, ``share_memory``) is applied and the parameters are
+        made views of their buckets again, holding the new values."""
+        state = state_of(self)  # type: ignore[arg-type]
+        for b in state.buckets:
+            probe = fn(torch.empty(0, dtype=b.flat.dtype, device=b.flat.device))
+            if isinstance(probe, torch.Tensor) and (probe.dtype, probe.device) != (b.flat.dtype, b.flat.device):
+                raise ValueError(
+                    f"{API}: the parameters are views of flat {b.flat.dtype} buckets on {b.flat.device}, "
+                    f"so a conversion to {probe.dtype} on {probe.device} after replicate is not supported; "
+                    "convert the model (model.to(...)) before matrixfsdp.replicate"
+                )
+        out = super()._apply(fn, recurse)  # type: ignore[misc]
+        state.rebind()
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        if assign:
+            raise ValueError(
+                f"{API}: load_state_dict(assign=True) would replace the parameters, which are views of "
+                "the flat buckets the collectives read and write; use assign=False (copies in place)"
+            )
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
+
 
 _CLS_CACHE: dict[type, type] = {}
 
@@ -221,6 +272,9 @@ def _swap_class(module: nn.Module) -> None:
     cls = type(module)
     new_cls = _CLS_CACHE.get(cls)
     if new_cls is None:
-        new_cls = type(f"MatrixReplicate{cls.__name__}", (MatrixReplicateModule, cls), {"__deepcopy__": _no_deepcopy})
+        # the model keeps its class name (tools key on it: Hugging Face writes it to config.json's
+        # "architectures" in save_pretrained); isinstance(model, MatrixReplicateModule) tells it apart
+        new_cls = type(cls.__name__, (MatrixReplicateModule, cls),
+                       {"__deepcopy__": _no_deepcopy, "__qualname__": cls.__qualname__})
         _CLS_CACHE[cls] = new_cls
     module.__class__ = new_cls

@@ -32,8 +32,12 @@ where that happens). Parameters the engine will not reach are marked unused at b
 [Note: stale parameters]
 After ``step()`` only owners hold the new values until the next forward's gathers complete.
 Everything that reads parameters between the two (``state_dict()``, DCP, ``sync_params()``)
-waits for them first; a backward that finished marks the parameters stale on every rank (whether
-or not the user then steps: a redundant gather is harmless, a missing one is not).
+waits for them first. Two events mark the parameters stale on every rank: a reducing backward
+that finished (whether or not the user then steps: a redundant gather is harmless, a missing one
+is not) and the ``step()`` of any ``torch.optim.Optimizer`` holding a managed parameter (a global
+step post-hook), so a ``state_dict()`` between backward and ``step()`` cannot hide the update from
+the next forward. A forward that does not start at the root (a submodule called directly) gathers
+at its first managed module's pre-forward instead, and waits for every bucket.
 """
 
 from __future__ import annotations
@@ -253,6 +257,10 @@ class ReplicateState:
                 b.wait_gather()
 
     def pre_forward_module(self, module: nn.Module, buckets: list[Bucket]) -> None:
+        if (self.dirty or self.callback_queued) and torch._C._current_graph_task_id() == -1:
+            # a forward that did not start at the root (a submodule called directly): the root's
+            # pre-forward did not gather; bring every bucket up to date before reading any
+            self.sync_params()
         if self.uncovered_buckets is None:
             self.covered.add(id(module))
         for b in buckets:
@@ -304,6 +312,20 @@ class ReplicateState:
         accumulating = (not from_output) or bool(torch._C._will_engine_execute_node(self.anchor_node))
         if not accumulating:
             return  # torch.autograd.grad / backward(inputs=...) on other tensors: .grad untouched
+        if self.callback_queued:
+            # another graph task while a reducing backward has not finished: a backward run inside
+            # a backward (torch.utils.checkpoint(use_reentrant=True) recomputes and differentiates
+            # each segment in its own nested backward). Its parameters are invisible to the outer
+            # graph, so they were counted unused and their buckets may be reduced already.
+            raise RuntimeError(
+                "matrixfsdp.replicate: a backward that accumulates into .grad ran inside another "
+                "backward that reduces gradients (reentrant activation checkpointing, "
+                "torch.utils.checkpoint(..., use_reentrant=True), backward() called from a backward "
+                "hook, or a second backward after one that raised with no forward in between); use "
+                "torch.utils.checkpoint(..., use_reentrant=False) (Hugging Face: "
+                "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}))"
+            )
+        self.check_views()
         if torch.is_grad_enabled():
             raise RuntimeError(
                 "matrixfsdp.replicate: backward(create_graph=True) is not supported (higher-order "
@@ -332,6 +354,36 @@ class ReplicateState:
                 if not torch._C._will_engine_execute_node(self.acc_nodes[id(p)]):
                     self._contribute(b, i, p)
         self._launch_ready()
+
+    def check_views(self) -> None:
+        """Every managed parameter must still be a view of its bucket (the gathers write there and
+        the reductions read the hooks of these very tensors)."""
+        for b in self.buckets:
+            base = b.flat.data_ptr()
+            size = b.flat.element_size()
+            for slot, p in zip(b.layout.slots, b.params):
+                if (p.dtype != b.flat.dtype or p.device != b.flat.device
+                        or p.data_ptr() != base + slot.offset * size):
+                    raise ValueError(
+                        f"matrixfsdp.replicate: parameter {slot.fqn!r} is no longer a view of its flat "
+                        f"bucket (now {p.dtype} on {p.device}, bucket {b.flat.dtype} on {b.flat.device}): "
+                        "its dtype, device or storage was changed after replicate (e.g. submodule.to(), "
+                        "param.data = ...); convert the model before matrixfsdp.replicate"
+                    )
+
+    def rebind(self) -> None:
+        """After a same-dtype, same-device module conversion (``to_empty``, ``share_memory``, swap
+        of parameter tensors): copy each parameter's new value into its bucket slot and make it a
+        view of the bucket again."""
+        with torch.no_grad():
+            for b in self.buckets:
+                base, size = b.flat.data_ptr(), b.flat.element_size()
+                for slot, p in zip(b.layout.slots, b.params):
+                    if p.data_ptr() == base + slot.offset * size and p.dtype == b.flat.dtype:
+                        continue
+                    view = b.flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                    view.copy_(p.detach())
+                    p.data = view
 
     def _param_by_id(self, key: int) -> nn.Parameter | None:
         hit = self.where.get(key)
