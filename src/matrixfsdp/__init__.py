@@ -20,7 +20,7 @@ from ._owned import Owned, full_tensor, owned_of, set_full_
 from ._plan import OwnerPlan, ParamPlan
 from ._planner import plan_owners
 from ._runtime import MatrixFSDPModule, fully_shard
-from ._zero import replicate
+from ._zero import MatrixReplicateModule, replicate
 
 __version__ = "0.1.0"
 
@@ -47,6 +47,7 @@ __all__ = [
     "fully_shard",
     "MatrixFSDPModule",
     "replicate",
+    "MatrixReplicateModule",
     "MixedPrecisionPolicy",
     "clip_grad_norm_",
     "Owned",
