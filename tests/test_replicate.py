@@ -589,3 +589,37 @@ def test_stage_1_keeps_and_stage_2_frees_gradient_buffers(stage):
     for r in get_pool(2).run(stage_buffers, stage):
         assert r["grads"] == r["own"], r  # .grad only on this rank's parameters, in both stages
         assert r["held"] == (r["total"] if stage == 1 else 0), r
+
+
+def torch_adamw_standard_resume(root: str) -> dict:
+    """torch.optim.AdamW through torch's standard DCP path: the resumed run continues exactly, and
+    the state torch's loader creates for every parameter (get_state_dict's zero-gradient step)
+    is dropped for parameters another rank owns at the next step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    cfg, model, _ = _setup(2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train(model, opt, cfg, 2)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/adamw")
+    _train(model, opt, cfg, 2, start=2)
+    _, fresh, _ = _setup(2, seed=5)
+    fopt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    msd, osd = get_state_dict(fresh, fopt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=f"{root}/adamw")
+    set_state_dict(fresh, fopt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    after_load = len(fopt.state)
+    _train(fresh, fopt, cfg, 2, start=2)
+    model.sync_params(); fresh.sync_params()
+    owned = sum(1 for p in fresh.parameters() if replica_of(p) is not None and replica_of(p).is_local)
+    return {"after_load": after_load, "after_step": len(fopt.state), "owned": owned,
+            "trainable": sum(1 for p in fresh.parameters() if p.requires_grad),
+            "diff": max((p - q).abs().max().item() for p, q in zip(model.parameters(), fresh.parameters()))}
+
+
+def test_torch_adamw_standard_dcp_resume_keeps_state_sharded(tmp_path):
+    for r in get_pool(2).run(torch_adamw_standard_resume, str(tmp_path)):
+        assert r["diff"] == 0.0, r
+        assert r["after_load"] == r["trainable"] and r["after_step"] == r["owned"] < r["trainable"], r

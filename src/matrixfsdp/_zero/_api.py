@@ -188,13 +188,29 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
             state.dirty = True
 
 
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global step pre-hook: drop state an optimizer holds for parameters another rank owns.
+
+    Only owners step a parameter, but torch's DCP helpers create state for *every* parameter of
+    a torch optimizer before loading (``get_state_dict`` runs a zero-gradient step on a fresh
+    optimizer), so after a standard-path resume each rank would keep DDP-sized state for good.
+    ``matrixfsdp.optim`` never creates it; this frees it for torch's optimizers at their next
+    step (after ``set_state_dict`` has read it)."""
+    for state in list(_LIVE):
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if p in optimizer.state and id(p) in state.where and not getattr(p, _ATTR).is_local:
+                    del optimizer.state[p]
+
+
 def _watch_optimizer_steps(state: ReplicateState) -> None:
     global _STEP_HOOK
     _LIVE.add(state)
     if _STEP_HOOK is None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        _STEP_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+        _STEP_HOOK = (register_optimizer_step_pre_hook(_before_optimizer_step),
+                      register_optimizer_step_post_hook(_after_optimizer_step))
 
 
 def state_of(module: nn.Module, what: str = "") -> ReplicateState:
