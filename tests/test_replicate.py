@@ -502,6 +502,8 @@ def bad_input(case: str) -> str:
         elif case == "sharded":
             matrixfsdp.fully_shard(model, mesh=mesh)
             matrixfsdp.replicate(model, mesh=mesh)
+        elif case == "layouts_differ":
+            matrixfsdp.replicate(model, mesh=mesh, stage=1 + dist.get_rank())
         elif case == "plans_differ":
             plan = matrixfsdp.plan_owners(model, mesh, policy="alpha_balanced", elementwise="owned",
                                           alpha=0.5 if dist.get_rank() == 0 else 1.0, bucket_numel=BUCKET)
@@ -518,6 +520,7 @@ def bad_input(case: str) -> str:
     ("twice", "ValueError: matrixfsdp.replicate: the module is already managed by matrixfsdp.replicate"),
     ("sharded", "ValueError: matrixfsdp.replicate: submodule '<root>' is already sharded by fully_shard"),
     ("plans_differ", "RuntimeError: matrixfsdp.replicate: the plan differs across ranks"),
+    ("layouts_differ", "ValueError: matrixfsdp.replicate: the ranks disagree on the bucket layout"),
 ])
 def test_errors_on_every_rank(case, expected):
     for msg in get_pool(2).run(bad_input, case):

@@ -110,9 +110,11 @@ def replicate(
     rank, W = mesh.get_local_rank(), mesh.size()
     trainable = [f for f, p in named.items() if p.requires_grad]
     devices = {p.device for p in named.values()}
+    error = None
     if len(devices) > 1 or any(d.type == "meta" for d in devices):
-        raise ValueError(f"{API}: parameters must be materialized on one device, got {sorted(map(str, devices))}")
+        error = f"{API}: parameters must be materialized on one device, got {sorted(map(str, devices))}"
     layouts = build_layout(plan, trainable, bucket_numel=bucket_numel)
+    _agree_on_layout(layouts, stage, reduce_dtype, error, mesh, coll)
     buckets = [
         Bucket(lay, [named[s.fqn] for s in lay.slots], rank=rank, world_size=W, coll=coll,
                reduce_dtype=reduce_dtype, persistent=stage == 1)
@@ -142,6 +144,28 @@ def replicate(
     setattr(module, _STATE_ATTR, state)
     _swap_class(module)
     return module
+
+
+def _agree_on_layout(layouts: Any, stage: int, reduce_dtype: Any, error: str | None, mesh: DeviceMesh,
+                     coll: Any) -> None:
+    """One 32-byte all-gather: every rank must run the same buckets (the plan digest does not
+    cover ``bucket_numel``, which parameters are trainable, ``stage`` or ``reduce_dtype``), and a
+    local check that failed on one rank fails on all of them instead of leaving the rest hanging."""
+    import hashlib
+
+    what = repr((error, [(lay.dtype, lay.slots, lay.param_splits) for lay in layouts], stage, str(reduce_dtype)))
+    mine = torch.frombuffer(bytearray(hashlib.sha256(what.encode()).digest()), dtype=torch.uint8)
+    from .._runtime._param import mesh_device
+
+    gathered = coll.all_gather_fixed(mine.to(mesh_device(mesh))).cpu()
+    if error is not None:
+        raise ValueError(error)
+    if any(not torch.equal(row, gathered[0]) for row in gathered):
+        raise ValueError(
+            f"{API}: the ranks disagree on the bucket layout (bucket_numel, stage, reduce_dtype or "
+            "which parameters require grad differ), or a check failed on another rank; call "
+            "replicate with the same model and arguments on every rank"
+        )
 
 
 def _check_not_sharded(module: nn.Module) -> None:
