@@ -70,6 +70,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.tensor import DTensor
 
 from ._owned import local_tensor, owned_of, wrap_dtensor
+from ._zero._replicate import replica_of
 
 __all__ = ["save", "load", "model_state_dict", "optimizer_state_dict", "MODEL_KEY", "OPTIM_KEY"]
 
@@ -398,7 +399,7 @@ def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: Tenso
     shape, dtype = tuple(tmeta.size), tmeta.properties.dtype
     local = local_tensor(p)
     if not isinstance(p, DTensor):
-        replica = getattr(p, "_matrixfsdp_replica", None)
+        replica = replica_of(p)
         if replica is not None and not replica.is_local:
             return None  # matrixfsdp.replicate: the owner keeps (and loads) this state
         return torch.empty(shape, dtype=dtype, device=p.device)

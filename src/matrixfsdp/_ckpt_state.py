@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from ._owned import empty_local, local_tensor, owned_of, owner_meshes, wrap_dtensor
+from ._zero._replicate import replica_of
 
 if TYPE_CHECKING:
     from .optim._base import MatrixOptimizer
@@ -111,7 +112,7 @@ def present_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
     # set_optimizer_state_dict(strict=True) that nothing is missing.
     remote = opt._remote_state
     for idx, p in enumerate(params):
-        replica = getattr(p, "_matrixfsdp_replica", None)
+        replica = replica_of(p)
         if replica is not None:
             if p.requires_grad:
                 state[idx] = _replica_entry(opt, p, replica, state.get(idx))
@@ -176,7 +177,7 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
             state[key] = st
             continue
         out: dict[str, Any] = {}
-        replica = getattr(p, "_matrixfsdp_replica", None)
+        replica = replica_of(p)
         if replica is not None:  # matrixfsdp.replicate: only the owner keeps state
             if replica.is_local:
                 state[key] = {k: local_tensor(v) if isinstance(v, Tensor) else v for k, v in st.items()

@@ -15,7 +15,7 @@ layer-wise baseline) the sort makes any owner assignment one collective per buck
 The gradient buffer of a bucket carries one usage flag per parameter after each rank's
 gradients (``grad_splits = param_splits + counts``): the reduce-scatter sums them, so an owner
 learns how many ranks used a parameter without another collective (see [Note: unused
-parameters] in ``_replicate.py``).
+parameters under replicate] in ``_replicate.py``).
 """
 
 from __future__ import annotations

@@ -14,14 +14,14 @@ Per training step::
     next forward     (root pre-forward) issue one all-gather per bucket in forward order; each
                      module's pre-forward waits for the buckets of its own parameters
 
-[Note: collective order]
+[Note: bucket launch order]
 Every rank must issue the same collectives in the same order. Buckets are launched strictly in
 reduction order (bucket ``n-1`` first: backward produces the last layers' gradients first, as in
 DDP), whenever the next bucket becomes complete; a bucket waiting for a parameter another rank
 already reduced simply launches later, so timing differences never reorder collectives. The
 gathers are issued at the root's pre-forward (one program point on every rank), in forward order.
 
-[Note: unused parameters]
+[Note: unused parameters under replicate]
 DDP leaves ``.grad`` undefined for a parameter no rank used and averages (with zeros) one some rank
 used. Here each bucket's gradient carries one usage flag per parameter, reduced with the
 gradients: an owner that used the parameter itself knows it is used (no host read); an owner

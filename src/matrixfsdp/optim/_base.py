@@ -49,6 +49,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .._owned import local_tensor, owned_of  # one local-tensor helper for the package
+from .._zero._replicate import replica_of
 from ._adamw import adamw_step, new_step_counter
 
 try:  # torch builds without distributed have no DTensor; then nothing is one.
@@ -70,7 +71,7 @@ ADAMW_DEFAULTS: dict[str, Any] = {
 
 def _remote_replica(p: Tensor) -> bool:
     """A parameter of a ``matrixfsdp.replicate`` model that another rank owns (and updates)."""
-    info = getattr(p, "_matrixfsdp_replica", None)
+    info = replica_of(p)
     return info is not None and not info.is_local
 
 
