@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -771,3 +772,33 @@ def test_checkpoint_cli_prints_no_runpy_warning():
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("usage: python -m matrixfsdp.checkpoint"), r
     assert r.stderr == "", r.stderr
+
+
+def w_empty_shard_counters(root: str) -> tuple[float | None, float]:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def build(seed):
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))  # the last bias (1,) is empty on rank 1
+        torch_fully_shard(m, mesh=mesh)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    m, o = build(0)
+    for _ in range(3):
+        m(torch.randn(4, 8)).sum().backward(); o.step(); o.zero_grad()
+    mckpt.save(f"{root}/c", m, o)
+    m2, o2 = build(1)
+    mckpt.load(f"{root}/c", m2, o2)
+    bias = list(m2.parameters())[-1]
+    loaded = o2.state[bias]["step"].item() if bias in o2.state else None
+    m2(torch.randn(4, 8)).sum().backward(); o2.step()
+    return loaded, o2.state[bias]["step"].item()
+
+
+def test_empty_shard_keeps_its_step_counter(tmp_path):
+    """A rank whose Shard(0) shard of a tiny parameter is empty loads the step counter too (torch's
+    optimizers keep one per shard); before, it restarted at 1 and a later save could record it."""
+    for loaded, after in get_pool(2).run(w_empty_shard_counters, str(tmp_path)):
+        assert (loaded, after) == (3.0, 4.0)

@@ -395,7 +395,9 @@ def _check_tensor(api: str, key: str, tmeta: Any, value: torch.Tensor, path: str
 
 def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: TensorStorageMetadata) -> Any:
     """A fresh buffer for optimizer state ``name`` of parameter ``p`` in ``p``'s current layout;
-    ``None`` when this rank keeps no such state (non-owner, empty shard)."""
+    ``None`` when this rank keeps no such state (a non-owner of an owned or replicated parameter;
+    an empty shard's state of another shape). An empty ``Shard(0)`` shard gets empty buffers and its
+    step counter, as torch's optimizers keep them."""
     shape, dtype = tuple(tmeta.size), tmeta.properties.dtype
     local = local_tensor(p)
     if not isinstance(p, DTensor):
@@ -413,10 +415,13 @@ def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: Tenso
         # Same layout as the parameter: torch optimizers (AdamW on DTensor params) keep their
         # state as DTensors like the parameter; matrixfsdp's accept either.
         return wrap_dtensor(buf, p.device_mesh, p.placements, shape)
-    if local.numel() == 0:
-        return None
     if len(shape) == 0:
+        # a step counter: every rank keeps one, an empty shard's too (torch's optimizers create
+        # state for every shard); loading it keeps the ranks' counters equal, so DCP's one writer
+        # of this replicated value writes the right one
         return torch.empty((), dtype=dtype, device=local.device)
+    if local.numel() == 0 and shape != tuple(p.shape):
+        return None
     if shape != tuple(p.shape):
         raise ValueError(
             f"{api}: optimizer state {name!r} of {fqn!r} has shape {shape} in the checkpoint, "
