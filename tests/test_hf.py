@@ -179,6 +179,10 @@ def save_check(kind: str, tied: bool, path: str) -> dict:
     with safe_open(os.path.join(path, "hf", "model.safetensors"), "pt") as f:
         out["keys"] = sorted(f.keys())
     out["loaded_tied"] = loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    import json
+
+    out["architectures"] = json.load(open(os.path.join(path, "hf", "config.json")))["architectures"]
+    out["class"] = type(ref).__name__
     return out
 
 
@@ -189,6 +193,7 @@ def test_hf_save_pretrained_roundtrip(W, kind, tied, tmp_path):
         # weights bitwise; logits within TOL (from_pretrained picks its own attention kernel)
         assert r["ret"] and r["weights_equal"] and r["logit_diff"] <= TOL, r
         assert r["loaded_tied"] == tied
+        assert r["architectures"] == [r["class"]], r["architectures"]  # not MatrixFSDP<class>
         assert ("lm_head.weight" in r["keys"]) == (not tied), r["keys"]
         assert "model.embed_tokens.weight" in r["keys"]
         assert len(r["keys"]) == 2 + 2 * (11 if kind == "qwen3" else 9) + (not tied), r["keys"]

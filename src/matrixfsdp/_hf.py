@@ -88,6 +88,13 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
     if rank == 0:
         try:
             model.save_pretrained(save_directory, state_dict=full, is_main_process=True, **kwargs)
+            # transformers records type(model).__name__ (stripping torch's "FSDP" prefix only):
+            # write the user's class, which tools that read "architectures" (pipelines, vLLM) need
+            from ._runtime._init import cls_name
+
+            if getattr(model.config, "architectures", None) != [cls_name(model)]:
+                model.config.architectures = [cls_name(model)]
+                model.config.save_pretrained(save_directory)
         except Exception as e:  # every rank must learn it
             error = _err(RuntimeError(f"{api}: writing {os.fspath(save_directory)!r} failed: "
                                       f"{type(e).__name__}: {e}"))
