@@ -149,14 +149,7 @@ def _replica_entry(opt: "MatrixOptimizer", p: Tensor, info: Any, st: dict[str, A
         return _remote_entry(opt, p, info)
     if not st:
         group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
-        st = {}
-        if opt._route(group, p) == "adamw":
-            opt._adamw_init_state(p.detach(), st)
-        else:
-            opt._matrix_init_state(p.detach(), st, group)
-        for key, dep in getattr(opt, "_state_placeholders", {}).items():
-            if key not in st and isinstance(st.get(dep), Tensor):
-                st[key] = torch.zeros_like(st[dep])
+        st = opt._state_schema(p, group, like=p.detach())
     mesh = owner_meshes(info.mesh)[info.owner]
     return {k: wrap_dtensor(v, mesh, (Replicate(),), tuple(v.shape)) if isinstance(v, Tensor) else v
             for k, v in st.items()}

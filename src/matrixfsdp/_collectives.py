@@ -241,9 +241,7 @@ class _Base:
             for s in range(1, W):
                 out.add_(parts[s])
 
-        if not own:
-            reduce = lambda: None  # noqa: E731 - nothing to receive or sum
-        h = Handle(dist.batch_isend_irecv(ops) if ops else [], then=reduce)
+        h = Handle(dist.batch_isend_irecv(ops) if ops else [], then=reduce if own else None)
         if not async_op:
             h.wait()
         return h

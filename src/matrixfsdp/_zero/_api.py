@@ -220,11 +220,13 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
     optimizer), so after a standard-path resume each rank would keep DDP-sized state for good.
     ``matrixfsdp.optim`` never creates it; this frees it for torch's optimizers at their next
     step (after ``set_state_dict`` has read it)."""
-    for state in list(_LIVE):
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                if p in optimizer.state and id(p) in state.where and not getattr(p, _ATTR).is_local:
-                    del optimizer.state[p]
+    if not optimizer.state:
+        return
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            info = getattr(p, _ATTR, None)
+            if info is not None and not info.is_local:
+                optimizer.state.pop(p, None)
 
 
 def _watch_optimizer_steps(state: ReplicateState) -> None:

@@ -247,12 +247,7 @@ class ReplicateState:
     def pre_forward_root(self) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward: parameters are current
-        if self.callback_queued:  # an exception escaped the last backward (see [Note: stale state])
-            self._abort_backward()
-        if self.dirty:
-            self.dirty = False
-            for b in self.buckets:
-                b.issue_gather()
+        if self._issue_gathers():
             for b in self.uncovered_buckets or ():
                 b.wait_gather()
 
@@ -294,14 +289,22 @@ class ReplicateState:
         """Bring every rank's parameters up to date now (a collective when they are stale)."""
         if torch._C._current_graph_task_id() != -1:
             return
-        if self.callback_queued:
-            self._abort_backward()
-        if self.dirty:
-            self.dirty = False
-            for b in self.buckets:
-                b.issue_gather()
+        self._issue_gathers()
         for b in self.buckets:
             b.wait_gather()
+
+    def _issue_gathers(self) -> bool:
+        """Outside backward: clean up after a backward an exception escaped (its callback is
+        gone), then issue every bucket's all-gather if the parameters are stale. Returns whether
+        it issued them."""
+        if self.callback_queued:
+            self._abort_backward()
+        if not self.dirty:
+            return False
+        self.dirty = False
+        for b in self.buckets:
+            b.issue_gather()
+        return True
 
     # ----------------------------------------------------------------------------- backward
     def on_backward_start(self, *, from_output: bool) -> None:

@@ -305,15 +305,16 @@ class MatrixOptimizer(Optimizer):
         if owned_of(p) is not None:
             self._remote_state.add(id(p))
 
-    def _state_schema(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    def _state_schema(self, p: Tensor, group: dict[str, Any], *, like: Tensor | None = None) -> dict[str, Any]:
         """The state keys (and global shapes, on ``meta``) the owner of ``p`` holds, with the
-        placeholders its state dict adds."""
-        meta = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
+        placeholders its state dict adds; given ``like`` (``p``'s whole tensor), the state a first
+        step starts from, allocated like it."""
+        base = like if like is not None else torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
         schema: dict[str, Any] = {}
         if self._route(group, p) == "adamw":
-            self._adamw_init_state(meta, schema)
+            self._adamw_init_state(base, schema)
         else:
-            self._matrix_init_state(meta, schema, group)
+            self._matrix_init_state(base, schema, group)
         for key, dep in self._state_placeholders.items():
             if key not in schema and isinstance(schema.get(dep), Tensor):
                 schema[key] = torch.zeros_like(schema[dep])
