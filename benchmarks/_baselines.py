@@ -777,7 +777,7 @@ class MatrixFSDP(Impl):
         if source == "public":
             return mf.fully_shard, mf.plan_owners
         if source == "_runtime":  # the in-progress private module (development only)
-            from matrixfsdp._runtime import fully_shard
+            from matrixfsdp._fully_shard import fully_shard
 
             return fully_shard, mf.plan_owners
         raise ValueError(f"unknown matrixfsdp source {source!r}")

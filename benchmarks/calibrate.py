@@ -9,7 +9,7 @@ this machine's cores and, with ``--netns``, the shaped links):
 
 * ``ns``: Newton-Schulz (``matrixfsdp.optim._muon.zeropower_via_newtonschulz``, 5 steps, in the
   bench's NS dtype) per distinct hidden-matrix shape of the bench model: seconds and flop/s
-  (``matrixfsdp._cost.newton_schulz_flops``);
+  (``matrixfsdp.planner.cost.newton_schulz_flops``);
 * ``fwd_bwd``: forward + backward of the plain bench model on one rank's batch (no communication):
   seconds for the whole model (``scaling_model.py`` splits it over blocks by matmul FLOPs);
 * ``adamw``: one ``torch.optim.AdamW(foreach=False)`` step per element (seconds per element);
@@ -48,7 +48,7 @@ import torch.distributed as dist  # noqa: E402
 import _bench_common as bc  # noqa: E402
 from _baselines import ADAMW_2D, BenchConfig, batch_for_step, build_model, lm_loss  # noqa: E402
 
-from matrixfsdp._cost import newton_schulz_flops  # noqa: E402
+from matrixfsdp.planner.cost import newton_schulz_flops  # noqa: E402
 from matrixfsdp.optim._muon import zeropower_via_newtonschulz  # noqa: E402
 
 OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_reduce", "broadcast", "reduce")

@@ -42,8 +42,8 @@ import torch.nn as nn
 import _bench_common as bc
 
 from matrixfsdp import plan_owners
-from matrixfsdp._cost import newton_schulz_flops
-from matrixfsdp._decoder import PRESETS, Decoder, DecoderConfig, DecoderLayer
+from matrixfsdp.planner.cost import newton_schulz_flops
+from matrixfsdp.models.decoder import PRESETS, Decoder, DecoderConfig, DecoderLayer
 
 MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b")
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)

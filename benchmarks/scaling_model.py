@@ -57,8 +57,8 @@ import torch
 import _bench_common as bc
 
 from matrixfsdp import plan_owners
-from matrixfsdp._cost import newton_schulz_flops
-from matrixfsdp._decoder import PRESETS, Decoder, DecoderLayer
+from matrixfsdp.planner.cost import newton_schulz_flops
+from matrixfsdp.models.decoder import PRESETS, Decoder, DecoderLayer
 
 
 @dataclass(frozen=True)

@@ -812,7 +812,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gloo-ifname", default=None, help="GLOO_SOCKET_IFNAME for the ranks")
     p.add_argument("--matrixfsdp-source", default="public", choices=("public", "_runtime"),
                    help="where the matrixfsdp slot gets fully_shard: the public matrixfsdp.fully_shard "
-                        "(default) or the in-progress private matrixfsdp._runtime (development only)")
+                        "(default) or the in-progress private matrixfsdp._fully_shard (development only)")
     for a in ("hidden", "layers", "intermediate", "seq", "global-batch", "heads", "kv-heads", "vocab"):
         p.add_argument(f"--{a}", type=int, default=None, help="model/data override")
     p.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)

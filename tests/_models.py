@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from matrixfsdp._plan import OwnerPlan, ParamPlan
+from matrixfsdp.planner.record import OwnerPlan, ParamPlan
 
 __all__ = [
     "TinyConfig",

@@ -37,8 +37,8 @@ from _models import Block, TinyConfig, TinyDecoder, make_batch
 
 import matrixfsdp
 import matrixfsdp.checkpoint as mckpt
-from matrixfsdp._owned import full_tensor, owned_of
-from matrixfsdp._runtime import fully_shard
+from matrixfsdp.placement.owned import full_tensor, owned_of
+from matrixfsdp._fully_shard import fully_shard
 from matrixfsdp.optim import SOAP, Muon
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -625,7 +625,7 @@ def test_export_import_roundtrip(saved, reference, tmp_path):
     dst = tmp_path / "imported"
     mckpt.import_safetensors(tmp_path / "sharded" / "model.safetensors.index.json", dst, tracker=tr)
     # One tensor plus the bounded read block (min(16 MiB, tensor)).
-    from matrixfsdp._ckpt_io import WRITE_SLICE
+    from matrixfsdp.checkpoint.safetensors import WRITE_SLICE
 
     largest = max(map(nbytes, ents.values()))
     print(f"[import] peak {tr.peak} B, largest tensor {largest} B, total {total} B")

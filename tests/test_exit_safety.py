@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _gather(rank_msgs):
     import torch.distributed as dist
 
-    from matrixfsdp._checkpoint import _all_gather_strings
+    from matrixfsdp.checkpoint.dcp import _all_gather_strings
 
     return _all_gather_strings(rank_msgs[dist.get_rank()])
 

@@ -1,4 +1,4 @@
-"""Property tests of the pure segment math (``matrixfsdp._layout``), plus a simulated exchange.
+"""Property tests of the pure segment math (``matrixfsdp.engine.layout``), plus a simulated exchange.
 
 The simulation runs the exact buffer recipe the runtime uses (chunks, gather splits, assembled
 copies, rank-major reduce buffers with usage flags) over W in-process "ranks" with plain tensors,
@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from matrixfsdp._layout import BlockLayout
-from matrixfsdp._plan import ParamPlan
+from matrixfsdp.engine.layout import BlockLayout
+from matrixfsdp.planner.record import ParamPlan
 
 
 @st.composite
@@ -174,7 +174,7 @@ def test_simulated_gather_and_reduce_roundtrip(case):
 
 
 def test_rejects_rows_that_do_not_tile():
-    from matrixfsdp._layout import ParamLayout
+    from matrixfsdp.engine.layout import ParamLayout
 
     with pytest.raises(ValueError, match="do not tile"):
         BlockLayout(world_size=2, params=(ParamLayout("w", (4, 2), None, ((0, 2), (3, 4))),))

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import matrixfsdp
 from matrixfsdp import OwnerPlan, plan_owners
-from matrixfsdp._decoder import PRESETS, Decoder, DecoderLayer
-from matrixfsdp._plan import _tight_lower_bound, even_rows
+from matrixfsdp.models.decoder import PRESETS, Decoder, DecoderLayer
+from matrixfsdp.planner.record import _tight_lower_bound, even_rows
 
 
 class Block(nn.Module):
@@ -325,7 +325,7 @@ def test_public_api_surface():
 
 @pytest.mark.parametrize("key", ["num_experts", "num_local_experts"])
 def test_config_from_hf_refuses_moe(tmp_path, key):
-    from matrixfsdp._decoder import config_from_hf
+    from matrixfsdp.models.decoder import config_from_hf
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
@@ -343,6 +343,6 @@ def test_config_from_hf_refuses_moe(tmp_path, key):
 
 def test_full_tensor_is_exported():
     import matrixfsdp
-    from matrixfsdp._owned import full_tensor
+    from matrixfsdp.placement.owned import full_tensor
 
     assert matrixfsdp.full_tensor is full_tensor and "full_tensor" in matrixfsdp.__all__

@@ -16,7 +16,7 @@ from _harness import get_pool
 from _models import TinyConfig, TinyDecoder, make_batch
 
 import matrixfsdp
-from matrixfsdp._zero import replica_of
+from matrixfsdp._replicate import replica_of
 
 BATCH = 12
 KW = dict(lr=0.02, ns_dtype=torch.float32, adamw_lr=3e-3, weight_decay=0.01)
@@ -243,7 +243,7 @@ def autograd_grad_and_host_syncs() -> dict:
     out = {"grad_calls": counter.total_calls, "grads_none": all(p.grad is None for p in model.parameters()),
            "gx_norm": gx.norm().item()}
     # host syncs: patch the tensor methods that read device memory into Python
-    import matrixfsdp._zero._replicate as rep
+    import matrixfsdp._replicate.buckets as rep
 
     calls = []
     originals = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "cpu", "numpy")}
@@ -330,7 +330,7 @@ def _train(model, opt, cfg, steps, start=0):
 
 def _owned_state(model, opt):
     """This rank's optimizer state by fqn (local tensors), and its parameters."""
-    from matrixfsdp._owned import local_tensor
+    from matrixfsdp.placement.owned import local_tensor
 
     fqn = {id(p): n for n, p in model.named_parameters()}
     state = {fqn[id(p)]: {k: local_tensor(v).clone() for k, v in st.items() if torch.is_tensor(v)}
@@ -574,7 +574,7 @@ def test_hugging_face_qwen3_matches_ddp(tied, checkpointing):
 def stage_buffers(stage: int) -> dict:
     """ZeRO-1 keeps each bucket's gradient buffer for the run; ZeRO-2 frees it after the
     reduction, so a rank then holds only its own gradients."""
-    from matrixfsdp._zero import state_of
+    from matrixfsdp._replicate import state_of
 
     rank, W = dist.get_rank(), dist.get_world_size()
     cfg, model, _ = _setup(stage)

@@ -19,7 +19,7 @@ from test_runtime_parity import shard_model
 
 import matrixfsdp
 
-from matrixfsdp._runtime import comm_counter, get_state
+from matrixfsdp._fully_shard import comm_counter, get_state
 
 
 def _plan(model, W, planner):

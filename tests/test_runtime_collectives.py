@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from _harness import DistPool, DistributedTestError, DistributedTestTimeout, get_pool
 
-from matrixfsdp._collectives import (
+from matrixfsdp.comm.collectives import (
     AllToAllCollectives,
     P2PCollectives,
     SegmentCollectives,

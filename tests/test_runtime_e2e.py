@@ -2,7 +2,7 @@
 ``fully_shard`` per block and on the model -> ``matrixfsdp.optim.Muon`` (fp32 Newton-Schulz),
 against the same optimizer in one process on the whole batch.
 
-(``fully_shard`` is imported from ``matrixfsdp._runtime`` until the package exports it.)
+(``fully_shard`` is imported from ``matrixfsdp._fully_shard`` until the package exports it.)
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from _models import Block, TinyConfig, TinyDecoder, make_batch
 from test_runtime_parity import compare_to_ref
 
 import matrixfsdp
-from matrixfsdp._owned import owned_of
-from matrixfsdp._runtime import comm_counter, fully_shard
+from matrixfsdp.placement.owned import owned_of
+from matrixfsdp._fully_shard import comm_counter, fully_shard
 from matrixfsdp.optim import Muon
 
 

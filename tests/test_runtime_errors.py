@@ -18,8 +18,8 @@ from _harness import get_pool
 from _models import TinyConfig, TinyDecoder, make_batch, make_plan
 from test_runtime_features import TiedModel
 
-from matrixfsdp._plan import OwnerPlan
-from matrixfsdp._runtime import fully_shard
+from matrixfsdp.planner.record import OwnerPlan
+from matrixfsdp._fully_shard import fully_shard
 
 
 def _fresh(W, **plan_kw):

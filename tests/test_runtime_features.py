@@ -18,8 +18,8 @@ from _harness import get_pool
 from _models import LocalMatrixOpt, TinyConfig, TinyDecoder, local_of, make_batch, make_plan, opt_groups
 from test_runtime_parity import compare_to_ref, shard_model
 
-from matrixfsdp._owned import Owned, full_tensor, owned_of
-from matrixfsdp._runtime import comm_counter, get_state
+from matrixfsdp.placement.owned import Owned, full_tensor, owned_of
+from matrixfsdp._fully_shard import comm_counter, get_state
 
 BATCH = 12
 

@@ -23,8 +23,8 @@ from test_runtime_parity import compare_to_ref, shard_model
 
 import matrixfsdp
 from matrixfsdp import Decoder, DecoderLayer, PRESETS
-from matrixfsdp._owned import owned_of, set_full_
-from matrixfsdp._runtime import get_state
+from matrixfsdp.placement.owned import owned_of, set_full_
+from matrixfsdp._fully_shard import get_state
 
 
 def _shard_decoder(model, mesh, plan):

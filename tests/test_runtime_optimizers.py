@@ -40,7 +40,7 @@ from _models import Block, TinyConfig, TinyDecoder, make_batch
 from test_runtime_parity import compare_to_ref
 
 import matrixfsdp
-from matrixfsdp._runtime import comm_counter
+from matrixfsdp._fully_shard import comm_counter
 
 BATCH = 12
 STEPS = 10

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from _harness import get_pool
 from _models import LocalMatrixOpt, TinyConfig, TinyDecoder, local_of, make_batch, make_plan, opt_groups
 
-from matrixfsdp._runtime import fully_shard
+from matrixfsdp._fully_shard import fully_shard
 
 TOL = 1e-6
 BATCH = 12  # divisible by 2, 3 and 4

@@ -36,8 +36,8 @@ from _models import LocalMatrixOpt, TinyConfig, TinyDecoder, local_of, make_batc
 from test_runtime_parity import compare_to_ref, shard_model
 
 import matrixfsdp
-from matrixfsdp._runtime import get_state
-from matrixfsdp._runtime._param_group import divide_factors
+from matrixfsdp._fully_shard import get_state
+from matrixfsdp._fully_shard.param_group import divide_factors
 
 BATCH = 12
 TOL = 1e-6
@@ -85,7 +85,7 @@ def autograd_grad_check() -> dict:
     out = {"input_grad_diff": (gx - rgx).abs().max().item(),
            "grads_none": all(p.grad is None for p in model.parameters())}
     # the same forward's graph can still be used for a normal backward afterwards
-    counter = matrixfsdp._runtime.comm_counter(model)
+    counter = matrixfsdp._fully_shard.comm_counter(model)
     box, h = _capture_block0_input(model)
     loss = model.loss(x[mine], y[mine])
     h.remove()

@@ -36,7 +36,7 @@ def _train(steps: int, dump_folder: str, optimizer: str, variant: str = "plain")
 
     import matrixfsdp
     import matrixfsdp.titan as mt
-    from matrixfsdp._runtime import comm_counter
+    from matrixfsdp._fully_shard import comm_counter
 
     W = dist.get_world_size()
     cfg = tiny_qwen3_config(steps=steps, global_batch=GLOBAL_BATCH,

@@ -14,13 +14,11 @@ locally with zero communication.
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from . import checkpoint, optim
-from ._clip import clip_grad_norm_
-from ._decoder import PRESETS, Decoder, DecoderConfig, DecoderLayer
-from ._owned import Owned, full_tensor, owned_of, set_full_
-from ._plan import OwnerPlan, ParamPlan
-from ._planner import plan_owners
-from ._runtime import MatrixFSDPModule, fully_shard
-from ._zero import MatrixReplicateModule, replicate
+from ._fully_shard import MatrixFSDPModule, fully_shard
+from ._replicate import MatrixReplicateModule, replicate
+from .models import PRESETS, Decoder, DecoderConfig, DecoderLayer
+from .placement import Owned, clip_grad_norm_, full_tensor, owned_of, set_full_
+from .planner import OwnerPlan, ParamPlan, plan_owners
 
 __version__ = "0.1.0"
 

@@ -37,9 +37,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from .._checkpoint import MODEL_KEY, OPTIM_KEY, load, model_state_dict, optimizer_state_dict, read_metadata, save
-from .._ckpt_io import ByteTracker, export_safetensors, import_safetensors
-from .._hf import save_pretrained
+from .dcp import MODEL_KEY, OPTIM_KEY, load, model_state_dict, optimizer_state_dict, read_metadata, save
+from .safetensors import ByteTracker, export_safetensors, import_safetensors
+from ..integrations.huggingface import save_pretrained
 
 __all__ = [
     "save",

@@ -48,8 +48,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .._owned import local_tensor, owned_of  # one local-tensor helper for the package
-from .._zero._replicate import replica_of
+from ..placement.owned import local_tensor, owned_of  # one local-tensor helper for the package
+from .._replicate.buckets import replica_of
 from ._adamw import adamw_step, new_step_counter
 
 try:  # torch builds without distributed have no DTensor; then nothing is one.
@@ -116,7 +116,7 @@ class MatrixOptimizer(Optimizer):
         so a plain reference run and a sharded run of the same model step every parameter alike.
         ``Optimizer(model.parameters())`` with ``algorithm="auto"`` cannot see modules: there a
         plain 2D tensor gets the matrix rule (embeddings and heads included)."""
-        from .._planner import default_matrix_filter
+        from ..planner.planner import default_matrix_filter
 
         head_rows = frozenset(m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding))
         matrix, rest = [], []
@@ -358,7 +358,7 @@ class MatrixOptimizer(Optimizer):
         the local state) with the parameter's layout, so DCP can save and reshard it. Each param
         group records the rule of each of its parameters (``"routes"``), which
         :meth:`load_state_dict` checks."""
-        from .._ckpt_state import present_state
+        from ..checkpoint.optim_state import present_state
 
         sd = present_state(self, super().state_dict())
         routes = self._routes()
@@ -377,7 +377,7 @@ class MatrixOptimizer(Optimizer):
         which would round Shampoo/SOAP float32 factors of a bf16 parameter to bf16. DTensor state
         (from :meth:`state_dict` or DCP) is reduced to its local tensor first.
         """
-        from .._ckpt_state import accept_state
+        from ..checkpoint.optim_state import accept_state
 
         mine = self._routes()
         for i, saved in enumerate(state_dict["param_groups"]):

@@ -1,0 +1,378 @@
+"""``matrixfsdp.fully_shard``: ZeRO-3 with owner placement, applied like torch's FSDP2.
+
+The public surface: ``fully_shard``, the ``MatrixFSDP<Cls>`` class swap with FSDP2's controls,
+hook installation. Resolution and checks live in ``_init.py``, the hooks' logic in ``_state.py``,
+a block's buffers and collectives in ``_param_group.py``, one parameter's two forms in
+``_param.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+from typing import Any, Iterable, NoReturn
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from ..comm.collectives import CommCounter, collectives_for
+from ..placement.owned import local_tensor, owner_meshes
+from ..planner.record import OwnerPlan
+from .init import (API, CLAIM_ATTR, STATE_ATTR, _check_call, _check_mesh, _check_not_torch_fsdp,
+                    _check_world_size, _collect_managed, _is_planned_model, _resolve,
+                    _verify_plan_digest, cls_name, default_mesh, get_state, plan_call, resolve_call)
+from .state import BlockState, RootContext, ShardConfig
+
+__all__ = ["fully_shard", "MatrixFSDPModule", "UnshardHandle", "comm_counter", "get_state",
+           "drop_stale_state", "check_layout"]
+
+
+def _state_of(module: nn.Module, what: str) -> BlockState:
+    state = get_state(module)
+    if state is None:
+        raise RuntimeError(f"{what}: {type(module).__name__} is not a matrixfsdp.fully_shard module")
+    return state
+
+
+# ================================================================================ public API
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | None = None,
+    shard_placement_fn: Any = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: Any = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    plan: OwnerPlan | None = None,
+    collectives: str = "all_to_all",
+) -> nn.Module:
+    """Shard ``module``'s parameters as ``plan`` says (owner or even placement), FSDP2-style.
+
+    Takes torch's ``fully_shard`` keywords plus the required ``plan``. Apply it to every block
+    the plan names, then to the planned model (see [Note: resolution at the root call]); build
+    the optimizer afterwards. Returns ``module``, whose class is swapped to ``MatrixFSDP<Cls>``
+    with ``unshard``/``reshard``/``set_requires_gradient_sync``/``set_reshard_after_forward``/
+    ``set_modules_to_forward_prefetch``/``set_modules_to_backward_prefetch``.
+
+    * ``reshard_after_forward``: ``None`` means True except for the root (like FSDP2).
+    * ``mp_policy``: ``param_dtype`` is the compute (and communication) dtype of materialized
+      parameters; owners keep their parameters and optimizer state in the original dtype and
+      receive gradients reduced in ``reduce_dtype``.
+    * ``shard_placement_fn`` is rejected (placement comes from the plan); ``offload_policy`` must
+      be left alone; ``collectives`` picks the implementation (``"all_to_all"``, ``"p2p"``, or ``"two_phase"``:
+      owner scatter + ring all-gather, bounded at <= 2x ring volume whatever gamma_B is).
+
+    Example::
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        plan = matrixfsdp.plan_owners(model, mesh, block_types=(Block,))
+        for block in model.blocks:
+            matrixfsdp.fully_shard(block, mesh=mesh, plan=plan)
+        matrixfsdp.fully_shard(model, mesh=mesh, plan=plan)
+        whole = [p for p in model.parameters() if (o := matrixfsdp.owned_of(p)) and o.kind == "matrix"]
+        rest = [p for p in model.parameters() if p.requires_grad and not any(p is q for q in whole)]
+        opt = matrixfsdp.optim.Muon([dict(params=whole), dict(params=rest, algorithm="adamw")],
+                                    lr=0.02, ns_dtype=torch.float32)
+    """
+    _check_call(module, plan, shard_placement_fn, offload_policy)
+    if reshard_after_forward not in (None, True, False):
+        raise ValueError(
+            f"{API}: reshard_after_forward must be None, True or False (resharding to a smaller "
+            f"world is not supported), got {reshard_after_forward!r}"
+        )
+    if get_state(module) is not None:
+        raise ValueError(f"{API}: already applied to this {cls_name(module)}")
+    _check_not_torch_fsdp(module)
+    mesh = mesh if mesh is not None else default_mesh()
+    _check_mesh(mesh)
+    coll = collectives_for(mesh.get_group(), collectives)
+    if plan is not None:
+        _verify_plan_digest(plan, mesh, coll)  # collective: before any plan-dependent check
+        _check_world_size(plan, mesh)
+    owner_meshes(mesh)
+
+    params = _collect_managed(module, set(ignored_params or ()))
+    config = ShardConfig(mesh=mesh, reshard_after_forward=reshard_after_forward,
+                         mp_policy=mp_policy, collectives=collectives)
+    state = BlockState(module, config, params)
+    for mp in params:
+        setattr(mp.orig, CLAIM_ATTR, weakref.ref(state))
+    module.__dict__[STATE_ATTR] = state
+    to_sharded = functools.partial(_to_sharded_hook, state)
+    state._hook_handles = [
+        module.register_forward_pre_hook(functools.partial(_pre_forward_hook, state),
+                                         prepend=True, with_kwargs=True),
+        # always_call: post-forward runs even when forward raises (see [Note: stale state])
+        module.register_forward_hook(functools.partial(_post_forward_hook, state),
+                                     prepend=False, always_call=True),
+        # state dicts always see the sharded parameters, also between a forward that kept its
+        # unsharded leaves in the slots and its backward (as FSDP2)
+        module.register_state_dict_pre_hook(to_sharded),
+        module._register_load_state_dict_pre_hook(to_sharded),
+    ]
+    _swap_class(module)
+    if plan is None:  # drop-in: shard this call's parameters now (see [Note: drop-in planning])
+        call_plan = plan_call(params, mesh) if params else None
+        if call_plan is not None:
+            _verify_plan_digest(call_plan, mesh, coll)
+        resolve_call(module, state, call_plan, mesh, coll)
+    elif _is_planned_model(module, plan):
+        _resolve(module, plan, mesh)
+    return module
+
+
+def comm_counter(module: nn.Module) -> CommCounter:
+    """The call/byte counter of the collectives ``module``'s blocks use (shared per mesh).
+
+    Example::
+
+        c = comm_counter(model); c.reset()
+        loss.backward(); print(c.calls["reduce_scatter"], c.bytes_sent)
+    """
+    state = _state_of(module, "matrixfsdp.comm_counter")
+    return collectives_for(state.config.mesh.get_group(), state.config.collectives).counter
+
+
+def drop_stale_state(module: nn.Module) -> None:
+    """Reshard leftovers of unfinished iterations under ``module``'s root (see [Note: stale
+    state] in ``_state.py``) and check the parameter layout (meta parameters raise, layouts
+    swapped by torch code are repaired); a no-op for modules matrixfsdp does not manage. Call on
+    every rank."""
+    for m in module.modules():
+        state = get_state(m)
+        if state is not None and state.ctx is not None and torch._C._current_graph_task_id() == -1:
+            if not state.ctx.awaiting_backward:
+                state.ctx.begin_iteration()
+            check_layout(state.ctx)
+            return
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``; ``wait()`` completes it (like FSDP2's)."""
+
+    def __init__(self, state: BlockState | None):
+        self._state = state
+
+    def wait(self) -> None:
+        if self._state is not None:
+            self._state.group.wait_for_unshard()
+            self._state.group.to_unsharded()
+            self._state = None
+
+
+class MatrixFSDPModule:
+    """Mixin placed first in the MRO of ``fully_shard``-ed modules (``MatrixFSDP<Cls>``)."""
+
+    # [MatrixFSDP<Orig>, MatrixFSDPModule, Orig, ...]
+    _orig_cls_mro_index = 2
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Containers (e.g. nn.Sequential slicing) construct ``type(self)(...)``: build the
+        # original class instead, as FSDP2 does.
+        orig_cls = cls.__mro__[cls._orig_cls_mro_index]
+        self = orig_cls.__new__(orig_cls, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Materialize this module's parameters now (``async_op``: return a handle to wait on).
+
+        Example::
+
+            h = model.blocks[1].unshard(async_op=True)  # overlaps with other work
+            h.wait()
+        """
+        state = _state_of(self, "unshard")  # type: ignore[arg-type]
+        _lazy_init(state)
+        state.group.unshard(async_op=async_op)
+        handle = UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the materialized parameters (owners keep their own storage)."""
+        state = _state_of(self, "reshard")  # type: ignore[arg-type]
+        if state.resolved:
+            state.group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """``False``: backward accumulates unreduced gradients locally; the next synced backward
+        reduces their sum (gradient accumulation without communication).
+
+        Example::
+
+            model.set_requires_gradient_sync(False)
+            for mb in micro_batches[:-1]:
+                model(mb).sum().backward()
+            model.set_requires_gradient_sync(True)
+            model(micro_batches[-1]).sum().backward()   # one reduction for all micro-batches
+        """
+        for state in self._states(recurse):
+            state.requires_gradient_sync = bool(requires_gradient_sync)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Reduced gradients are ``sum / factor`` instead of ``sum / W`` (torch's FSDP2 method;
+        e.g. ``1.0`` when the loss is already normalized by the global token count, as
+        torchtitan does). Applies to this module and every module under it."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor=!r}")
+        for state in self._states(recurse=True):
+            state.gradient_divide_factor = float(factor)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether to free materialized parameters after forward (re-materialize in backward)."""
+        for state in self._states(recurse):
+            state.config = dataclasses.replace(state.config,
+                                               reshard_after_forward=bool(reshard_after_forward))
+
+    def set_modules_to_forward_prefetch(self, modules: Iterable["MatrixFSDPModule"]) -> None:
+        """Materialize ``modules`` asynchronously when this module's forward starts."""
+        _state_of(self, "set_modules_to_forward_prefetch").forward_prefetch = [  # type: ignore[arg-type]
+            _state_of(m, "set_modules_to_forward_prefetch") for m in modules  # type: ignore[arg-type]
+        ]
+
+    def set_modules_to_backward_prefetch(self, modules: Iterable["MatrixFSDPModule"]) -> None:
+        """Materialize ``modules`` asynchronously when this module's backward starts."""
+        _state_of(self, "set_modules_to_backward_prefetch").backward_prefetch = [  # type: ignore[arg-type]
+            _state_of(m, "set_modules_to_backward_prefetch") for m in modules  # type: ignore[arg-type]
+        ]
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> "MatrixFSDPModule":
+        """Allocate uninitialized storage on ``device`` (meta-device init, as with FSDP2).
+
+        Every rank allocates only its own segments: owners the whole tensor, other ranks an
+        empty ``[0, ...]`` tensor, evenly sharded parameters their rows (see
+        [Note: meta-device initialization]). Parameter objects keep their identity, as with
+        FSDP2. Initialize afterwards with :func:`matrixfsdp.set_full_` from full tensors every
+        rank computes alike (e.g. ``set_full_(p, init_fn(torch.empty(p.shape), generator=g))``,
+        which also makes the init independent of the world size) or with a checkpoint load.
+        ``torch.nn.init`` functions applied to the sharded parameters are not safe: on ranks
+        outside an owned tensor's one-rank mesh some raise (``trunc_normal_``) and random ones
+        advance only the owner's generator.
+
+        Example::
+
+            with torch.device("meta"):
+                model = Model()
+            plan = matrixfsdp.plan_owners(model, mesh, block_types=(Block,))
+            for block in model.blocks:
+                matrixfsdp.fully_shard(block, mesh=mesh, plan=plan)
+            matrixfsdp.fully_shard(model, mesh=mesh, plan=plan)
+            model.to_empty(device="cpu")
+            g = torch.Generator().manual_seed(0)
+            for p in model.parameters():   # or matrixfsdp.checkpoint.load(...)
+                matrixfsdp.set_full_(p, torch.nn.init.normal_(torch.empty(p.shape), std=0.02, generator=g))
+        """
+        states = self._states(recurse)
+        unresolved = [s for s in states if not s.resolved]
+        if unresolved:
+            raise RuntimeError(
+                f"{API}: to_empty on {cls_name(self)} before its blocks were resolved; call "  # type: ignore[arg-type]
+                "matrixfsdp.fully_shard on the planned model first"
+            )
+        dev = torch.device(device) if device is not None else torch.get_default_device()
+        for ctx in {id(s.ctx): s.ctx for s in states if s.ctx is not None}.values():
+            ctx.begin_iteration()  # nothing of an earlier iteration may point at the old storage
+        # Our parameters are taken out of the modules while torch's to_empty handles everything
+        # else (buffers, ignored parameters): DTensor's empty_like on a rank outside a parameter's
+        # one-rank owner mesh would return a 1-D ``tensor([])`` (a 0-dim one: a scalar), not the
+        # ``[0, ...]`` segment the runtime relies on.
+        managed = [mp for s in states for mp in s.params]
+        for mp in managed:
+            for m, attr in mp.sites:
+                m._parameters[attr] = None
+        try:
+            nn.Module.to_empty(self, device=dev, recurse=recurse)  # type: ignore[arg-type]
+        finally:
+            for s in states:
+                s.group.to_sharded()  # puts every mp.sharded back
+        for s in states:
+            s.move_to(dev)
+        return self
+
+    def _states(self, recurse: bool) -> list[BlockState]:
+        mods = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        return [s for m in mods if (s := get_state(m)) is not None]
+
+
+_CLS_CACHE: dict[type, type] = {}
+
+
+def _unimplemented_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
+    raise AssertionError(f"{API}: deepcopy is not supported; use a state dict")
+
+
+def _swap_class(module: nn.Module) -> None:
+    cls = type(module)
+    new_cls = _CLS_CACHE.get(cls)
+    if new_cls is None:
+        attrs: dict[str, Any] = {"__deepcopy__": _unimplemented_deepcopy}
+        if callable(getattr(cls, "save_pretrained", None)):  # a Hugging Face model
+            attrs["save_pretrained"] = _save_pretrained
+        new_cls = type(f"MatrixFSDP{cls.__name__}", (MatrixFSDPModule, cls), attrs)
+        _CLS_CACHE[cls] = new_cls
+    module.__class__ = new_cls
+
+
+def _save_pretrained(self: nn.Module, save_directory: Any, **kwargs: Any) -> Any:
+    """Hugging Face's ``save_pretrained`` on a sharded model: call it on every rank (a
+    collective, as with FSDP2); see :func:`matrixfsdp.checkpoint.save_pretrained`."""
+    if "state_dict" in kwargs:  # full tensors given (rank 0 inside matrixfsdp's save_pretrained)
+        return super(type(self), self).save_pretrained(save_directory, **kwargs)  # type: ignore[misc]
+    from ..integrations.huggingface import save_pretrained
+
+    return save_pretrained(self, save_directory, **kwargs)
+
+
+# ================================================================================ hooks
+def _pre_forward_hook(state: BlockState, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    _lazy_init(state)
+    return state.pre_forward(args, kwargs)
+
+
+def _post_forward_hook(state: BlockState, module: nn.Module, args: Any, output: Any) -> Any:
+    return state.post_forward(output)
+
+
+def _to_sharded_hook(state: BlockState, *args: Any, **kwargs: Any) -> None:
+    if state.resolved:
+        state.group.to_sharded()
+
+
+def _lazy_init(state: BlockState) -> None:
+    """Checks deferred to the first forward/unshard (the root context itself is built at
+    resolution, when the planned model and all its blocks are known)."""
+    if not state.resolved:
+        raise RuntimeError(
+            f"{API}: {cls_name(state.module)} was registered but never resolved against "
+            "its plan; after wrapping the blocks, call matrixfsdp.fully_shard on the planned "
+            "model (the module given to plan_owners) before running forward"
+        )
+    ctx = state.root_ctx
+    if state is ctx.root and torch._C._current_graph_task_id() == -1:
+        check_layout(ctx)  # once per iteration, at the root's forward outside backward
+    if not ctx.checked:
+        # torch's fully_shard applied after ours would otherwise fail obscurely (or silently).
+        _check_not_torch_fsdp(ctx.root.module)
+        ctx.checked = True
+
+
+def check_layout(ctx: RootContext) -> None:
+    """Refuse parameters still on meta; repair representations torch code swapped in (see
+    ``BlockState.repair_layout``). Local, no collective; call on every rank at the same point."""
+    meta = [mp.fqn for s in ctx.states for mp in s.params if local_tensor(mp.sharded).is_meta]
+    if meta:
+        raise RuntimeError(
+            f"{API}: parameters are still on the meta device ({meta[:3]}"
+            f"{'...' if len(meta) > 3 else ''}); call model.to_empty(device=...) and "
+            "initialize them (or load a checkpoint) before using the model"
+        )
+    for s in ctx.states:
+        s.repair_layout()
+

@@ -1,0 +1,411 @@
+"""Resolution, registration and checks of ``matrixfsdp.fully_shard`` (FSDP2's ``_fsdp_init``).
+
+[Note: resolution at the root call]
+The plan names parameters by their fqn in the *planned model* (the module given to
+``plan_owners``), but ``fully_shard(block)`` only sees the block, and identical blocks are
+indistinguishable by structure. So a call on a block only registers it (hooks, class swap, the
+parameters it manages, exactly FSDP2's bottom-up rule: parameters of already wrapped submodules
+belong to those); the call on the planned model, recognized because every block of the plan is
+one of its submodules, then resolves every registered block by module identity, checks the model
+against the plan and shards all parameters at once. Wrap blocks first and the model last, as with
+FSDP2; the optimizer must be built after the last call. A block whose root call never came raises
+at its first forward.
+
+[Note: meta-device initialization]
+As with FSDP2, a model may be built under ``torch.device("meta")``, planned (the planner only
+reads shapes) and sharded: resolution then creates meta DTensors with each rank's segment shape
+and allocates nothing. ``MatrixFSDPModule.to_empty`` gives every parameter fresh storage of that
+shape on the device (swapping contents into the same parameter objects, so optimizers built
+earlier keep working) and re-creates the block buffers there. It handles our parameters itself
+because DTensor's dispatch, on a rank outside an owned parameter's one-rank mesh, returns a 1-D
+``tensor([])`` (a scalar for 0-dim parameters) instead of the ``[0, ...]`` segment every layout
+computation assumes, and because torch's swap drops the :class:`Owned` metadata. For the same
+reason initialization goes through ``set_full_`` (full tensors computed alike on every rank) or a
+checkpoint load, not ``torch.nn.init`` on the DTensors (``trunc_normal_`` raises on non-owners).
+If torch code swaps our parameters anyway (``to_empty``/``to`` called on an outer wrapper or an
+inner submodule), ``BlockState.repair_layout`` -- run at every root forward outside backward and
+in the checkpoint helpers -- restores the layout and metadata, keeping correctly shaped data;
+parameters still on meta raise there.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from ..comm.collectives import SegmentCollectives, collectives_for
+from ..planner.record import OwnerPlan, ParamPlan
+from .param import ManagedParam, mesh_device, shard_param
+from .param_group import CommContext
+from .state import BlockState, RootContext
+
+API = "matrixfsdp.fully_shard"
+STATE_ATTR = "_matrixfsdp_state"
+# Set on parameters claimed by a fully_shard call before resolution (detects top-down wrapping
+# and parameters tied across blocks); a weakref to the claiming BlockState.
+CLAIM_ATTR = "_matrixfsdp_claimed_by"
+
+
+def get_state(module: nn.Module) -> BlockState | None:
+    """The :class:`BlockState` of a ``matrixfsdp.fully_shard``-ed module, else ``None``."""
+    return module.__dict__.get(STATE_ATTR)
+
+
+def cls_name(module: nn.Module) -> str:
+    """The user's class name (``Block``, not ``MatrixFSDPBlock``)."""
+    cls = type(module)
+    if cls.__name__.startswith("MatrixFSDP") and len(cls.__mro__) > 2:
+        cls = cls.__mro__[2]
+    return cls.__name__
+
+
+def _collect_managed(module: nn.Module, ignored: set[nn.Parameter]) -> list[ManagedParam]:
+    """Parameters of ``module`` not under an already wrapped submodule (FSDP2's rule)."""
+    by_id: dict[int, ManagedParam] = {}
+    visited: set[int] = set()
+
+    def visit(m: nn.Module, prefix: str) -> None:
+        if id(m) in visited:
+            return
+        visited.add(id(m))
+        for attr, p in m._parameters.items():
+            name = prefix + attr
+            if p is None or p in ignored:
+                continue
+            claim = getattr(p, CLAIM_ATTR, None)
+            owner = claim() if claim is not None else None
+            if owner is not None:
+                raise ValueError(
+                    f"{API}: parameter {name!r} of {cls_name(module)} is already managed by "
+                    f"the fully_shard call on {cls_name(owner.module)}; wrap blocks "
+                    "bottom-up (blocks first, the model last) and keep tied parameters inside "
+                    "one wrapped module"
+                )
+            if isinstance(p, DTensor):
+                raise ValueError(
+                    f"{API}: parameter {name!r} of {cls_name(module)} is already a DTensor; "
+                    "it is managed by another sharding API"
+                )
+            mp = by_id.get(id(p))
+            if mp is None:
+                by_id[id(p)] = ManagedParam(fqn=name, sites=((m, attr),), orig=p)
+            else:
+                mp.sites = (*mp.sites, (m, attr))
+        for child_name, child in m.named_children():
+            if get_state(child) is None:
+                visit(child, f"{prefix}{child_name}.")
+
+    visit(module, "")
+    return list(by_id.values())
+
+
+# [Note: drop-in planning]
+# Without ``plan``, ``fully_shard`` works like torch's: every call shards the parameters it manages
+# at once (so an optimizer built after the last call sees the sharded ones). Each call plans its
+# own parameters with the planner's defaults, as one scope, and then relabels ranks so that the
+# call's most loaded rank (owned parameter and optimizer-state bytes) goes to the rank the earlier
+# calls on the mesh loaded least: an online LPT over calls, in program order, identical on every
+# rank, and checked across ranks (one 32-byte all-gather per call). A call whose module contains
+# modules wrapped before becomes their root (FSDP2 finds its root the same way, lazily); the root
+# must be wrapped before the first forward. A whole-model ``plan`` balances better (it sees every
+# block at once); this path is for drop-in use.
+_LOADS: dict[Any, list[float]] = {}
+
+
+def plan_call(params: list[ManagedParam], mesh: DeviceMesh) -> OwnerPlan:
+    """The plan of one plan-less ``fully_shard`` call (see [Note: drop-in planning])."""
+    import dataclasses
+
+    from ..planner.planner import plan_owners
+
+    W = mesh.size()
+    holder = nn.Module()  # the call's own parameters, by their names in the call's module
+    for mp in params:
+        *path, attr = mp.fqn.split(".")
+        m = holder
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, nn.Module())
+            m = getattr(m, part)
+        orig = mp.orig
+        m.register_parameter(attr, nn.Parameter(torch.empty(orig.shape, dtype=orig.dtype, device="meta"),
+                                                requires_grad=orig.requires_grad))
+    plan = plan_owners(holder, W, blocks=[holder])
+    loads = [0.0] * W
+    for pp in plan.params:
+        if pp.owner is not None:
+            loads[pp.owner] += pp.nbytes + pp.state_nbytes
+    key = (tuple(mesh.mesh.flatten().tolist()), mesh.device_type)
+    tally = _LOADS.setdefault(key, [0.0] * W)
+    heavy = sorted(range(W), key=lambda r: (-loads[r], r))
+    light = sorted(range(W), key=lambda r: (tally[r], r))
+    perm = dict(zip(heavy, light))
+    for r in range(W):
+        tally[perm[r]] += loads[r]
+    return dataclasses.replace(plan, params=tuple(
+        dataclasses.replace(pp, owner=None if pp.owner is None else perm[pp.owner]) for pp in plan.params))
+
+
+def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, mesh: DeviceMesh,
+                 coll: SegmentCollectives) -> None:
+    """Shard one plan-less call's parameters and make its module the root of every wrapped module
+    under it (see [Note: drop-in planning])."""
+    rank = mesh.get_local_rank()
+    dtypes = sorted({str(mp.orig.dtype).removeprefix("torch.") for mp in state.params})  # type: ignore[union-attr]
+    if state.config.mp_policy.param_dtype is None and len(dtypes) > 1:
+        raise ValueError(f"{API}: {cls_name(module)} mixes parameter dtypes {dtypes}; set "
+                         "mp_policy.param_dtype to materialize them in one dtype")
+    if plan is not None:  # None: the module manages no parameter of its own
+        order = {p.fqn: i for i, p in enumerate(plan.params)}
+        state.params.sort(key=lambda mp: order[mp.fqn])
+        for mp in state.params:
+            mp.plan = plan[mp.fqn]
+            shard_param(mp, mesh, rank)
+    entries = [(name, s) for name, m in module.named_modules() if (s := get_state(m)) is not None]
+    for name, s in entries:
+        if s.ctx is not None and s.ctx.forward_order:
+            raise RuntimeError(
+                f"{API}: {name!r} already ran forward under another root; wrap the root "
+                "(the model) before the first forward"
+            )
+        if s.config.mesh != mesh:
+            raise ValueError(f"{API}: {name!r} was wrapped with mesh {s.config.mesh} but its root "
+                             f"{cls_name(module)} with {mesh}; use one data-parallel mesh")
+    comm = CommContext(mesh_device(mesh))
+    state.resolve(fqn="", rank=rank, coll=coll, comm=comm)
+    ctx = RootContext(root=state, states=[s for _, s in entries], comm=comm)
+    for name, s in entries:
+        s.ctx, s.is_root, s.fqn = ctx, s is state, name
+        s.group.comm = comm
+        s.group.fqn = name
+    names: dict[int, str] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)
+    for _, s in entries:
+        for mp in s.params:  # names relative to the (new) root
+            mp.fqn = names.get(id(mp.sharded), mp.fqn)
+
+
+def _is_planned_model(module: nn.Module, plan: OwnerPlan) -> bool:
+    names = {name for name, _ in module.named_modules()}
+    return all(b in names for b in plan.blocks)
+
+
+def _resolve(root: nn.Module, plan: OwnerPlan, mesh: DeviceMesh) -> None:
+    """Check the whole model against the plan, then shard every parameter (root call only)."""
+    entries = [(name, m, s) for name, m in root.named_modules() if (s := get_state(m)) is not None]
+    wrapped = {name for name, _, _ in entries}
+    for b in plan.blocks:
+        if b not in wrapped:
+            raise ValueError(
+                f"{API}: the plan has block {b!r} but that module was not passed to "
+                "matrixfsdp.fully_shard before the planned model; wrap every planned block first"
+            )
+    for name, _, s in entries:
+        if s.resolved:
+            raise RuntimeError(f"{API}: {name!r} was already resolved by another root")
+        if name and name not in plan.blocks:
+            raise ValueError(
+                f"{API}: fully_shard was applied to {name!r} but the plan has no such block "
+                f"(plan blocks: {list(plan.blocks)[:6]}{'...' if len(plan.blocks) > 6 else ''}); "
+                "plan with the same blocks you wrap"
+            )
+
+    fqns_of: dict[int, list[str]] = {}
+    for fqn, p in root.named_parameters(remove_duplicate=False):
+        fqns_of.setdefault(id(p), []).append(fqn)
+    for name, _, s in entries:
+        for mp in s.params:
+            fqns = fqns_of[id(mp.orig)]
+            sites = {(id(m), attr) for m, attr in mp.sites}
+            for alias in fqns:
+                mod_path, _, attr = alias.rpartition(".")
+                if (id(root.get_submodule(mod_path)), attr) not in sites:
+                    raise ValueError(
+                        f"{API}: parameter {fqns[0]!r} is tied to {alias!r} in another wrapped "
+                        "module; tied parameters must live inside one fully_shard module"
+                    )
+            mp.fqn = fqns[0]
+            mp.plan = _check_param(mp.fqn, mp.orig, plan, name)  # type: ignore[arg-type]
+    _check_plan_covered(plan, (f for fs in fqns_of.values() for f in fs))
+
+    for name, _, s in entries:
+        if s.config.mesh != mesh:
+            raise ValueError(
+                f"{API}: {name!r} was wrapped with mesh {s.config.mesh} but the planned model "
+                f"with {mesh}; use one data-parallel mesh for the whole model"
+            )
+        dtypes = sorted({str(mp.orig.dtype).removeprefix("torch.") for mp in s.params})  # type: ignore[union-attr]
+        if s.config.mp_policy.param_dtype is None and len(dtypes) > 1:
+            raise ValueError(
+                f"{API}: block {name!r} mixes parameter dtypes {dtypes}; set "
+                "mp_policy.param_dtype to materialize them in one dtype"
+            )
+
+    order = {p.fqn: i for i, p in enumerate(plan.params)}
+    rank = mesh.get_local_rank()
+    for name, _, s in entries:
+        s.params.sort(key=lambda mp: order[mp.fqn])  # plan order: identical on every rank
+        for mp in s.params:
+            shard_param(mp, mesh, rank)
+    # The planned model is the root of every state under it (FSDP2 picks its root lazily, at the
+    # first forward; here resolution already knows it, so running one block alone is fine too).
+    comm = CommContext(mesh_device(mesh))
+    for name, _, s in entries:
+        s.resolve(fqn=name, rank=rank, coll=collectives_for(mesh.get_group(), s.config.collectives),
+                  comm=comm)
+    root_state = entries[0][2]
+    ctx = RootContext(root=root_state, states=[s for _, _, s in entries], comm=comm)
+    for _, _, s in entries:
+        s.ctx = ctx
+        s.is_root = s is root_state
+
+
+def default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError(f"{API}: torch.distributed is not initialized and no mesh was given")
+    device_type = "cpu" if dist.get_backend() == "gloo" else "cuda"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+# ================================================================================ checks
+# Local checks raise before any collective. The one collective check, verify_plan_digest, runs at
+# the first fully_shard call of each (plan object, mesh) pair on every rank, *before* any check
+# that depends on the plan's content, so that ranks holding different plans all fail together
+# instead of some of them raising and the rest hanging in a later collective.
+# See also [Note: digest exchange is keyed by plan object].
+
+
+def _check_call(module: Any, plan: Any, shard_placement_fn: Any, offload_policy: Any) -> None:
+    """Argument types and keywords we do not support."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"{API}: expects one nn.Module (grouping several modules is not supported), "
+            f"got {type(module).__name__}"
+        )
+    if plan is not None and not isinstance(plan, OwnerPlan):
+        raise TypeError(
+            f"{API}: plan must be None or a matrixfsdp OwnerPlan (from matrixfsdp.plan_owners), "
+            f"got {type(plan).__name__}"
+        )
+    if shard_placement_fn is not None:
+        raise ValueError(
+            f"{API}: shard_placement_fn is not supported, placement comes from the plan "
+            f"(got {shard_placement_fn!r}); change placements with matrixfsdp.plan_owners"
+        )
+    from torch.distributed.fsdp import OffloadPolicy
+
+    if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
+        raise NotImplementedError(
+            f"{API}: offload_policy is not supported, got {type(offload_policy).__name__}"
+        )
+
+
+def _check_mesh(mesh: Any) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{API}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"{API}: mesh must be 1-D (the data-parallel shard dimension), got a {mesh.ndim}-D "
+            f"mesh of shape {tuple(mesh.shape)}; pass mesh['dp_shard'] or a 1-D mesh"
+        )
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"{API}: this rank is not part of the mesh {mesh}")
+
+
+def _check_world_size(plan: OwnerPlan, mesh: DeviceMesh) -> None:
+    if plan.world_size != mesh.size():
+        raise ValueError(
+            f"{API}: the plan was built for world_size={plan.world_size} but the mesh has "
+            f"{mesh.size()} ranks; rebuild it with matrixfsdp.plan_owners(model, mesh)"
+        )
+
+
+def _check_not_torch_fsdp(module: nn.Module) -> None:
+    """Refuse modules (or submodules) already managed by torch's ``fully_shard``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, m in module.named_modules():
+        if isinstance(m, FSDPModule):
+            where = "the module" if not name else f"submodule {name!r}"
+            raise RuntimeError(
+                f"{API}: {where} ({type(m).__name__}) is already managed by torch's "
+                "torch.distributed.fsdp.fully_shard; matrixfsdp.fully_shard and torch's "
+                "fully_shard cannot be mixed in one model"
+            )
+
+
+# [Note: digest exchange is keyed by plan object]
+# Whether a call exchanges digests must not depend on the plan's *content*: if it did (say, a
+# cache keyed by digest), a rank whose plan happens to equal one verified earlier would skip the
+# collective while a rank with a different plan would enter it, and gloo would hang instead of
+# raising. We key on the plan *object* (its identity, for as long as it lives), which every rank
+# creates at the same program point, so all ranks exchange at the same calls.
+_VERIFIED: dict[tuple[int, tuple[int, ...]], Any] = {}
+
+_DIGEST_BYTES = 32
+
+
+def _verify_plan_digest(plan: OwnerPlan, mesh: DeviceMesh, coll: SegmentCollectives, *, api: str = API) -> None:
+    """All ranks exchange the plan digest (one all-gather of 32 bytes); raise on mismatch."""
+    key = (id(plan), tuple(mesh.mesh.flatten().tolist()))
+    if key in _VERIFIED:
+        return
+    mine = torch.frombuffer(bytearray(bytes.fromhex(plan.digest)), dtype=torch.uint8)
+    if mine.numel() != _DIGEST_BYTES:
+        raise ValueError(f"{api}: malformed plan digest {plan.digest!r}")
+    device = mesh_device(mesh)
+    gathered = coll.all_gather_fixed(mine.to(device)).cpu()
+    digests = [bytes(row.tolist()).hex() for row in gathered]
+    if len(set(digests)) != 1:
+        by_rank = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
+        raise RuntimeError(
+            f"{api}: the plan differs across ranks ({by_rank}); every rank must build the same "
+            "plan (same model, world size and planner arguments, or load one saved plan)"
+        )
+    _VERIFIED[key] = weakref.finalize(plan, _VERIFIED.pop, key, None)
+
+
+def _check_param(fqn: str, param: torch.Tensor, plan: OwnerPlan, block: str) -> ParamPlan:
+    """The plan entry of ``fqn``, checked against the live parameter and its block."""
+    if fqn not in plan:
+        raise ValueError(
+            f"{API}: parameter {fqn!r} is not in the plan (the plan has {len(plan.params)} "
+            f"parameters, digest {plan.digest[:12]}); was the plan built for another model?"
+        )
+    pp = plan[fqn]
+    if tuple(param.shape) != tuple(pp.shape):
+        raise ValueError(
+            f"{API}: parameter {fqn!r} has shape {tuple(param.shape)} but the plan says "
+            f"{tuple(pp.shape)}; was the plan built for another model?"
+        )
+    dtype = str(param.dtype).removeprefix("torch.")
+    if pp.dtype != dtype:
+        raise ValueError(
+            f"{API}: parameter {fqn!r} has dtype {dtype} but the plan says {pp.dtype}; "
+            "plan after casting the model"
+        )
+    if pp.block != block:
+        raise ValueError(
+            f"{API}: the plan puts {fqn!r} in block {pp.block!r} but fully_shard was applied "
+            f"to {block!r} as its closest enclosing module; plan with the same blocks you wrap"
+        )
+    return pp
+
+
+def _check_plan_covered(plan: OwnerPlan, seen: Iterable[str]) -> None:
+    """Every planned parameter must exist in the model."""
+    seen = set(seen)
+    missing = [p.fqn for p in plan.params if p.fqn not in seen]
+    if missing:
+        raise ValueError(
+            f"{API}: the plan has {len(missing)} parameter(s) the model lacks, e.g. "
+            f"{missing[0]!r}; was the plan built for another model?"
+        )
+

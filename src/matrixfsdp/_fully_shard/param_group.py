@@ -1,0 +1,447 @@
+"""A block's parameter group: its buffers, its two collectives and the streams they run on.
+
+One :class:`ParamGroup` per ``fully_shard``-ed module. It knows the block's
+:class:`~matrixfsdp._layout.BlockLayout` and moves data; *when* it does so is decided by the hooks
+in ``_state.py``. Per step (``W`` ranks, this rank ``r``)::
+
+    unshard       copy-in (this rank's chunk) -> all_gather_segments of the block's chunks
+    wait          copy-out (pieces of evenly sharded params into the assembly buffer)
+    reshard       free the receive and assembly buffers (owners keep their own storage)
+    reduce        copy-in of the unsharded grads (+ usage flags) -> reduce_scatter_segments
+    finish        divide, write the sharded ``.grad``, run post-accumulate-grad hooks
+
+[Note: streams]
+As in FSDP2, on an accelerator copy-in runs on a copy-in stream, the gather on a gather stream and
+the reduction (with its copy-in and division) on a reduce stream; events order them against the
+compute stream, so the host never waits for the device in forward or backward. The compute stream
+waits for a gather only when the block's parameters are about to be used, and for a reduction only
+when its gradients are written to ``.grad``. Buffers are resized (allocated) on the compute stream
+before the gather stream writes them and freed on the compute stream after it waited, so the
+caching allocator never hands memory to another user while a collective still writes it. On the
+CPU (gloo) there are no streams: collectives are asynchronous ``Work`` objects waited for by the
+host, which is what gloo offers.
+
+[Note: buffer lifetime]
+Everything that is not the owner's own storage lives in two per-block buffers, ``recv`` (peers'
+chunks in rank order, plus a self region used only for mixed-precision casts) and ``assembled``
+(evenly sharded params with several pieces). They are allocated once and keep their identity for
+the life of the block: reshard shrinks their storage to 0 bytes and unshard grows it back and
+refills it *in the same storage*, so the unsharded leaves (views of them) and every tensor autograd
+saved in forward stay valid after a reshard-after-forward. Writes are wrapped in
+``_unsafe_preserve_version_counter`` so a refill does not look like an in-place modification. Per
+materialization the only other temporary is the send buffer: this rank's chunk, and not even that
+when the chunk is a single tensor in the compute dtype (no ``W``-fold copy on any backend, see
+``_collectives.py``); ``temp_bytes`` reports the peak.
+
+[Note: unused parameters]
+Gradient usage may differ across ranks (data-dependent branches), so a rank cannot decide alone to
+skip a parameter. Every reduction carries one usage flag per reduced parameter in each
+destination's chunk (1 if this rank produced a gradient, summed by the same reduce-scatter); a
+missing gradient contributes zeros. A parameter this rank used has a gradient for sure, so
+``finish`` writes its ``.grad`` (``sum / W``) without looking at the flags: the common case, every
+parameter used, never reads them and the host never waits for the device. Only a parameter this
+rank did *not* use needs the summed flag: the root reads those flags once, at the end of the
+backward (a host read, only in a step where some parameter went unused on this rank, as DDP's
+``find_unused_parameters`` does), and writes ``.grad`` if any rank used it, else leaves it
+untouched (``None`` stays ``None``, exactly like a single-process run). The decision is identical on
+all ranks. Post-accumulate-grad hooks run right after ``.grad`` is written, once per parameter that
+got a gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from ..comm.collectives import Handle, SegmentCollectives
+from ..engine.layout import BlockLayout
+from ..placement.owned import make_sharded_grad
+from .param import ManagedParam
+
+__all__ = ["CommContext", "ParamGroup", "PendingReduce", "divide_factors", "accumulate_grad"]
+
+
+def _free(t: torch.Tensor | None) -> None:
+    if t is not None and t.untyped_storage().size() != 0:
+        t.untyped_storage().resize_(0)
+
+
+def _alloc(t: torch.Tensor | None) -> None:
+    if t is not None:
+        nbytes = t.numel() * t.element_size()
+        if t.untyped_storage().size() != nbytes:
+            t.untyped_storage().resize_(nbytes)
+
+
+class CommContext:
+    """The streams shared by all blocks under one root (FSDP2's ``FSDPCommContext``; see
+    [Note: streams]). ``None`` streams on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cpu":
+            self.copy_in = self.gather = self.reduce = None
+        else:
+            mod = torch.get_device_module(device.type)
+            # high priority, as FSDP2's: communication should not queue behind compute kernels
+            self.copy_in = mod.Stream(device=device, priority=-1)
+            self.gather = mod.Stream(device=device, priority=-1)
+            self.reduce = mod.Stream(device=device, priority=-1)
+
+    @property
+    def on_device(self) -> bool:
+        return self.gather is not None
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager:
+        """Run the enclosed ops on ``stream`` after it waited for the compute stream."""
+        if stream is None:
+            return contextlib.nullcontext()
+        stream.wait_stream(torch.accelerator.current_stream(self.device))
+        return torch.get_device_module(self.device.type).stream(stream)
+
+
+def divide_factors(world_size: int, factor: float | None, dtype: torch.dtype) -> tuple[float, float]:
+    """``(pre, post)``: a reduced gradient is ``sum(g / pre) / post`` with ``pre * post = factor``.
+
+    fp32 and bf16 have the range to sum first (``pre = 1``; exact DDP parity); narrower types
+    (fp16) pre-divide by a power of two near ``sqrt(factor)`` so the sum cannot overflow at large
+    ``W``, as FSDP2 does.
+    """
+    f = float(factor) if factor is not None else float(world_size)
+    if dtype in (torch.float32, torch.float64, torch.bfloat16) or f != int(f):
+        return 1.0, f
+    pre = 1
+    while f % (pre * 2) == 0 and f / (pre * 2) >= pre * 2:
+        pre *= 2
+    return float(pre), f / pre
+
+
+@dataclass(eq=False)
+class PendingReduce:
+    """One issued reduction: what ``ParamGroup.finish`` needs once it completed."""
+
+    group: "ParamGroup"
+    handle: Handle
+    out: torch.Tensor  #: this rank's chunk (+ summed usage flags)
+    inp: torch.Tensor  #: kept alive until the collective completed
+    post: float
+    trainable: tuple[int, ...]
+    layout: BlockLayout
+    local_used: tuple[bool, ...]  #: per reduced param: this rank contributed a gradient
+
+
+class ParamGroup:
+    """Buffers and collectives of one block (see module docstring)."""
+
+    def __init__(self, params: list[ManagedParam], mp_policy: MixedPrecisionPolicy):
+        self.params = params
+        self.mp_policy = mp_policy
+        self.unsharded = False  #: unsharded leaves are valid (gather waited for)
+        self._pending_gather: tuple[Handle, torch.Tensor | None] | None = None
+        self.accum: torch.Tensor | None = None  #: no-sync accumulated reduction input
+        self.accum_used: tuple[bool, ...] = ()  #: params this rank used while accumulating
+        self.trainable: tuple[int, ...] = ()
+        self.temp_bytes_peak = 0  #: largest send + receive + assembly bytes of one unshard
+
+    # ============================================================================ resolution
+    def resolve(self, *, fqn: str, rank: int, coll: SegmentCollectives, comm: CommContext) -> None:
+        self.fqn, self.rank, self.coll, self.comm = fqn, rank, coll, comm
+        self.world_size = coll.world_size
+        self.layout = BlockLayout.from_plans([p.plan for p in self.params], self.world_size)
+        self._splits = self.layout.gather_splits(rank)
+        self.refresh_dtypes()
+        self.refresh_trainable()
+        device = self.params[0].local.device if self.params else torch.device("cpu")
+        self.realloc(device)
+
+    def refresh_dtypes(self) -> bool:
+        """(Re)derive the compute and reduce dtypes from the parameters (resolution, and after
+        ``model.to(dtype)``); returns whether anything changed (the buffers must follow)."""
+        dtypes = sorted({str(p.sharded.dtype) for p in self.params})
+        if len(dtypes) > 1 and self.mp_policy.param_dtype is None:
+            raise ValueError(f"matrixfsdp.fully_shard: block {self.fqn!r} mixes parameter dtypes {dtypes}; "
+                             "set mp_policy.param_dtype to materialize them in one dtype")
+        param_dtype = self.params[0].sharded.dtype if self.params else torch.float32
+        new = (param_dtype, self.mp_policy.param_dtype or param_dtype)
+        if new == (getattr(self, "param_dtype", None), getattr(self, "compute_dtype", None)):
+            return False
+        if self.accum is not None:
+            raise RuntimeError(f"matrixfsdp.fully_shard: the parameters of block {self.fqn!r} changed "
+                               "dtype while unreduced gradients are accumulated; run a synced backward first")
+        self.param_dtype, self.compute_dtype = new
+        self.reduce_dtype = self.mp_policy.reduce_dtype or self.compute_dtype
+        self._cast = any(p.sharded.dtype != self.compute_dtype for p in self.params)
+        return True
+
+    def realloc(self, device: torch.device) -> None:
+        """(Re)create the buffers and unsharded leaves on ``device`` (resolution, ``to_empty``,
+        a repaired layout). Views are built while the storage exists, then it is freed."""
+        self.unsharded = False
+        self._recv = torch.empty(self._splits.recv_numel + (self.layout.chunk_numel[self.rank] if self._cast else 0),
+                                 dtype=self.compute_dtype, device=device)
+        self._assembled = torch.empty(self.layout.assembled_numel, dtype=self.compute_dtype, device=device)
+        self._build_views()
+        _free(self._recv)
+        _free(self._assembled)
+
+    def _build_views(self) -> None:
+        """Unsharded leaves and the copy lists of copy-in / copy-out (storage must exist)."""
+        lay, offs, base = self.layout, self._splits.recv_offsets, self._splits.recv_numel
+        r = self.rank
+        own_dst: list[torch.Tensor] = []  # copy-in: own pieces into assembled / the cast region
+        own_src: list[torch.Tensor] = []
+        out_dst: list[torch.Tensor] = []  # copy-out: peers' pieces of multi-piece params
+        out_src: list[torch.Tensor] = []
+        for i, p in enumerate(lay.params):
+            mp = self.params[i]
+            local = mp.local.reshape(-1)
+            off = lay.assembled_offset(i)
+            if off is not None:
+                for q in lay.pieces_of_param(i):
+                    dst = self._assembled[off + q.flat_start: off + q.flat_start + q.numel]
+                    if q.rank == r:
+                        own_dst.append(dst)
+                        own_src.append(local)
+                    else:
+                        out_dst.append(dst)
+                        out_src.append(self._recv[offs[q.rank] + q.offset: offs[q.rank] + q.offset + q.numel])
+                mp.set_unsharded(self._assembled[off: off + p.numel].view(p.shape))
+                continue
+            q = lay.single_piece(i)
+            if q is None:  # no elements at all
+                data = torch.empty(p.shape, dtype=self.compute_dtype, device=self._recv.device)
+            elif q.rank != r:
+                data = self._recv[offs[q.rank] + q.offset: offs[q.rank] + q.offset + q.numel].view(p.shape)
+            elif self._cast:  # the owner computes on a low-precision copy; its master stays
+                data = self._recv[base + q.offset: base + q.offset + q.numel]
+                own_dst.append(data)
+                own_src.append(local)
+                data = data.view(p.shape)
+            else:  # the owner's own storage (see [Note: sharded and unsharded parameters])
+                data = mp.local.view(p.shape)
+            mp.set_unsharded(data)
+        self._own_copy = (own_dst, own_src)
+        self._out_copy = (out_dst, out_src)
+
+    def refresh_trainable(self) -> None:
+        """(Re)build the reduction layout from the parameters' current ``requires_grad``.
+
+        Called at resolution and at every forward (every rank must freeze or unfreeze parameters
+        alike, as for any module).
+        """
+        for mp in self.params:
+            mp.sync_requires_grad()
+        trainable = tuple(i for i, p in enumerate(self.params) if p.requires_grad)
+        if trainable == self.trainable and hasattr(self, "reduce_layout"):
+            return
+        if self.accum is not None:
+            raise RuntimeError(
+                f"matrixfsdp.fully_shard: requires_grad of a parameter in block {self.fqn!r} "
+                "changed while unreduced gradients are accumulated (set_requires_gradient_sync"
+                "(False)); run a synced backward first"
+            )
+        self.trainable = trainable
+        self.reduce_layout = BlockLayout.from_plans([self.params[i].plan for i in trainable],
+                                                    self.world_size)
+
+    # ============================================================================ materialization
+    @property
+    def is_resharded(self) -> bool:
+        return not self.unsharded and self._pending_gather is None
+
+    @property
+    def unshard_state(self) -> str:
+        """``"resharded"``, ``"unsharding"`` (gather in flight) or ``"unsharded"``."""
+        return "unsharded" if self.unsharded else "resharded" if self._pending_gather is None else "unsharding"
+
+    def unshard(self, async_op: bool = True) -> None:
+        """Issue the block's materialization (no-op if in flight or done)."""
+        if not self.is_resharded:
+            return
+        if self.layout.numel == 0 or self.world_size == 1 and not self._own_copy[0]:
+            self._pending_gather = (Handle(), None)
+            return
+        _alloc(self._recv)  # on the compute stream, see [Note: streams]
+        _alloc(self._assembled)
+        comm, lay = self.comm, self.layout
+        with torch.no_grad(), comm.use(comm.copy_in):
+            pieces = lay.pieces_of_rank(self.rank)
+            locals_ = [mp.local for mp in self.params]
+            if len(pieces) == 1 and locals_[pieces[0].param].dtype == self.compute_dtype:
+                send = locals_[pieces[0].param].reshape(-1)  # the chunk is one tensor: no copy
+            else:
+                send = torch.empty(lay.chunk_numel[self.rank], dtype=self.compute_dtype,
+                                   device=self._recv.device)
+                if pieces:
+                    torch.cat([locals_[q.param].reshape(-1) for q in pieces], out=send)
+            dst, src = self._own_copy
+            if dst:
+                with _preserve(self._recv, self._assembled):
+                    torch._foreach_copy_(dst, src)
+        self._note_temp_bytes(send)
+        recv = self._recv[: self._splits.recv_numel]
+        with torch.no_grad(), comm.use(comm.gather), _preserve(self._recv):
+            if comm.on_device:
+                comm.gather.wait_stream(comm.copy_in)
+            handle = self.coll.all_gather_segments(send, recv, self._splits.output_splits,
+                                                   async_op=async_op and not comm.on_device)
+            if comm.on_device:
+                handle = Handle(event=comm.gather.record_event())
+        self._pending_gather = (handle, send)
+
+    def _note_temp_bytes(self, send: torch.Tensor) -> None:
+        own = any(send.untyped_storage().data_ptr() == mp.local.untyped_storage().data_ptr()
+                  for mp in self.params if mp.local.numel())
+        n = (0 if own else send.nbytes) + self._recv.nbytes + self._assembled.nbytes
+        self.temp_bytes_peak = max(self.temp_bytes_peak, n)
+
+    def wait_for_unshard(self) -> None:
+        """Complete an in-flight materialization; afterwards the unsharded leaves are valid."""
+        if self.unsharded:
+            return
+        if self._pending_gather is None:
+            self.unshard(async_op=False)
+        handle, _send = self._pending_gather  # type: ignore[misc]
+        self._pending_gather = None
+        handle.wait()
+        dst, src = self._out_copy
+        if dst:
+            with torch.no_grad(), _preserve(self._assembled):
+                torch._foreach_copy_(dst, src)  # one fused copy-out for all peers' pieces
+        self.unsharded = True
+
+    def reshard(self) -> None:
+        """Put the sharded params back in the slots and free the buffers."""
+        if self._pending_gather is not None:
+            handle, _ = self._pending_gather
+            self._pending_gather = None
+            handle.wait()  # never free a buffer a collective is writing into
+        for mp in self.params:
+            mp.to_sharded()
+        _free(self._recv)
+        _free(self._assembled)
+        self.unsharded = False
+
+    def to_unsharded(self) -> None:
+        for mp in self.params:
+            mp.to_unsharded()
+
+    def to_sharded(self) -> None:
+        for mp in self.params:
+            mp.to_sharded()
+
+    # ============================================================================ reduction
+    def take_grads(self) -> list[torch.Tensor | None]:
+        """The unsharded gradients of the trainable params (cleared on the leaves)."""
+        grads = []
+        for i in self.trainable:
+            u = self.params[i].unsharded
+            grads.append(None if u is None else u.grad)
+            if u is not None:
+                u.grad = None
+        return grads
+
+    def has_unsharded_grads(self) -> bool:
+        return any(mp.unsharded is not None and mp.unsharded.grad is not None for mp in self.params)
+
+    def reduce(self, grads: Sequence[torch.Tensor | None], *, sync: bool,
+               divide_factor: float | None) -> PendingReduce | None:
+        """Copy the gradients rank-major into one buffer and issue its reduce-scatter (``sync``),
+        or add it to the no-sync accumulation. No host sync: the usage flags are built on the
+        device from constant ones and zeros (see [Note: unused parameters])."""
+        rl, W = self.reduce_layout, self.world_size
+        F = len(rl.params)
+        dt = self.reduce_dtype
+        comm = self.comm
+        with torch.no_grad(), comm.use(comm.reduce):
+            dev = self._recv.device
+            flat = [None if g is None else g.reshape(-1) for g in grads]
+            ones = torch.ones(F, dtype=dt, device=dev)
+            # zeros stand in for missing gradients: as large as the largest missing piece
+            n_zero = max([q.numel for q in rl.pieces if flat[q.param] is None] + [1])
+            zeros = torch.zeros(n_zero, dtype=dt, device=dev)
+            flags = [ones[j: j + 1] if g is not None else zeros[:1] for j, g in enumerate(grads)]
+            parts: list[torch.Tensor] = []
+            for d in range(W):
+                for q in rl.pieces_of_rank(d):
+                    g = flat[q.param]
+                    parts.append(zeros[: q.numel] if g is None else g[q.flat_start: q.flat_start + q.numel])
+                parts.extend(flags)
+            splits = rl.reduce_splits(F)
+            buf = torch.empty(sum(splits), dtype=dt, device=dev)
+            torch.cat(parts, out=buf)  # one copy-in kernel
+            used = tuple(g is not None for g in grads)
+            if self.accum is not None:
+                buf.add_(self.accum)
+                used = tuple(a or b for a, b in zip(used, self.accum_used))
+            self.accum = None
+            if not sync:
+                self.accum, self.accum_used = buf, used
+                return None
+            pre, post = divide_factors(W, divide_factor, dt)
+            if pre != 1:
+                buf.div_(pre)
+            out = torch.empty(splits[self.rank], dtype=dt, device=dev)
+            handle = self.coll.reduce_scatter_segments(out, buf, splits, async_op=not comm.on_device)
+            if comm.on_device:
+                handle = Handle(event=comm.reduce.record_event())
+        return PendingReduce(self, handle, out, buf, post, self.trainable, rl, used)
+
+    def finish(self, pending: PendingReduce) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]:
+        """Wait for ``pending`` and write the sharded gradients of the parameters this rank used
+        (running their post-accumulate-grad hooks). Returns ``(param, grad, summed_flag)`` for the
+        others, which the root resolves (see [Note: unused parameters])."""
+        pending.handle.wait()
+        rl, out = pending.layout, pending.out
+        if self.comm.on_device:
+            # allocated on the reduce stream, read by the compute stream from now on (gradients
+            # are views of it): its memory must not return to the reduce stream's pool early
+            out.record_stream(torch.accelerator.current_stream(out.device))
+        n = rl.chunk_numel[self.rank]
+        undecided = []
+        with torch.no_grad():
+            data = out[:n]
+            if pending.post != 1:
+                data.div_(pending.post)
+            mine = {q.param: q for q in rl.pieces_of_rank(self.rank)}
+            for j, i in enumerate(pending.trainable):
+                sharded = self.params[i].sharded
+                shape = rl.params[j].local_shape(self.rank)
+                q = mine.get(j)
+                if q is None:
+                    g = torch.empty(shape, dtype=sharded.dtype, device=out.device)
+                else:
+                    g = data[q.offset: q.offset + q.numel].view(shape)
+                    if g.dtype != sharded.dtype:
+                        g = g.to(sharded.dtype)
+                if pending.local_used[j]:
+                    accumulate_grad(sharded, g)
+                else:
+                    undecided.append((sharded, g, out[n + j: n + j + 1]))
+        return undecided
+
+
+def accumulate_grad(param: Any, grad: torch.Tensor) -> None:
+    """Write (or add) the local ``grad`` as ``param``'s sharded gradient, then run its
+    post-accumulate-grad hooks, as FSDP2 does after its reduction."""
+    with torch.no_grad():
+        if param.grad is None:
+            param.grad = make_sharded_grad(param, grad)
+        else:
+            param.grad._local_tensor.add_(grad)
+    for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+        hook(param)
+
+
+def _preserve(*tensors: torch.Tensor) -> contextlib.ExitStack:
+    """Refills of buffers autograd holds views of are not in-place modifications (see
+    [Note: buffer lifetime])."""
+    stack = contextlib.ExitStack()
+    for t in tensors:
+        stack.enter_context(torch.autograd._unsafe_preserve_version_counter(t))
+    return stack

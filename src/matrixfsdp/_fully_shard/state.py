@@ -1,0 +1,448 @@
+"""Hooks and ordering: when each block unshards, reshards and reduces (FSDP2's execution model).
+
+A :class:`BlockState` is created by every ``matrixfsdp.fully_shard`` call and owns the block's
+:class:`~._param_group.ParamGroup`. All block states under one root share a
+:class:`RootContext`, built when the root call resolves the plan. Per training step, per block::
+
+    pre-forward    unshard (prefetched by the previous block), put the unsharded leaves in the
+                   module's slots, wrap the inputs that require grad in ``_PostBackward``
+    post-forward   reshard if reshard_after_forward (else keep the leaves in the slots); wrap the
+                   outputs that require grad in ``_PreBackward``; always runs, also if forward raised
+    pre-backward   (``_PreBackward.backward``) unshard again, prefetch the previous block
+    post-backward  (``_PostBackward.backward``, or the root's final callback for blocks whose
+                   inputs need no grad) take the leaves' ``.grad``, reshard, issue the reduction
+    final callback post-backward of what is left, finish every reduction, reshard everything
+
+[Note: gradient path]
+The unsharded parameters are leaves (see ``_param.py``), so autograd's ``AccumulateGrad`` writes
+their ``.grad`` exactly as for an unsharded model; nothing else produces gradients. A backward that
+does not accumulate into leaves (``torch.autograd.grad``, ``backward(inputs=...)``) leaves every
+``.grad`` alone: at its first pre-backward the root asks the engine whether the ``AccumulateGrad``
+node of a private *anchor* leaf will run (``torch._C._will_engine_execute_node``). The anchor is an
+input of every ``_PreBackward``, so the node is in every graph that reaches a block; it runs in a
+plain ``backward()`` and not in ``autograd.grad``. The answer depends only on which call the
+program made, so every rank takes the same decision, and a non-accumulating backward issues no
+reduction at all.
+Double backward: ``torch.autograd.grad(..., create_graph=True)`` builds a graph that holds the
+unsharded leaves, so the root *pins* every block unsharded until the next accumulating backward
+has finished; that backward defers every reduction to its final callback (second-order
+contributions may reach a leaf after its block's post-backward) and reduces the blocks in a fixed
+order there, giving the single-process gradients. ``backward(create_graph=True)`` (higher-order
+gradients *into* ``.grad``) raises on every rank at its first pre-backward.
+
+[Note: backward ordering]
+``_PostBackward`` wraps the block's inputs, so its backward runs once the gradients of the inputs
+are complete; autograd runs every ``AccumulateGrad`` that is ready before any node created earlier
+in forward, so the block's leaf gradients are in place then. The order of pre-backward,
+post-backward and final callback follows autograd's data dependencies, identical on every rank,
+which is what [Note: ordering of collectives] needs. Blocks whose inputs need no gradient (the root,
+which takes token ids) are post-backwarded by the final callback in a fixed order. Ranks must run
+the same blocks forward and backward (as with FSDP2); which *parameters* get a gradient may differ
+(see [Note: unused parameters]). At most ``MAX_REDUCES_IN_FLIGHT`` reductions are in flight; the
+oldest is finished when a new one would exceed that.
+
+[Note: stale state]
+Nothing depends on garbage collection or on which outputs a rank kept. Some iterations never finish
+a backward: an exception escapes it (autograd drops the queued final callback), an output is
+discarded, a forward raises. Post-forward runs even when forward raises (``always_call``), and the
+root's pre-forward outside backward -- the one point every rank passes at the start of an iteration
+-- calls :meth:`RootContext.begin_iteration`: after an aborted backward it waits for the reductions
+already issued (on every rank) and drops them with the partial leaf gradients, it resolves pending
+usage flags, and it reshards *every* block. Resharding a block whose forward still awaits a
+backward (several forwards before one backward) is safe: its pre-backward refills the same storage
+with the same values, so it costs one more gather and never uses stale weights after an optimizer
+step. The checkpoint helpers call it too (``drop_stale_state``).
+
+Activation checkpointing (non-reentrant, torch's or Hugging Face's) works as with FSDP2: a forward
+pre-hook running while the block is in its backward is a recomputation; the unsharded leaves are
+already in the slots (pre-backward put them there), so the recomputation saves exactly what the
+original forward saved and gradients reach the same leaves.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..comm.collectives import SegmentCollectives
+from .param import ManagedParam
+from .param_group import CommContext, ParamGroup, PendingReduce, accumulate_grad
+
+__all__ = ["ShardConfig", "BlockState", "RootContext", "TrainingState", "MAX_REDUCES_IN_FLIGHT"]
+
+#: reductions issued but not yet finished (each holds its input buffer, about the block's size)
+MAX_REDUCES_IN_FLIGHT = 2
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """What a ``fully_shard`` call asked for (replaced, never mutated, by the setters)."""
+
+    mesh: DeviceMesh
+    reshard_after_forward: bool | None  # None: True, except for the root (like FSDP2's default)
+    mp_policy: MixedPrecisionPolicy
+    collectives: str = "all_to_all"
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the block's inputs; its backward is the block's post-backward."""
+
+    @staticmethod
+    def forward(ctx: Any, state: "BlockState", *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        ctx.set_materialize_grads(False)
+        # Aliases, not the inputs themselves: a tensor a custom Function returns as-is becomes a
+        # view that refuses in-place ops; a detached alias behaves as in plain torch (it shares
+        # the version counter, so modifying a tensor autograd saved still raises, as without us).
+        return tuple(t.detach() for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on the block's outputs; its backward is the block's pre-backward. Takes the
+    root's anchor leaf (see [Note: gradient path])."""
+
+    @staticmethod
+    def forward(ctx: Any, state: "BlockState", anchor: torch.Tensor,
+                *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in outputs)  # aliases: see _PostBackward
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        ctx.state.pre_backward()
+        return (None, None, *grads)
+
+
+def _wrap_grad_tensors(fn: Any, lead: tuple, tree: Any) -> Any:
+    """Apply ``fn(*lead, *tensors)`` to the tensors of ``tree`` that require grad."""
+    flat, spec = tree_flatten(tree)
+    idx = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not idx:
+        return tree
+    outs = fn.apply(*lead, *[flat[i] for i in idx])
+    for j, i in enumerate(idx):
+        flat[i] = outs[j]
+    return tree_unflatten(flat, spec)
+
+
+@dataclass(eq=False)
+class RootContext:
+    """State shared by all blocks under one root."""
+
+    root: "BlockState"
+    states: list["BlockState"]
+    comm: CommContext
+    #: Recorded during the first forward: pre-forward order (forward prefetch: the next one) and
+    #: post-forward order (backward runs in its reverse: backward prefetch is the previous one).
+    forward_order: list["BlockState"] = field(default_factory=list)
+    post_forward_order: list["BlockState"] = field(default_factory=list)
+    order_complete: bool = False
+    checked: bool = False  # first-forward checks done
+    callback_queued: bool = False
+    graph_task: int | None = None  # the backward being run (its first pre-backward was seen)
+    accumulating: bool = True  # this backward accumulates into .grad (see [Note: gradient path])
+    pinned: bool = False  # blocks stay unsharded for a double backward
+    #: a grad-mode forward ran since the last backward or iteration start (checkpoint helpers
+    #: refuse to touch parameters a pending backward would read)
+    awaiting_backward: bool = False
+    pending: list[PendingReduce] = field(default_factory=list)
+    #: gradients of parameters this rank did not use, awaiting the summed usage flags
+    undecided: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.anchor = torch.empty(0, device=self.comm.device, requires_grad=True)
+        self.anchor_node = self.anchor.view_as(self.anchor).grad_fn.next_functions[0][0]
+
+    # ---------------------------------------------------------------------------- iteration
+    def begin_iteration(self) -> None:
+        """Bring every block to a clean between-iterations state (see [Note: stale state]).
+
+        Called outside backward, on every rank at the same program point; issues no collective
+        of its own, it only waits for collectives already issued on every rank.
+        """
+        if self.callback_queued:  # an exception escaped the last backward: its callback is gone
+            self.callback_queued = False
+            self.graph_task = None
+            pending, self.pending = self.pending, []
+            for p in pending:
+                p.handle.wait()  # issued on every rank; the partial result is dropped
+            self.undecided = []
+            for s in self.states:
+                s.group.take_grads()
+        self.pinned = False
+        self.awaiting_backward = False
+        for s in self.states:
+            if not s.group.is_resharded:
+                s.group.reshard()
+            s.training_state = TrainingState.IDLE
+
+    def on_backward_start(self) -> None:
+        """At every pre-backward: the first one of a backward decides its mode."""
+        task = torch._C._current_graph_task_id()
+        if task == self.graph_task:
+            return
+        create_graph = torch.is_grad_enabled()
+        accumulating = bool(torch._C._will_engine_execute_node(self.anchor_node))
+        if create_graph and accumulating:
+            raise RuntimeError(
+                "matrixfsdp.fully_shard: backward(create_graph=True) is not supported (higher-order "
+                "gradients accumulated into .grad); compute the inner derivative with "
+                "torch.autograd.grad(..., create_graph=True) and call backward() on the result"
+            )
+        self.graph_task = task
+        self.accumulating = accumulating
+        if create_graph:
+            self.pinned = True
+        if not self.callback_queued:
+            self.callback_queued = True
+            Variable._execution_engine.queue_callback(self.final_callback)
+
+    def final_callback(self) -> None:
+        """After the whole backward: remaining post-backwards, every reduction, reshard."""
+        try:
+            for s in reversed(self.states):  # fixed order: same on every rank
+                if s.training_state is TrainingState.PRE_BACKWARD:
+                    s.post_backward()
+            if self.pinned and self.accumulating:
+                for s in reversed(self.states):
+                    if s.group.trainable and s.group.has_unsharded_grads():
+                        self.issue_reduce(s, s.group.take_grads())
+                self.pinned = False
+            while self.pending:
+                self.finish_oldest()
+            self.resolve_unused()
+            for s in self.states:
+                if not self.pinned and not s.group.is_resharded:
+                    s.group.reshard()
+                s.training_state = TrainingState.IDLE
+        finally:
+            self.callback_queued = False
+            self.graph_task = None
+            self.awaiting_backward = self.pinned
+
+    # ---------------------------------------------------------------------------- reductions
+    def issue_reduce(self, state: "BlockState", grads: list[torch.Tensor | None]) -> None:
+        p = state.group.reduce(grads, sync=state.requires_gradient_sync,
+                               divide_factor=state.gradient_divide_factor)
+        if p is None:
+            return
+        self.pending.append(p)
+        while len(self.pending) > MAX_REDUCES_IN_FLIGHT:
+            self.finish_oldest()
+
+    def finish_oldest(self) -> None:
+        p = self.pending.pop(0)
+        self.undecided.extend(p.group.finish(p))
+
+    def resolve_unused(self) -> None:
+        """Write the gradients of parameters this rank did not use but another rank did (one
+        host read of their summed flags; see [Note: unused parameters])."""
+        if not self.undecided:
+            return
+        entries, self.undecided = self.undecided, []
+        used = torch.cat([f for _, _, f in entries]).tolist()
+        for (param, grad, _), n in zip(entries, used):
+            if n > 0:
+                accumulate_grad(param, grad)
+
+
+class BlockState:
+    """Runtime state of one ``matrixfsdp.fully_shard``-ed module (see module docstring)."""
+
+    def __init__(self, module: nn.Module, config: ShardConfig, params: list[ManagedParam]):
+        self.module = module
+        self.config = config
+        self.params = params
+        self.group = ParamGroup(params, config.mp_policy)
+        self.fqn: str | None = None  # set at resolution
+        self.resolved = False
+        self.requires_gradient_sync = True
+        self.gradient_divide_factor: float | None = None  # None: W (the DDP average)
+        self.forward_prefetch: list[BlockState] | None = None
+        self.backward_prefetch: list[BlockState] | None = None
+        self.ctx: RootContext | None = None
+        self.is_root: bool | None = None
+        self.training_state = TrainingState.IDLE
+        self._hook_handles: list[Any] = []
+
+    @property
+    def root_ctx(self) -> RootContext:
+        """The shared root context (set when the planned model is resolved)."""
+        if self.ctx is None:
+            raise RuntimeError(f"matrixfsdp.fully_shard: block {self.fqn!r} has no root context; was the planned "
+                               "model passed to matrixfsdp.fully_shard?")
+        return self.ctx
+
+    def resolve(self, *, fqn: str, rank: int, coll: SegmentCollectives, comm: CommContext) -> None:
+        self.fqn = fqn
+        self.group.resolve(fqn=fqn, rank=rank, coll=coll, comm=comm)
+        self.resolved = True
+
+    # ============================================================================ prefetch order
+    def _reshard_after_forward(self) -> bool:
+        raf = self.config.reshard_after_forward
+        return (not self.is_root) if raf is None else raf
+
+    def _forward_targets(self) -> list["BlockState"]:
+        if self.forward_prefetch is not None:
+            return self.forward_prefetch
+        ctx = self.ctx
+        if ctx is None or not ctx.order_complete or self not in ctx.forward_order:
+            return []
+        i = ctx.forward_order.index(self)
+        return ctx.forward_order[i + 1: i + 2]
+
+    def _backward_targets(self) -> list["BlockState"]:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        ctx = self.ctx
+        if ctx is None or not ctx.order_complete or self not in ctx.post_forward_order:
+            return []
+        i = ctx.post_forward_order.index(self)
+        return ctx.post_forward_order[i - 1: i] if i > 0 else []
+
+    # ============================================================================ forward
+    def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        ctx = self.root_ctx
+        in_backward = _in_backward()
+        if in_backward and self.training_state is TrainingState.PRE_BACKWARD:
+            # Recomputation inside backward (activation checkpointing): the leaves are in place.
+            self.group.wait_for_unshard()
+            self.group.to_unsharded()
+            return args, kwargs
+        if self.is_root and not in_backward:
+            ctx.begin_iteration()
+        self.training_state = TrainingState.FORWARD
+        if not ctx.order_complete and self not in ctx.forward_order:
+            ctx.forward_order.append(self)
+        self.group.unshard()
+        for target in self._forward_targets():
+            target.group.unshard()
+        self.group.wait_for_unshard()
+        args, kwargs = self._cast_inputs(args, kwargs)
+        self.group.refresh_trainable()
+        self.group.to_unsharded()
+        if torch.is_grad_enabled():
+            args, kwargs = _wrap_grad_tensors(_PostBackward, (self,), (args, kwargs))
+        return args, kwargs
+
+    def post_forward(self, output: Any) -> Any:
+        if _in_backward() and self.training_state is TrainingState.PRE_BACKWARD:
+            return output  # recomputation: the block stays unsharded for its backward
+        if self._reshard_after_forward() or not torch.is_grad_enabled():
+            # Without autograd no backward follows: keeping full params would leave them stale
+            # after the next optimizer step.
+            self.group.reshard()
+        self.training_state = TrainingState.IDLE
+        ctx = self.root_ctx
+        if not ctx.order_complete:
+            if self not in ctx.post_forward_order:
+                ctx.post_forward_order.append(self)
+            ctx.order_complete = bool(self.is_root)
+        if output is None:
+            return None
+        if torch.is_grad_enabled():
+            wrapped = _wrap_grad_tensors(_PreBackward, (self, ctx.anchor), output)
+            ctx.awaiting_backward |= wrapped is not output
+            output = wrapped
+        return self._cast_output(output)
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        mp = self.config.mp_policy
+        if not (mp.cast_forward_inputs and mp.param_dtype):
+            return args, kwargs
+        return _cast_floating((args, kwargs), mp.param_dtype)
+
+    def _cast_output(self, output: Any) -> Any:
+        dt = self.config.mp_policy.output_dtype
+        return output if dt is None else _cast_floating(output, dt)
+
+    # ============================================================================ backward
+    def pre_backward(self) -> None:
+        ctx = self.root_ctx
+        ctx.on_backward_start()
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return  # once per backward, whichever forward's outputs get their gradient first
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.group.unshard()
+        for target in self._backward_targets():
+            if target.training_state is not TrainingState.POST_BACKWARD:
+                target.group.unshard()
+        self.group.wait_for_unshard()
+        self.group.to_unsharded()
+
+    def post_backward(self) -> None:
+        ctx = self.root_ctx
+        self.training_state = TrainingState.POST_BACKWARD
+        if ctx.pinned:
+            return  # reduced by the final callback (see [Note: gradient path])
+        if ctx.accumulating and self.group.trainable:
+            grads = self.group.take_grads()
+            self.group.reshard()
+            ctx.issue_reduce(self, grads)
+        else:
+            self.group.reshard()  # frozen blocks too: ZeRO-3's memory saving
+
+    # ============================================================================ layout upkeep
+    def repair_layout(self) -> None:
+        """Restore the runtime's parameter representation after torch code replaced it.
+
+        torch's ``nn.Module.to_empty``/``_apply`` called on a module that is not ours (an outer
+        wrapper, an inner submodule) swaps our DTensors for ones DTensor's dispatch built: they lose
+        the :class:`Owned` metadata, and ranks outside an owned tensor's one-rank mesh get a 1-D
+        ``tensor([])`` instead of their ``[0, ...]`` segment. Data of correctly shaped segments is
+        kept; wrong empty segments are re-created; the buffers follow the parameters' device and
+        dtype (``model.to(torch.float64)`` after sharding).
+        """
+        g = self.group
+        swapped = [mp.check_layout(g.rank, g.world_size, self.config.mesh, str(self.fqn))
+                   for mp in self.params]
+        devices = {mp.local.device for mp in self.params}
+        if len(devices) > 1:
+            raise RuntimeError(f"matrixfsdp.fully_shard: block {self.fqn!r} has parameters on several "
+                               f"devices {sorted(map(str, devices))}; move the whole model with to_empty")
+        device = next(iter(devices)) if devices else g._recv.device
+        retyped = g.refresh_dtypes()  # always evaluated: model.to(dtype) also swaps tensors
+        if any(swapped) or retyped or g._recv.device != device:
+            g.reshard()
+            g.realloc(device)
+
+    def move_to(self, device: torch.device) -> None:
+        """Give every parameter fresh, uninitialized storage on ``device`` (``to_empty``; see
+        [Note: meta-device initialization] in ``_init.py``); unreduced accumulation is dropped."""
+        for mp in self.params:
+            local = mp.local
+            mp.swap_local(torch.empty(local.shape, dtype=local.dtype, device=device), self.config.mesh)
+        self.group.accum = None
+        self.group.realloc(device)
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    flat, spec = tree_flatten(tree)
+    return tree_unflatten([x.to(dtype) if isinstance(x, torch.Tensor) and torch.is_floating_point(x)
+                           and x.dtype != dtype else x for x in flat], spec)

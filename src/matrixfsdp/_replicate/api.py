@@ -1,0 +1,322 @@
+"""``matrixfsdp.replicate``: ZeRO-1/2 for replicated parameters on Canzona's balanced buckets."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Iterator, NoReturn
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..comm.collectives import CommCounter, collectives_for
+from ..planner.record import OwnerPlan
+from .layout import build_layout
+from .buckets import _ATTR, Bucket, ReplicaInfo, ReplicateState
+
+__all__ = ["replicate", "MatrixReplicateModule"]
+
+API = "matrixfsdp.replicate"
+_STATE_ATTR = "_matrixfsdp_replicate_state"
+
+
+def replicate(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    plan: OwnerPlan | None = None,
+    stage: int = 2,
+    reduce_dtype: torch.dtype | None = None,
+    bucket_numel: int | None = None,
+    broadcast_from_rank0: bool = True,
+) -> nn.Module:
+    """Data parallelism with full parameters on every rank and a sharded optimizer step (ZeRO-1/2).
+
+    Each trainable parameter is owned whole by one rank, as ``plan`` says (default:
+    ``plan_owners(module, mesh, policy="alpha_balanced", elementwise="owned")``, Canzona's
+    balanced partition of DDP-style buckets). In backward each bucket's gradient is
+    reduce-scattered with uneven splits, so the owner of each parameter receives its averaged
+    gradient in ``.grad`` and every other rank gets ``None``. Any optimizer then updates (and keeps
+    state for) only this rank's parameters, locally; the next forward all-gathers the updated
+    parameters bucket by bucket, each bucket awaited just before the first module that uses it.
+
+    ``stage=1`` keeps each bucket's gradient buffer for the whole run (as Megatron's contiguous
+    gradient buffer); ``stage=2`` allocates it in backward and frees it after the reduction, so a
+    rank keeps only its own gradients. Gradient values are identical in both.
+
+    Args:
+        module: the model (the same parameters on every rank; with ``broadcast_from_rank0`` rank
+            0's values are copied to the others, as DDP does at construction).
+        mesh: a 1-D data-parallel mesh (default: every rank of the default group).
+        plan: an :class:`OwnerPlan` with every parameter owned (no ``"even"`` placement).
+        stage: 1 or 2.
+        reduce_dtype: dtype of the gradient reduction (default: the parameter dtype).
+        bucket_numel: bucket size for plans without recorded buckets (owner policies).
+
+    Example::
+
+        model = matrixfsdp.replicate(model, stage=2)                    # alpha-balanced buckets
+        opt = matrixfsdp.optim.Muon(model, lr=0.02)
+        for x, y in data:
+            loss_fn(model(x), y).backward()   # one reduce-scatter per bucket, overlapped
+            opt.step()                         # local: only this rank's parameters
+            opt.zero_grad()
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{API}: expects an nn.Module, got {type(module).__name__}")
+    if getattr(module, _STATE_ATTR, None) is not None:
+        raise ValueError(f"{API}: the module is already managed by matrixfsdp.replicate")
+    if stage not in (1, 2) or isinstance(stage, bool):
+        raise ValueError(f"{API}: stage must be 1 or 2, got stage={stage!r}")
+    if reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype):
+        raise TypeError(f"{API}: reduce_dtype must be a torch.dtype or None, got {reduce_dtype!r}")
+    _check_not_sharded(module)
+    if mesh is None:
+        from .._fully_shard.init import default_mesh
+
+        mesh = default_mesh()
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        raise ValueError(f"{API}: mesh must be a 1-D DeviceMesh, got {mesh!r}")
+    if plan is None:
+        from ..planner.planner import plan_owners
+
+        plan = plan_owners(module, mesh, policy="alpha_balanced", elementwise="owned",
+                           bucket_numel=bucket_numel)
+    if not isinstance(plan, OwnerPlan):
+        raise TypeError(f"{API}: plan must be None or a matrixfsdp OwnerPlan, got {type(plan).__name__}")
+    if plan.world_size != mesh.size():
+        raise ValueError(
+            f"{API}: the plan was built for world_size={plan.world_size} but the mesh has "
+            f"{mesh.size()} ranks; rebuild it with matrixfsdp.plan_owners(model, mesh, ...)"
+        )
+    named = dict(module.named_parameters())
+    missing = sorted(set(named) - {p.fqn for p in plan.params})
+    if missing:
+        raise ValueError(f"{API}: the plan has no entry for {missing[:3]} (plan the same model)")
+    even = [p.fqn for p in plan.params if p.fqn in named and p.owner is None]
+    if even:
+        raise ValueError(
+            f"{API}: every parameter must be owned whole by one rank, but the plan shards "
+            f"{even[:3]} evenly ('even' placement); build it with plan_owners(..., "
+            "elementwise='owned') or a bucket policy (alpha_balanced, naive_static)"
+        )
+    group = mesh.get_group()
+    coll = collectives_for(group)
+    from .._fully_shard.init import _verify_plan_digest
+
+    _verify_plan_digest(plan, mesh, coll, api=API)  # before anything depends on the plan's content
+    rank, W = mesh.get_local_rank(), mesh.size()
+    trainable = [f for f, p in named.items() if p.requires_grad]
+    devices = {p.device for p in named.values()}
+    error = None
+    if len(devices) > 1 or any(d.type == "meta" for d in devices):
+        error = f"{API}: parameters must be materialized on one device, got {sorted(map(str, devices))}"
+    layouts = build_layout(plan, trainable, bucket_numel=bucket_numel)
+    _agree_on_layout(layouts, stage, reduce_dtype, error, mesh, coll)
+    buckets = [
+        Bucket(lay, [named[s.fqn] for s in lay.slots], rank=rank, world_size=W, coll=coll,
+               reduce_dtype=reduce_dtype, persistent=stage == 1)
+        for lay in layouts
+    ]
+    if broadcast_from_rank0 and W > 1:
+        with torch.no_grad():
+            for b in buckets:
+                coll.broadcast(b.flat, 0)
+            for f, p in named.items():
+                if not p.requires_grad:
+                    coll.broadcast(p.data, 0)
+            for buf in module.buffers():
+                coll.broadcast(buf.data, 0)
+    from ..placement.owned import owner_meshes
+
+    owner_meshes(mesh)  # optimizer state is presented on them (see [Note: optimizer state in state dicts])
+    state = ReplicateState(module, buckets, named, rank=rank, world_size=W, coll=coll, stage=stage)
+    state.plan = plan
+    state.mesh = mesh
+    for b in buckets:
+        for slot, p in zip(b.layout.slots, b.params):
+            setattr(p, _ATTR, ReplicaInfo(slot.owner, rank, mesh))
+            p.register_post_accumulate_grad_hook(state.on_grad)
+    _install_hooks(module, state)
+    _watch_optimizer_steps(state)
+    setattr(module, _STATE_ATTR, state)
+    _swap_class(module)
+    return module
+
+
+def _agree_on_layout(layouts: Any, stage: int, reduce_dtype: Any, error: str | None, mesh: DeviceMesh,
+                     coll: Any) -> None:
+    """One 32-byte all-gather: every rank must run the same buckets (the plan digest does not
+    cover ``bucket_numel``, which parameters are trainable, ``stage`` or ``reduce_dtype``), and a
+    local check that failed on one rank fails on all of them instead of leaving the rest hanging."""
+    import hashlib
+
+    what = repr((error, [(lay.dtype, lay.slots, lay.param_splits) for lay in layouts], stage, str(reduce_dtype)))
+    mine = torch.frombuffer(bytearray(hashlib.sha256(what.encode()).digest()), dtype=torch.uint8)
+    from .._fully_shard.param import mesh_device
+
+    gathered = coll.all_gather_fixed(mine.to(mesh_device(mesh))).cpu()
+    if error is not None:
+        raise ValueError(error)
+    if any(not torch.equal(row, gathered[0]) for row in gathered):
+        raise ValueError(
+            f"{API}: the ranks disagree on the bucket layout (bucket_numel, stage, reduce_dtype or "
+            "which parameters require grad differ), or a check failed on another rank; call "
+            "replicate with the same model and arguments on every rank"
+        )
+
+
+def _check_not_sharded(module: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from .._fully_shard.init import get_state
+
+    for name, m in module.named_modules():
+        if isinstance(m, FSDPModule) or get_state(m) is not None:
+            raise ValueError(f"{API}: submodule {name or '<root>'!r} is already sharded by fully_shard; "
+                             "replicate manages plain (replicated) parameters")
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor):
+            raise ValueError(f"{API}: parameter {name!r} is a DTensor; replicate manages plain parameters")
+
+
+def _install_hooks(module: nn.Module, state: ReplicateState) -> None:
+    by_param = {id(p): b for b in state.buckets for p in b.params}
+    for m in module.modules():
+        mine = []
+        for p in m.parameters(recurse=False):
+            b = by_param.get(id(p))
+            if b is not None and b not in mine:
+                mine.append(b)
+        if mine:
+            m.register_forward_pre_hook(lambda mod, args, _b=mine: state.pre_forward_module(mod, _b))
+    module.register_forward_pre_hook(lambda mod, args: state.pre_forward_root(), prepend=True)
+    module.register_forward_hook(lambda mod, args, out: state.post_forward_root(out))
+    module.register_state_dict_pre_hook(lambda *a, **k: state.sync_params())
+
+
+_LIVE: "weakref.WeakSet[ReplicateState]" = weakref.WeakSet()
+_STEP_HOOK: Any = None
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global step post-hook: an optimizer holding a managed parameter changed (its owners')
+    parameters, so the next forward must gather (see [Note: stale parameters])."""
+    for state in list(_LIVE):
+        if state.dirty:
+            continue
+        if any(id(p) in state.where for g in optimizer.param_groups for p in g["params"]):
+            state.dirty = True
+
+
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global step pre-hook: drop state an optimizer holds for parameters another rank owns.
+
+    Only owners step a parameter, but torch's DCP helpers create state for *every* parameter of
+    a torch optimizer before loading (``get_state_dict`` runs a zero-gradient step on a fresh
+    optimizer), so after a standard-path resume each rank would keep DDP-sized state for good.
+    ``matrixfsdp.optim`` never creates it; this frees it for torch's optimizers at their next
+    step (after ``set_state_dict`` has read it)."""
+    if not optimizer.state:
+        return
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            info = getattr(p, _ATTR, None)
+            if info is not None and not info.is_local:
+                optimizer.state.pop(p, None)
+
+
+def _watch_optimizer_steps(state: ReplicateState) -> None:
+    global _STEP_HOOK
+    _LIVE.add(state)
+    if _STEP_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        _STEP_HOOK = (register_optimizer_step_pre_hook(_before_optimizer_step),
+                      register_optimizer_step_post_hook(_after_optimizer_step))
+
+
+def state_of(module: nn.Module, what: str = "") -> ReplicateState:
+    state = getattr(module, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError(f"{what or API}: the module is not managed by matrixfsdp.replicate")
+    return state
+
+
+class MatrixReplicateModule:
+    """Controls added to a module by :func:`replicate` (its class is swapped, as FSDP2 does)."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """``False``: backward accumulates local gradients in ``.grad`` without communicating
+        (gradient accumulation); the next backward with ``True`` reduces the sum."""
+        state_of(self).requires_gradient_sync = bool(requires_gradient_sync)  # type: ignore[arg-type]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's spelling of ``set_requires_gradient_sync(False)`` for the enclosed backwards."""
+        state = state_of(self)  # type: ignore[arg-type]
+        old = state.requires_gradient_sync
+        state.requires_gradient_sync = False
+        try:
+            yield
+        finally:
+            state.requires_gradient_sync = old
+
+    def sync_params(self) -> None:
+        """Finish the parameter all-gathers now (they otherwise run at the next forward)."""
+        state_of(self).sync_params()  # type: ignore[arg-type]
+
+    @property
+    def owner_plan(self) -> OwnerPlan:
+        return state_of(self).plan  # type: ignore[arg-type]
+
+    def comm_counter(self) -> CommCounter:
+        return state_of(self).coll.counter  # type: ignore[arg-type]
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``to()``, ``double()``, ``to_empty()``...: the parameters are views of the flat buckets,
+        so a conversion that changes their dtype or device is refused before anything changes;
+        one that keeps both (``to_empty``, ``share_memory``) is applied and the parameters are
+        made views of their buckets again, holding the new values."""
+        state = state_of(self)  # type: ignore[arg-type]
+        for b in state.buckets:
+            probe = fn(torch.empty(0, dtype=b.flat.dtype, device=b.flat.device))
+            if isinstance(probe, torch.Tensor) and (probe.dtype, probe.device) != (b.flat.dtype, b.flat.device):
+                raise ValueError(
+                    f"{API}: the parameters are views of flat {b.flat.dtype} buckets on {b.flat.device}, "
+                    f"so a conversion to {probe.dtype} on {probe.device} after replicate is not supported; "
+                    "convert the model (model.to(...)) before matrixfsdp.replicate"
+                )
+        out = super()._apply(fn, recurse)  # type: ignore[misc]
+        state.rebind()
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        if assign:
+            raise ValueError(
+                f"{API}: load_state_dict(assign=True) would replace the parameters, which are views of "
+                "the flat buckets the collectives read and write; use assign=False (copies in place)"
+            )
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
+
+
+_CLS_CACHE: dict[type, type] = {}
+
+
+def _no_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
+    raise TypeError(f"{API}: deepcopy of a replicated module is not supported; use a state dict")
+
+
+def _swap_class(module: nn.Module) -> None:
+    cls = type(module)
+    new_cls = _CLS_CACHE.get(cls)
+    if new_cls is None:
+        # the model keeps its class name (tools key on it: Hugging Face writes it to config.json's
+        # "architectures" in save_pretrained); isinstance(model, MatrixReplicateModule) tells it apart
+        new_cls = type(cls.__name__, (MatrixReplicateModule, cls),
+                       {"__deepcopy__": _no_deepcopy, "__qualname__": cls.__qualname__})
+        _CLS_CACHE[cls] = new_cls
+    module.__class__ = new_cls

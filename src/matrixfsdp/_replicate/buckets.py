@@ -1,0 +1,464 @@
+"""Runtime of the ZeRO-1/2 mode: flat buckets, uneven reduce-scatter in backward, all-gather at
+the next forward (Canzona's data-parallel half, arXiv 2602.06079).
+
+Per training step::
+
+    backward start   (root output's ``_BackwardStart``) decide the mode, mark the parameters the
+                     engine will not reach as unused, stash reduced gradients still in ``.grad``
+    post-accumulate  (each parameter's hook) copy ``grad / W`` into its bucket slot, drop ``.grad``;
+                     launch every bucket that is complete, strictly in bucket order
+    final callback   complete and launch what is left, wait, give each owner its parameters'
+                     averaged gradients (``.grad``); every other ``.grad`` stays ``None``
+    optimizer.step() the user's optimizer: it sees gradients only on the parameters this rank owns,
+                     so it updates (and keeps state for) those alone, with no communication
+    next forward     (root pre-forward) issue one all-gather per bucket in forward order; each
+                     module's pre-forward waits for the buckets of its own parameters
+
+[Note: bucket launch order]
+Every rank must issue the same collectives in the same order. Buckets are launched strictly in
+reduction order (bucket ``n-1`` first: backward produces the last layers' gradients first, as in
+DDP), whenever the next bucket becomes complete; a bucket waiting for a parameter another rank
+already reduced simply launches later, so timing differences never reorder collectives. The
+gathers are issued at the root's pre-forward (one program point on every rank), in forward order.
+
+[Note: unused parameters under replicate]
+DDP leaves ``.grad`` undefined for a parameter no rank used and averages (with zeros) one some rank
+used. Here each bucket's gradient carries one usage flag per parameter, reduced with the
+gradients: an owner that used the parameter itself knows it is used (no host read); an owner
+that did not reads the summed flags once at the end of backward (one ``tolist``, only in steps
+where that happens). Parameters the engine will not reach are marked unused at backward start
+(``torch._C._will_engine_execute_node``), so their buckets launch on time.
+
+[Note: stale parameters]
+After ``step()`` only owners hold the new values until the next forward's gathers complete.
+Everything that reads parameters between the two (``state_dict()``, DCP, ``sync_params()``)
+waits for them first. Two events mark the parameters stale on every rank: a reducing backward
+that finished (whether or not the user then steps: a redundant gather is harmless, a missing one
+is not) and the ``step()`` of any ``torch.optim.Optimizer`` holding a managed parameter (a global
+step post-hook), so a ``state_dict()`` between backward and ``step()`` cannot hide the update from
+the next forward. A forward that does not start at the root (a submodule called directly) gathers
+at its first managed module's pre-forward instead, and waits for every bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+
+from ..comm.collectives import Handle, SegmentCollectives
+from .layout import BucketLayout
+
+__all__ = ["ReplicaInfo", "replica_of", "Bucket", "ReplicateState"]
+
+_ATTR = "_matrixfsdp_replica"
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """Set on every parameter managed by ``matrixfsdp.replicate``: rank ``owner`` updates it."""
+
+    owner: int
+    rank: int
+    mesh: Any  # the 1-D data-parallel DeviceMesh
+
+    @property
+    def group(self) -> Any:
+        return self.mesh.get_group()
+
+    @property
+    def is_local(self) -> bool:
+        return self.owner == self.rank
+
+
+def replica_of(p: Any) -> ReplicaInfo | None:
+    return getattr(p, _ATTR, None)
+
+
+class Bucket:
+    """One bucket's flat parameter buffer, gradient buffer and in-flight reduction."""
+
+    def __init__(self, layout: BucketLayout, params: list[nn.Parameter], *, rank: int, world_size: int,
+                 coll: SegmentCollectives, reduce_dtype: torch.dtype | None, persistent: bool):
+        self.layout = layout
+        self.params = params  # slot order
+        self.rank, self.W, self.coll = rank, world_size, coll
+        p0 = params[0]
+        self.device = p0.device
+        self.param_dtype = p0.dtype
+        self.reduce_dtype = reduce_dtype or p0.dtype
+        self.persistent = persistent  # ZeRO-1: the gradient buffer lives for the whole run
+        # [Note: atomic intervals] parameters become views of one flat buffer, so the gather
+        # writes them in place
+        self.flat = torch.empty(layout.numel, dtype=self.param_dtype, device=self.device)
+        for slot, p in zip(layout.slots, params):
+            view = self.flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            view.copy_(p.detach())
+            p.data = view
+        # gradient-buffer offsets: rank r's interval is [its gradients..., its usage flags...]
+        gsplits = layout.grad_splits
+        self.grad_numel = sum(gsplits)
+        self.goff: list[int] = []
+        self.flag: list[int] = []
+        base, k = {}, {}
+        for r in range(world_size):
+            base[r] = sum(gsplits[:r])
+            k[r] = 0
+        for slot in layout.slots:
+            r = slot.owner
+            self.goff.append(base[r] + slot.offset - layout.interval(r)[0])
+            self.flag.append(base[r] + layout.param_splits[r] + k[r])
+            k[r] += 1
+        self.mine = [i for i, s in enumerate(layout.slots) if s.owner == rank]
+        self.grad_buf: torch.Tensor | None = (
+            torch.empty(self.grad_numel, dtype=self.reduce_dtype, device=self.device) if persistent else None)
+        self.ready = [False] * len(params)
+        self.n_ready = 0
+        self.used = [False] * len(params)
+        self.out: torch.Tensor | None = None
+        self.reduce_handle: Handle | None = None
+        self.gather_handle: Handle | None = None
+
+    # ----------------------------------------------------------------------------- backward
+    def begin(self) -> None:
+        self.ready = [False] * len(self.params)
+        self.n_ready = 0
+        self.used = [False] * len(self.params)
+        if self.grad_buf is None:
+            self.grad_buf = torch.empty(self.grad_numel, dtype=self.reduce_dtype, device=self.device)
+
+    @property
+    def complete(self) -> bool:
+        return self.n_ready == len(self.params)
+
+    def put(self, i: int, grad: torch.Tensor | None) -> None:
+        """Slot ``i``'s contribution: ``grad / W`` (DDP's pre-divide) and flag 1, or zeros and
+        flag 0 for a parameter this rank did not use."""
+        if self.grad_buf is None or self.ready[i]:
+            raise RuntimeError(f"matrixfsdp.replicate: internal error, slot {i} of bucket "
+                               f"{self.layout.index} written twice or outside a backward")
+        n = self.layout.slots[i].numel
+        dst = self.grad_buf[self.goff[i]:self.goff[i] + n]
+        if grad is None:
+            dst.zero_()
+        else:
+            torch.mul(grad.reshape(-1), 1.0 / self.W, out=dst)
+        self.grad_buf[self.flag[i]:self.flag[i] + 1].fill_(0.0 if grad is None else 1.0)
+        self.used[i] = grad is not None
+        self.ready[i] = True
+        self.n_ready += 1
+
+    def launch(self) -> None:
+        splits = self.layout.grad_splits
+        self.out = torch.empty(splits[self.rank], dtype=self.reduce_dtype, device=self.device)
+        self.reduce_handle = self.coll.reduce_scatter_segments(self.out, self.grad_buf, splits, async_op=True)
+
+    def finish(self) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]]:
+        """Wait for the reduction; ``(param, averaged grad, summed flag or None)`` for every
+        parameter this rank owns (the flag only where this rank did not use the parameter)."""
+        if self.reduce_handle is None or self.out is None:
+            raise RuntimeError(f"matrixfsdp.replicate: internal error, bucket {self.layout.index} "
+                               "finished without a reduction in flight")
+        self.reduce_handle.wait()
+        self.reduce_handle = None
+        out, self.out = self.out, None
+        if not self.persistent:
+            self.grad_buf = None  # ZeRO-2: only this rank's interval survives the reduction
+        result = []
+        start = sum(self.layout.grad_splits[:self.rank])
+        for i in self.mine:
+            slot = self.layout.slots[i]
+            g = out[self.goff[i] - start:self.goff[i] - start + slot.numel].view(slot.shape)
+            if g.dtype != self.param_dtype:
+                g = g.to(self.param_dtype)
+            flag = None if self.used[i] else out[self.flag[i] - start:self.flag[i] - start + 1]
+            result.append((self.params[i], g, flag))
+        return result
+
+    def drop(self) -> None:
+        """After an aborted backward: wait for an issued reduction and discard it."""
+        if self.reduce_handle is not None:
+            self.reduce_handle.wait()
+        self.reduce_handle, self.out = None, None
+        if not self.persistent:
+            self.grad_buf = None
+
+    # ----------------------------------------------------------------------------- forward
+    def issue_gather(self) -> None:
+        self.gather_handle = self.coll.all_gather_inplace(self.flat, self.layout.param_splits, async_op=True)
+
+    def wait_gather(self) -> None:
+        if self.gather_handle is not None:
+            h, self.gather_handle = self.gather_handle, None
+            h.wait()
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity on the root's outputs; its backward tells the state a backward has started. Takes
+    the state's anchor leaf, so the engine says whether the backward accumulates into ``.grad``."""
+
+    @staticmethod
+    def forward(ctx: Any, state: "ReplicateState", anchor: torch.Tensor, *outputs: torch.Tensor) -> tuple:
+        ctx.state = state
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        ctx.state.on_backward_start(from_output=True)
+        return (None, None, *grads)
+
+
+class ReplicateState:
+    """Everything ``matrixfsdp.replicate`` attaches to one model."""
+
+    def __init__(self, module: nn.Module, buckets: list[Bucket], params: dict[str, nn.Parameter], *,
+                 rank: int, world_size: int, coll: SegmentCollectives, stage: int):
+        self.module = module
+        self.buckets = buckets  # forward (registration) order; reduced in reverse
+        self.params = params
+        self.rank, self.W, self.coll, self.stage = rank, world_size, coll, stage
+        self.where: dict[int, tuple[Bucket, int]] = {}
+        for b in buckets:
+            for i, p in enumerate(b.params):
+                self.where[id(p)] = (b, i)
+        self.requires_gradient_sync = True
+        self.dirty = False  # parameters changed on owners since the last gather
+        self.graph_task: int | None = None
+        self.active = False  # the running backward reduces
+        self.callback_queued = False
+        self.next_launch = 0  # index into the reduction order
+        self.stash: dict[int, torch.Tensor] = {}  # reduced grads held over an accumulating backward
+        self.assigned: dict[int, torch.Tensor] = {}
+        self.anchor = torch.empty(0, device=buckets[0].device if buckets else "cpu", requires_grad=True)
+        self.anchor_node = self.anchor.view_as(self.anchor).grad_fn.next_functions[0][0]
+        # strong references to the AccumulateGrad nodes, as DDP keeps them (hooks live on tensors,
+        # but the unused-parameter check asks the engine about these nodes)
+        self.acc_nodes = {id(p): p.view_as(p).grad_fn.next_functions[0][0]
+                          for b in buckets for p in b.params}
+        #: modules whose forward pre-hook waits for a bucket: filled in the first forward
+        self.covered: set[int] = set()
+        self.uncovered_buckets: list[Bucket] | None = None
+
+    # ----------------------------------------------------------------------------- forward
+    def pre_forward_root(self) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recomputation inside backward: parameters are current
+        if self._issue_gathers():
+            for b in self.uncovered_buckets or ():
+                b.wait_gather()
+
+    def pre_forward_module(self, module: nn.Module, buckets: list[Bucket]) -> None:
+        if (self.dirty or self.callback_queued) and torch._C._current_graph_task_id() == -1:
+            # a forward that did not start at the root (a submodule called directly): the root's
+            # pre-forward did not gather; bring every bucket up to date before reading any
+            self.sync_params()
+        if self.uncovered_buckets is None:
+            self.covered.add(id(module))
+        for b in buckets:
+            b.wait_gather()
+
+    def post_forward_root(self, output: Any) -> Any:
+        for b in self.buckets:  # a bucket no module waited for (its parameters went unused)
+            b.wait_gather()
+        if self.uncovered_buckets is None:
+            self.uncovered_buckets = self._find_uncovered()
+        if not torch.is_grad_enabled():
+            return output
+        from .._fully_shard.state import _wrap_grad_tensors
+
+        return _wrap_grad_tensors(_BackwardStart, (self, self.anchor), output)
+
+    def _find_uncovered(self) -> list[Bucket]:
+        """Buckets holding a parameter whose module ran no forward (used functionally, e.g. a tied
+        head read by its parent): their gathers are awaited at the root's pre-forward."""
+        owner_mod: dict[int, int] = {}
+        for m in self.module.modules():
+            for p in m.parameters(recurse=False):
+                owner_mod.setdefault(id(p), id(m))
+        out = []
+        for b in self.buckets:
+            if any(owner_mod.get(id(p)) not in self.covered for p in b.params):
+                out.append(b)
+        return out
+
+    def sync_params(self) -> None:
+        """Bring every rank's parameters up to date now (a collective when they are stale)."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        self._issue_gathers()
+        for b in self.buckets:
+            b.wait_gather()
+
+    def _issue_gathers(self) -> bool:
+        """Outside backward: clean up after a backward an exception escaped (its callback is
+        gone), then issue every bucket's all-gather if the parameters are stale. Returns whether
+        it issued them."""
+        if self.callback_queued:
+            self._abort_backward()
+        if not self.dirty:
+            return False
+        self.dirty = False
+        for b in self.buckets:
+            b.issue_gather()
+        return True
+
+    # ----------------------------------------------------------------------------- backward
+    def on_backward_start(self, *, from_output: bool) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == self.graph_task:
+            return
+        # a post-accumulate hook firing proves accumulation; the root output asks the engine
+        accumulating = (not from_output) or bool(torch._C._will_engine_execute_node(self.anchor_node))
+        if not accumulating:
+            return  # torch.autograd.grad / backward(inputs=...) on other tensors: .grad untouched
+        if self.callback_queued:
+            # another graph task while a reducing backward has not finished: a backward run inside
+            # a backward (torch.utils.checkpoint(use_reentrant=True) recomputes and differentiates
+            # each segment in its own nested backward). Its parameters are invisible to the outer
+            # graph, so they were counted unused and their buckets may be reduced already.
+            raise RuntimeError(
+                "matrixfsdp.replicate: a backward that accumulates into .grad ran inside another "
+                "backward that reduces gradients (reentrant activation checkpointing, "
+                "torch.utils.checkpoint(..., use_reentrant=True), backward() called from a backward "
+                "hook, or a second backward after one that raised with no forward in between); use "
+                "torch.utils.checkpoint(..., use_reentrant=False) (Hugging Face: "
+                "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}))"
+            )
+        self.check_views()
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "matrixfsdp.replicate: backward(create_graph=True) is not supported (higher-order "
+                "gradients accumulated into .grad); compute the inner derivative with "
+                "torch.autograd.grad(..., create_graph=True) and call backward() on the result"
+            )
+        self.graph_task = task
+        # reduced gradients still in .grad (no zero_grad since the last step) accumulate like DDP's:
+        # hold them out of this backward's reduction and add them back after it
+        for key, g in list(self.assigned.items()):
+            p = self._param_by_id(key)
+            if p is not None and p.grad is g:
+                self.stash[key] = g
+                p.grad = None
+        self.assigned = {}
+        self.active = self.requires_gradient_sync
+        if not self.active:
+            return
+        self.callback_queued = True
+        Variable._execution_engine.queue_callback(self.final_callback)
+        self.next_launch = 0
+        for b in self.buckets:
+            b.begin()
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                if not torch._C._will_engine_execute_node(self.acc_nodes[id(p)]):
+                    self._contribute(b, i, p)
+        self._launch_ready()
+
+    def check_views(self) -> None:
+        """Every managed parameter must still be a view of its bucket (the gathers write there and
+        the reductions read the hooks of these very tensors)."""
+        for b in self.buckets:
+            base = b.flat.data_ptr()
+            size = b.flat.element_size()
+            for slot, p in zip(b.layout.slots, b.params):
+                if (p.dtype != b.flat.dtype or p.device != b.flat.device
+                        or p.data_ptr() != base + slot.offset * size):
+                    raise ValueError(
+                        f"matrixfsdp.replicate: parameter {slot.fqn!r} is no longer a view of its flat "
+                        f"bucket (now {p.dtype} on {p.device}, bucket {b.flat.dtype} on {b.flat.device}): "
+                        "its dtype, device or storage was changed after replicate (e.g. submodule.to(), "
+                        "param.data = ...); convert the model before matrixfsdp.replicate"
+                    )
+
+    def rebind(self) -> None:
+        """After a same-dtype, same-device module conversion (``to_empty``, ``share_memory``, swap
+        of parameter tensors): copy each parameter's new value into its bucket slot and make it a
+        view of the bucket again."""
+        with torch.no_grad():
+            for b in self.buckets:
+                base, size = b.flat.data_ptr(), b.flat.element_size()
+                for slot, p in zip(b.layout.slots, b.params):
+                    if p.data_ptr() == base + slot.offset * size and p.dtype == b.flat.dtype:
+                        continue
+                    view = b.flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                    view.copy_(p.detach())
+                    p.data = view
+
+    def _param_by_id(self, key: int) -> nn.Parameter | None:
+        hit = self.where.get(key)
+        return hit[0].params[hit[1]] if hit is not None else None
+
+    def on_grad(self, p: nn.Parameter) -> None:
+        """Post-accumulate-grad hook of every managed parameter."""
+        if torch._C._current_graph_task_id() != self.graph_task:
+            self.on_backward_start(from_output=False)
+        if not self.active:
+            return
+        b, i = self.where[id(p)]
+        if b.ready[i]:
+            raise RuntimeError(
+                "matrixfsdp.replicate: a parameter received a second gradient after its bucket "
+                "was reduced in the same backward (a parameter used again after backward reached "
+                "it, e.g. by a reentrant checkpoint); use non-reentrant activation checkpointing"
+            )
+        self._contribute(b, i, p)
+        self._launch_ready()
+
+    def _contribute(self, b: Bucket, i: int, p: nn.Parameter) -> None:
+        # p.grad holds this step's local gradient plus any no_sync accumulation
+        b.put(i, p.grad)
+        p.grad = None
+
+    def _launch_ready(self) -> None:
+        order = self.buckets[::-1]
+        while self.next_launch < len(order) and order[self.next_launch].complete:
+            order[self.next_launch].launch()
+            self.next_launch += 1
+
+    def final_callback(self) -> None:
+        try:
+            order = self.buckets[::-1]
+            for b in order[self.next_launch:]:
+                for i, p in enumerate(b.params):
+                    if not b.ready[i]:
+                        self._contribute(b, i, p)
+            self._launch_ready()
+            undecided: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
+            for b in order:
+                for p, g, flag in b.finish():
+                    if flag is None:
+                        self._assign(p, g)
+                    else:
+                        undecided.append((p, g, flag))
+            if undecided:  # one host read, only in steps where this rank left a parameter unused
+                counts = torch.cat([f for _, _, f in undecided]).tolist()
+                for (p, g, _), n in zip(undecided, counts):
+                    if n > 0:
+                        self._assign(p, g)
+                    elif id(p) in self.stash:
+                        p.grad = self.stash.pop(id(p))
+            self.dirty = True
+        finally:
+            self.active = False
+            self.callback_queued = False
+            self.graph_task = None
+
+    def _assign(self, p: nn.Parameter, g: torch.Tensor) -> None:
+        prev = self.stash.pop(id(p), None)
+        if prev is not None:
+            g = prev.add_(g)
+        p.grad = g
+        self.assigned[id(p)] = g
+
+    def _abort_backward(self) -> None:
+        """An exception escaped a reducing backward: its callback is gone. Wait for the issued
+        reductions (on every rank alike) and drop them with the partial gradients."""
+        for b in self.buckets:
+            b.drop()
+        self.callback_queued = False
+        self.active = False
+        self.graph_task = None

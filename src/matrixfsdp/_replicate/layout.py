@@ -1,0 +1,106 @@
+"""Flat-buffer layout of the ZeRO-1/2 runtime: pure Python over the owner plan.
+
+A :class:`BucketLayout` lists the parameters of one bucket in buffer order and, for every rank,
+the contiguous interval of the flat buffer holding the parameters that rank owns (and updates).
+
+[Note: atomic intervals]
+Every parameter is owned whole by one rank (Canzona's atomicity: a matrix optimizer needs the
+whole matrix). Inside a bucket the parameters are sorted by (owner, registration order), so each
+rank's parameters form one contiguous interval and the bucket's gradient is one reduce-scatter
+with uneven splits, its parameters one all-gather. The partitions of ``alpha_balanced`` and
+``naive_static`` are contiguous runs of the registration order already, so their buffer order
+*is* the registration order; for the owner policies (``balanced``, ``scope_greedy``: the
+layer-wise baseline) the sort makes any owner assignment one collective per bucket.
+
+The gradient buffer of a bucket carries one usage flag per parameter after each rank's
+gradients (``grad_splits = param_splits + counts``): the reduce-scatter sums them, so an owner
+learns how many ranks used a parameter without another collective (see [Note: unused
+parameters under replicate] in ``_replicate.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..planner.buckets import make_buckets
+from ..planner.record import OwnerPlan
+
+__all__ = ["Slot", "BucketLayout", "build_layout"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    fqn: str
+    owner: int
+    shape: tuple[int, ...]
+    offset: int  # element offset in the bucket's flat parameter buffer
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """One bucket: its slots in buffer order and every rank's interval."""
+
+    index: int
+    dtype: str
+    slots: tuple[Slot, ...]
+    param_splits: tuple[int, ...]  # elements of each rank's interval, rank order
+    counts: tuple[int, ...]  # parameters each rank owns in this bucket
+
+    @property
+    def numel(self) -> int:
+        return sum(self.param_splits)
+
+    @property
+    def grad_splits(self) -> tuple[int, ...]:
+        return tuple(n + c for n, c in zip(self.param_splits, self.counts))
+
+    def interval(self, rank: int) -> tuple[int, int]:
+        start = sum(self.param_splits[:rank])
+        return start, start + self.param_splits[rank]
+
+    def owned_slots(self, rank: int) -> tuple[Slot, ...]:
+        return tuple(s for s in self.slots if s.owner == rank)
+
+
+def build_layout(plan: OwnerPlan, fqns: list[str], *, bucket_numel: int | None = None) -> tuple[BucketLayout, ...]:
+    """Buckets over ``fqns`` (trainable parameters in registration order) for ``plan``.
+
+    The bucket boundaries are the plan's (``alpha_balanced``/``naive_static`` record them in
+    ``plan.meta``) restricted to ``fqns``; owner plans are cut every ``bucket_numel`` elements
+    (Megatron's default ``max(40M, 1M * W)``). A bucket holds one dtype: a dtype change splits it.
+    Buckets are returned in registration (forward) order; the runtime reduces them in reverse.
+    """
+    W = plan.world_size
+    wanted = set(fqns)
+    meta = dict(plan.meta)
+    if "buckets" in meta:
+        groups = [[f for f in names if f in wanted] for names, _cuts in meta["buckets"]]
+    else:
+        size = bucket_numel if bucket_numel is not None else max(40_000_000, 1_000_000 * W)
+        numels = [plan[f].numel for f in fqns]
+        groups = [fqns[a:b] for a, b in make_buckets(numels, size)]
+    layouts: list[BucketLayout] = []
+    for group in groups:
+        runs: list[list[str]] = []
+        for f in group:  # split on dtype changes (one flat buffer per bucket)
+            if runs and plan[runs[-1][-1]].dtype == plan[f].dtype:
+                runs[-1].append(f)
+            else:
+                runs.append([f])
+        for run in runs:
+            order = sorted(range(len(run)), key=lambda i: (plan[run[i]].owner, i))
+            slots, offset = [], 0
+            splits, counts = [0] * W, [0] * W
+            for i in order:
+                p = plan[run[i]]
+                slots.append(Slot(p.fqn, p.owner, p.shape, offset))
+                offset += p.numel
+                splits[p.owner] += p.numel
+                counts[p.owner] += 1
+            layouts.append(BucketLayout(len(layouts), plan[run[0]].dtype, tuple(slots), tuple(splits), tuple(counts)))
+    return tuple(layouts)

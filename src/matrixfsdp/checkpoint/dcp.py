@@ -1,0 +1,624 @@
+"""Checkpointing matrixfsdp models with ``torch.distributed.checkpoint`` (DCP).
+
+Two ways to save and resume, both writing the same DCP checkpoint:
+
+* **the standard DCP path**, unchanged::
+
+      from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+      msd, osd = get_state_dict(model, opt)
+      dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)        # or dcp.async_save
+      ...
+      msd, osd = get_state_dict(model, opt)          # templates in the *current* layout
+      sd = {"model": msd, "optim": osd}
+      dcp.load(sd, checkpoint_id=path)
+      set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+* **the helpers** :func:`save` / :func:`load`, on top of the same calls, which add an atomic
+  commit (see [Note: atomic save]) and all-or-nothing, validated loading (see
+  [Note: validated load]).
+
+[Note: who writes which chunk]
+A model state dict holds the parameters themselves. An owned parameter is a ``[Replicate()]``
+DTensor on its one-rank owner mesh: DCP creates a write item for it only from the owner with
+the whole tensor as one chunk at offset 0 (the other ranks are outside that mesh; their empty
+items are dropped by DCP's planning), so it is written once, by its owner, with no gather.
+Evenly sharded parameters are ``Shard(0)`` DTensors: every rank writes its ``torch.chunk`` rows,
+exactly as stock FSDP2. Optimizer state follows the same layout, see
+[Note: optimizer state in state dicts] in ``_ckpt_state.py``: the owner writes the full momentum /
+moments / factors / eigenbases of its matrices; ``Shard(0)`` state is written as row shards;
+scalar step counters are plain tensors (de-duplicated by DCP). Loading reads, for each tensor the
+*loading* side presents, the overlapping parts of the saved chunks, so any layout can be loaded
+from any other: another world size, another owner plan, stock FSDP2, or one process.
+
+[Note: atomic save]
+:func:`save` writes to ``<path>.tmp-<token>`` (a fresh sibling directory; ``token`` is chosen by
+rank 0 and broadcast), waits for every rank (``dcp.save`` returns after rank 0 wrote the
+``.metadata`` file) and then rank 0 renames the directory to ``<path>`` (one ``rename``: atomic
+on POSIX file systems). If ``<path>`` already exists it is first renamed to
+``<path>.old-<token>`` and removed after the commit; a crash between those two renames leaves
+both complete directories and :func:`load` names the old one. A crash before the commit leaves
+only a ``.tmp-`` directory, so the previous checkpoint in the same folder (and ``<path>`` itself
+when overwriting) is never touched.
+
+[Note: validated load]
+:func:`load` first builds *fresh* buffers in the current layout (never the live parameters or
+optimizer state), checks every key, shape, dtype and data file against the checkpoint metadata
+on every rank and agrees on the first error across ranks (so all ranks raise the same error and
+none hangs), then reads with ``dcp.load`` into the buffers, checks the optimizer's param groups,
+and only then applies: ``optimizer.load_state_dict`` and a copy into each parameter's local
+tensor. Any error before the apply leaves the model and optimizer untouched. The buffers cost
+one extra copy of this rank's shards while loading.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import shutil
+import uuid
+from collections.abc import Iterable
+from itertools import chain
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from ..placement.owned import local_tensor, owned_of, wrap_dtensor
+from .._replicate.buckets import replica_of
+
+__all__ = ["save", "load", "model_state_dict", "optimizer_state_dict", "MODEL_KEY", "OPTIM_KEY"]
+
+#: Top-level keys of the state dict :func:`save` writes (and the CLI's default namespace).
+MODEL_KEY = "model"
+OPTIM_KEY = "optim"
+
+
+# ==================================================================================== state dicts
+def model_state_dict(model: nn.Module) -> dict[str, Any]:
+    """``get_model_state_dict(model)``: the parameters (DTensors under matrixfsdp) and buffers by fqn."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model)
+
+
+def _param_fqns(model: nn.Module) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for fqn, p in model.named_parameters():
+        out.setdefault(id(p), fqn)
+    return out
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state dict keyed by parameter fqn, as ``get_optimizer_state_dict`` returns
+    it, but without initializing missing state by a zero-gradient ``step()`` (torch's
+    ``_init_optim_state``): a state that does not exist yet is simply absent.
+
+    Example::
+
+        osd = matrixfsdp.checkpoint.optimizer_state_dict(model, opt)
+        osd["state"]["blocks.0.wqkv.weight"]["momentum_buffer"]  # a DTensor on its owner
+    """
+    fqns = _param_fqns(model)
+    params = list(chain.from_iterable(g["params"] for g in optimizer.param_groups))
+    names = []
+    for i, p in enumerate(params):
+        if id(p) not in fqns:
+            raise ValueError(
+                f"matrixfsdp.checkpoint: optimizer parameter {i} (shape {tuple(p.shape)}) is not a "
+                "parameter of the model; build the optimizer from model.parameters() after "
+                "fully_shard"
+            )
+        names.append(fqns[id(p)])
+    sd = optimizer.state_dict()
+    state = {names[i]: st for i, st in sd["state"].items()}
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+# ==================================================================================== collectives
+def _dist_on(process_group: Any = None) -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank(process_group: Any = None) -> int:
+    return dist.get_rank(process_group) if _dist_on() else 0
+
+
+_EXC = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError, "RuntimeError": RuntimeError}
+
+
+def _err(e: Exception) -> str:
+    name = type(e).__name__ if type(e).__name__ in _EXC else "RuntimeError"
+    return f"{name}|{e}"
+
+
+# [Note: collectives right before exit]
+# The error agreement below is often the last collective of a program: a script catches the
+# ``FileNotFoundError`` of a missing checkpoint (or finishes after a save) and exits. Gloo runs a
+# collective on a worker thread, which signals completion and only then drops its references to
+# the collective's tensors. Dropping a reference to a tensor that has a Python object takes the
+# GIL (``TensorImpl::decref_pyobject``). If the main thread has meanwhile reached interpreter
+# finalization, taking the GIL ends the worker thread with a forced unwind through a ``noexcept``
+# destructor (``~AsyncAllgatherWork``): ``terminate called without an active exception``, SIGABRT
+# (seen in about 1 of 6 runs at W=2; a core dump shows exactly that stack). ``all_gather_object``
+# allocates its tensors internally, so the agreement uses ``all_gather`` on tensors of its own
+# and returns only once gloo holds no reference to them (their use count is back to 1).
+
+
+def _wait_released(tensors: list[torch.Tensor], timeout_s: float = 10.0) -> None:
+    """Wait until no other owner (a backend's worker thread) references ``tensors``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while any(t._use_count() > 1 for t in tensors) and time.monotonic() < deadline:
+        time.sleep(1e-4)
+
+
+def _all_gather_strings(msg: str | None, process_group: Any = None) -> list[str | None]:
+    """``all_gather_object`` for short strings, safe right before exit (see the Note above)."""
+    world = dist.get_world_size(process_group)
+    data = b"" if msg is None else b"\x01" + msg.encode()
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, size, group=process_group)
+    n = max(1, max(int(s) for s in sizes))
+    buf = torch.zeros(n, dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    outs = [torch.zeros(n, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(outs, buf, group=process_group)
+    _wait_released([size, *sizes, buf, *outs])
+    return [None if int(k) == 0 else bytes(o[1:int(k)].tolist()).decode() for k, o in zip(sizes, outs)]
+
+
+def _raise_agreed(error: str | None, process_group: Any = None) -> None:
+    """Raise the first (lowest-rank) error among all ranks on every rank (``error`` is
+    ``"ExcName|message"`` or None). One exchange of the strings; so no rank hangs while another
+    raises."""
+    errors: list[Any] = [error]
+    if _dist_on():
+        errors = _all_gather_strings(error, process_group)
+    for r, e in enumerate(errors):
+        if e is not None:
+            name, msg = e.split("|", 1)
+            if r != _rank(process_group):
+                msg = f"{msg} (reported by rank {r})"
+            raise _EXC[name](msg)
+
+
+def _barrier(process_group: Any = None) -> None:
+    if _dist_on():
+        dist.barrier(group=process_group)
+
+
+# ==================================================================================== save
+def drop_stale_state(model: nn.Module) -> None:
+    from .._fully_shard import drop_stale_state as drop
+
+    drop(model)
+
+
+def _check_sharded(model: nn.Module, api: str) -> None:
+    from .._fully_shard import get_state
+
+    for name, m in model.named_modules():
+        st = get_state(m)
+        if st is not None and st.resolved and (st.root_ctx.awaiting_backward or not st.group.is_resharded):
+            raise RuntimeError(
+                f"{api}: module {name or '<root>'!r} holds materialized (unsharded) parameters; "
+                "a forward is still awaiting its backward: run the backward first (run forwards whose "
+                "outputs you discard under torch.no_grad())"
+            )
+
+
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    process_group: Any = None,
+) -> str:
+    """Save ``model`` (and ``optimizer``) to the DCP checkpoint directory ``path``, atomically.
+
+    Call on every rank. Writes ``{"model": ..., "optim": ...}`` with ``dcp.save`` into
+    ``<path>.tmp-<token>`` and renames it to ``path`` once every rank is done (see
+    [Note: atomic save]); each owned tensor is written once by its owner, even shards by each
+    rank (see [Note: who writes which chunk]). The result is a plain DCP checkpoint: ``dcp.load``
+    and :func:`load` read it at any world size. Returns ``path``.
+
+    Example::
+
+        matrixfsdp.checkpoint.save(f"ckpt/step-{step}", model, opt)
+    """
+    api = "matrixfsdp.checkpoint.save"
+    path = os.path.normpath(os.fspath(path))  # "ck/" must not put the staging dir inside "ck"
+    error = None
+    try:
+        drop_stale_state(model)
+        _check_sharded(model, api)
+        sd: dict[str, Any] = {MODEL_KEY: model_state_dict(model)}
+        if optimizer is not None:
+            sd[OPTIM_KEY] = optimizer_state_dict(model, optimizer)
+    except (ValueError, RuntimeError) as e:
+        error = _err(e)
+    _raise_agreed(error, process_group)
+    token = [uuid.uuid4().hex[:12] if _rank(process_group) == 0 else None]
+    if _dist_on():
+        dist.broadcast_object_list(token, src=dist.get_global_rank(process_group, 0) if process_group else 0,
+                                   group=process_group)
+    tmp = f"{path}.tmp-{token[0]}"
+    dcp.save(sd, checkpoint_id=tmp, process_group=process_group)
+    _barrier(process_group)
+    error = None
+    if _rank(process_group) == 0:
+        try:
+            _commit(tmp, path, token[0])
+        except OSError as e:  # every rank must learn it, or the others wait forever
+            error = _err(RuntimeError(f"{api}: could not commit {tmp!r} to {path!r}: {e}"))
+    _raise_agreed(error, process_group)
+    return path
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _commit(tmp: str, path: str, token: str) -> None:
+    old = None
+    if os.path.lexists(path):
+        old = f"{path}.old-{token}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ==================================================================================== load
+def _fresh_like(v: Any) -> Any:
+    """A new, uninitialized tensor with ``v``'s layout (never aliasing ``v``)."""
+    if isinstance(v, DTensor):
+        return DTensor(torch.empty_like(v._local_tensor), v._spec, requires_grad=False)
+    if isinstance(v, torch.Tensor):
+        return torch.empty_like(v)
+    return copy.deepcopy(v)
+
+
+def read_metadata(path: str | os.PathLike, api: str = "matrixfsdp.checkpoint") -> Metadata:
+    """The DCP metadata of checkpoint directory ``path`` (no process group needed).
+
+    Raises ``FileNotFoundError`` naming the missing directory or ``.metadata`` file (and an
+    interrupted overwrite's ``.old-`` directory if there is one) and ``ValueError`` for an
+    unreadable one.
+    """
+    path = os.fspath(path)
+    mfile = os.path.join(path, ".metadata")
+    if not os.path.isdir(path):
+        parent = os.path.dirname(os.path.abspath(path)) or "."
+        base = os.path.basename(os.path.abspath(path))
+        leftovers = sorted(n for n in os.listdir(parent) if n.startswith(base + ".")) if os.path.isdir(parent) else []
+        hint = ""
+        olds = [n for n in leftovers if n.startswith(base + ".old-")]
+        tmps = [n for n in leftovers if n.startswith(base + ".tmp-")]
+        if olds:
+            hint = f"; an interrupted overwrite left the previous checkpoint at {os.path.join(parent, olds[-1])!r}"
+        elif tmps:
+            hint = f"; {os.path.join(parent, tmps[-1])!r} is an unfinished save (a crash before the commit)"
+        raise FileNotFoundError(f"{api}: checkpoint directory {path!r} does not exist{hint}")
+    if not os.path.isfile(mfile):
+        raise FileNotFoundError(
+            f"{api}: {mfile!r} is missing; {path!r} is not a complete DCP checkpoint (an "
+            "unfinished save writes .metadata last)"
+        )
+    try:
+        with open(mfile, "rb") as f:
+            md = pickle.load(f)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise ValueError(f"{api}: cannot read {mfile!r} ({type(e).__name__}: {e}); the file is damaged") from e
+    if not isinstance(md, Metadata):
+        raise ValueError(f"{api}: {mfile!r} holds a {type(md).__name__}, not DCP metadata")
+    return md
+
+
+def check_files(path: str, md: Metadata, keys: Iterable[str] | None = None, api: str = "matrixfsdp.checkpoint") -> None:
+    """Every data file the metadata references (for ``keys``, or all) exists and is long enough."""
+    want = None if keys is None else set(keys)
+    need: dict[str, tuple[int, str]] = {}
+    for index, info in (md.storage_data or {}).items():
+        if want is not None and index.fqn not in want:
+            continue
+        end = int(info.offset) + int(info.length)
+        rel = info.relative_path
+        if rel not in need or need[rel][0] < end:
+            need[rel] = (end, index.fqn)
+    for rel, (end, key) in sorted(need.items()):
+        f = os.path.join(path, rel)
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"{api}: data file {f!r} is missing (it holds key {key!r})")
+        size = os.path.getsize(f)
+        if size < end:
+            raise ValueError(
+                f"{api}: data file {f!r} is truncated: {size} bytes, but the metadata needs {end} "
+                f"(key {key!r})"
+            )
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _check_tensor(api: str, key: str, tmeta: Any, value: torch.Tensor, path: str) -> None:
+    if not isinstance(tmeta, TensorStorageMetadata):
+        raise ValueError(f"{api}: key {key!r} in {path!r} is not a tensor ({type(tmeta).__name__})")
+    saved_shape, shape = tuple(tmeta.size), tuple(value.shape)
+    if saved_shape != shape:
+        raise ValueError(
+            f"{api}: shape mismatch for {key!r}: the checkpoint {path!r} has {saved_shape}, "
+            f"the model/optimizer expects {shape}"
+        )
+    saved_dtype = tmeta.properties.dtype
+    if saved_dtype != value.dtype:
+        raise ValueError(
+            f"{api}: dtype mismatch for {key!r}: the checkpoint {path!r} has "
+            f"{_dtype_name(saved_dtype)}, the model/optimizer expects {_dtype_name(value.dtype)}"
+        )
+    numel = 1
+    for s in saved_shape:
+        numel *= s
+    covered = 0
+    for c in tmeta.chunks:
+        n = 1
+        for s in c.sizes:
+            n *= s
+        covered += n
+    if covered != numel:
+        raise ValueError(
+            f"{api}: the chunks of {key!r} in {path!r} cover {covered} of {numel} elements; the "
+            "checkpoint metadata is inconsistent"
+        )
+
+
+def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: TensorStorageMetadata) -> Any:
+    """A fresh buffer for optimizer state ``name`` of parameter ``p`` in ``p``'s current layout;
+    ``None`` when this rank keeps no such state (a non-owner of an owned or replicated parameter;
+    an empty shard's state of another shape). An empty ``Shard(0)`` shard gets empty buffers and its
+    step counter, as torch's optimizers keep them."""
+    shape, dtype = tuple(tmeta.size), tmeta.properties.dtype
+    local = local_tensor(p)
+    if not isinstance(p, DTensor):
+        replica = replica_of(p)
+        if replica is not None and not replica.is_local:
+            return None  # matrixfsdp.replicate: the owner keeps (and loads) this state
+        return torch.empty(shape, dtype=dtype, device=p.device)
+    info = owned_of(p)
+    if info is not None:
+        if info.mesh is None or info.mesh.get_local_rank() != info.owner:
+            return None
+        buf = torch.empty(shape, dtype=dtype, device=local.device)
+        if name == "step" or shape != tuple(p.shape):
+            return buf  # counters, and whole-matrix state of other shapes (Shampoo/SOAP factors)
+        # Same layout as the parameter: torch optimizers (AdamW on DTensor params) keep their
+        # state as DTensors like the parameter; matrixfsdp's accept either.
+        return wrap_dtensor(buf, p.device_mesh, p.placements, shape)
+    if len(shape) == 0:
+        # a step counter: every rank keeps one, an empty shard's too (torch's optimizers create
+        # state for every shard); loading it keeps the ranks' counters equal, so DCP's one writer
+        # of this replicated value writes the right one
+        return torch.empty((), dtype=dtype, device=local.device)
+    if local.numel() == 0 and shape != tuple(p.shape):
+        return None
+    if shape != tuple(p.shape):
+        raise ValueError(
+            f"{api}: optimizer state {name!r} of {fqn!r} has shape {shape} in the checkpoint, "
+            f"which cannot be placed on a parameter sharded as {tuple(p.placements)} with shape "
+            f"{tuple(p.shape)} (only whole-matrix owners keep state of another shape)"
+        )
+    buf = torch.empty(local.shape, dtype=dtype, device=local.device)
+    return wrap_dtensor(buf, p.device_mesh, p.placements, shape)
+
+
+def _flat_keys(prefix: str, obj: Any) -> dict[str, Any]:
+    """DCP's flattening of nested dicts (lists of dicts for param_groups)."""
+    out: dict[str, Any] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(_flat_keys(f"{prefix}.{k}", v))
+    elif isinstance(obj, list) and obj and all(isinstance(v, dict) for v in obj):
+        for i, v in enumerate(obj):
+            out.update(_flat_keys(f"{prefix}.{i}", v))
+    else:
+        out[prefix] = obj
+    return out
+
+
+def load(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
+    process_group: Any = None,
+) -> None:
+    """Load a DCP checkpoint into ``model`` (and ``optimizer``), validated and all-or-nothing.
+
+    Call on every rank. Works at any world size and layout (matrixfsdp at another owner plan,
+    stock FSDP2, a plain module in one process): every tensor is read in the layout the live
+    model/optimizer has now, so optimizer state follows its parameter to its new owner. Reads
+    checkpoints written by :func:`save` or by the standard ``dcp.save({"model": ..., "optim":
+    ...})``. ``strict=False`` tolerates checkpoint keys the model lacks and model keys the
+    checkpoint lacks (they keep their values); shapes and dtypes are always checked.
+
+    Optimizer state is loaded for the parameters the checkpoint has state for; others stay
+    uninitialized, as in an optimizer that never stepped them. Hyperparameters (``lr`` ...)
+    come from the checkpoint, as with ``Optimizer.load_state_dict``.
+
+    Errors (``FileNotFoundError``/``ValueError``/``RuntimeError``) name the key or file and the
+    values seen; the model and optimizer are untouched when one is raised (see
+    [Note: validated load]).
+
+    Example::
+
+        model, opt = build()                      # any world size
+        matrixfsdp.checkpoint.load("ckpt/step-100", model, opt)
+    """
+    api = "matrixfsdp.checkpoint.load"
+    path = os.path.normpath(os.fspath(path))
+    error: str | None = None
+    model_tpl: dict[str, Any] = {}
+    optim_tpl: dict[str, Any] = {}
+    groups_tpl: list[dict[str, Any]] = []
+    state_tpl: dict[str, dict[str, Any]] = {}
+    try:
+        # Loading writes into the sharded local tensors: materialized copies must go first,
+        # or a model whose root is materialized would be loaded into soon-freed buffers.
+        drop_stale_state(model)
+        _check_sharded(model, api)
+        md = read_metadata(path, api)
+        saved = md.state_dict_metadata
+        live_model = model_state_dict(model)
+        model_tpl = {k: _fresh_like(v) for k, v in live_model.items()}
+        want = {f"{MODEL_KEY}.{k}": v for k, v in model_tpl.items()}
+        have_model = {k for k in saved if k.startswith(MODEL_KEY + ".")}
+        found = [k for k in want if k in saved]
+        if want and len(found) * 2 < len(want):
+            example_saved = sorted(have_model)[:2] or sorted(saved)[:2]
+            raise ValueError(
+                f"{api}: {path!r} is not a checkpoint of this model: only {len(found)} of its "
+                f"{len(want)} model keys are there (e.g. {next(k for k in want if k not in saved)!r} "
+                f"is missing; the checkpoint has {example_saved})"
+            )
+        for key, v in want.items():
+            if key not in saved:
+                if strict:
+                    raise ValueError(f"{api}: key {key!r} is missing from checkpoint {path!r}")
+                model_tpl.pop(key[len(MODEL_KEY) + 1:])
+                continue
+            if isinstance(v, torch.Tensor):
+                _check_tensor(api, key, saved[key], v, path)
+        if strict:
+            extra = sorted(have_model - set(want))
+            if extra:
+                raise ValueError(
+                    f"{api}: checkpoint {path!r} has {len(extra)} model key(s) the model lacks, e.g. "
+                    f"{extra[0]!r} (strict=True)"
+                )
+        if optimizer is not None:
+            osd = optimizer_state_dict(model, optimizer)
+            groups_tpl = [{k: copy.deepcopy(v) for k, v in g.items()} for g in osd["param_groups"]]
+            params = {fqn: p for fqn, p in model.named_parameters()}
+            opt_fqns = list(chain.from_iterable(g["params"] for g in osd["param_groups"]))
+            state_keys = [k for k in saved if k.startswith(f"{OPTIM_KEY}.state.")]
+            if not any(k.startswith(f"{OPTIM_KEY}.") for k in saved):
+                raise ValueError(f"{api}: checkpoint {path!r} has no optimizer state (no {OPTIM_KEY!r} keys)")
+            claimed: set[str] = set()
+            for fqn in opt_fqns:
+                prefix = f"{OPTIM_KEY}.state.{fqn}."
+                for key in state_keys:
+                    if not key.startswith(prefix):
+                        continue
+                    claimed.add(key)
+                    name = key[len(prefix):]
+                    tmeta = saved[key]
+                    if isinstance(tmeta, BytesStorageMetadata):
+                        buf: Any = None  # a non-tensor state value: loaded as bytes
+                        state_tpl.setdefault(fqn, {})[name] = buf
+                        continue
+                    buf = _state_template(api, params[fqn], fqn, name, tmeta)
+                    if buf is not None:
+                        _check_tensor(api, key, tmeta, buf, path)
+                        state_tpl.setdefault(fqn, {})[name] = buf
+            unclaimed = sorted(set(state_keys) - claimed)
+            if unclaimed and strict:
+                raise ValueError(
+                    f"{api}: checkpoint {path!r} has optimizer state for a parameter the optimizer "
+                    f"does not hold: {unclaimed[0]!r} (strict=True)"
+                )
+            flat_groups = _flat_keys(f"{OPTIM_KEY}.param_groups", groups_tpl)
+            for key in flat_groups:
+                if key not in saved:
+                    raise ValueError(
+                        f"{api}: optimizer param group entry {key!r} is missing from checkpoint "
+                        f"{path!r} (another optimizer or another param-group layout?)"
+                    )
+            extra_groups = sorted(
+                k for k in saved if k.startswith(f"{OPTIM_KEY}.param_groups.") and k not in flat_groups
+            )
+            if extra_groups:
+                raise ValueError(
+                    f"{api}: checkpoint {path!r} has optimizer param group entry {extra_groups[0]!r} "
+                    "that this optimizer lacks (another optimizer or another param-group layout?)"
+                )
+            optim_tpl = {"state": state_tpl, "param_groups": groups_tpl}
+        sd_keys = [f"{MODEL_KEY}.{k}" for k in model_tpl]
+        if optimizer is not None:
+            sd_keys += [f"{OPTIM_KEY}.state.{f}.{n}" for f, st in state_tpl.items() for n in st]
+            sd_keys += list(_flat_keys(f"{OPTIM_KEY}.param_groups", groups_tpl))
+        check_files(path, md, sd_keys, api)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        error = _err(e)
+    _raise_agreed(error, process_group)
+
+    # Non-tensor optimizer state needs a placeholder DCP can replace.
+    for st in state_tpl.values():
+        for n, v in st.items():
+            if v is None:
+                st[n] = b""
+    sd: dict[str, Any] = {MODEL_KEY: model_tpl}
+    if optimizer is not None:
+        sd[OPTIM_KEY] = optim_tpl
+    try:
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        dcp.load(sd, checkpoint_id=path, process_group=process_group,
+                 planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    except CheckpointException as e:
+        raise RuntimeError(f"{api}: reading checkpoint {path!r} failed; the model and optimizer "
+                           f"are unchanged:\n{e}") from None
+    except Exception as e:  # noqa: BLE001
+        raise RuntimeError(f"{api}: reading checkpoint {path!r} failed ({type(e).__name__}: {e}); "
+                           "the model and optimizer are unchanged") from e
+    model_tpl = sd[MODEL_KEY]
+
+    error = None
+    if optimizer is not None:
+        loaded_groups = sd[OPTIM_KEY]["param_groups"]
+        live_groups = optimizer_state_dict(model, optimizer)["param_groups"]
+        for i, (g, live) in enumerate(zip(loaded_groups, live_groups)):
+            if list(g["params"]) != list(live["params"]):
+                diff = next((a, b) for a, b in zip(list(g["params"]) + [None] * len(live["params"]),
+                                                   list(live["params"]) + [None] * len(g["params"])) if a != b)
+                error = (f"ValueError|{api}: param group {i} of checkpoint {path!r} holds other "
+                         f"parameters than the optimizer's (first difference: checkpoint {diff[0]!r}, "
+                         f"optimizer {diff[1]!r})")
+                break
+    _raise_agreed(error, process_group)
+
+    # ---- apply (cannot fail on validated input)
+    if optimizer is not None:
+        optimizer.load_state_dict({"state": sd[OPTIM_KEY]["state"], "param_groups": sd[OPTIM_KEY]["param_groups"]})
+    live = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for k, v in model_tpl.items():
+            target = live[k]
+            if isinstance(target, torch.Tensor):
+                dst = local_tensor(target)
+                src = local_tensor(v)
+                if dst.numel():
+                    dst.copy_(src)
+            else:  # pragma: no cover - non-tensor extra state
+                pass

@@ -1,0 +1,221 @@
+"""Optimizer state in checkpoint form: local state tensors <-> DTensors with the parameter's layout.
+
+[Note: optimizer state in state dicts]
+The matrix optimizers keep the state of a DTensor parameter as *plain local tensors* (``step()``
+never touches a DTensor, so it never communicates). DCP can only reshard what it can place in the
+global tensor, so ``MatrixOptimizer.state_dict()`` presents every state tensor of a DTensor
+parameter as a DTensor (:func:`present_state`), and ``load_state_dict`` accepts those DTensors
+(or plain local tensors, as before) and keeps their local tensors (:func:`accept_state`):
+
+* **owned parameter** (``matrixfsdp.owned_of(p)`` is set): every non-scalar state tensor
+  (momentum, Adam moments, Shampoo/SOAP factors ``L``/``R``, roots, eigenbases ``QL``/``QR``)
+  and its 0-dim ``step`` counter become ``[Replicate()]`` (owned) DTensors on the parameter's
+  one-rank owner mesh, with the state tensor's own shape. Only the owner has the data; once it
+  has state, every other rank presents the same keys as empty owned DTensors (shapes from the
+  optimizer's state initializer run on a ``meta`` tensor), so all ranks hold the same keys (DCP's
+  full state dict gathers them key by key) and DCP writes each one once, as one full chunk, from
+  the owner;
+* **evenly sharded (``Shard(0)``) or any other DTensor parameter** (also stock FSDP2's): a state
+  tensor with the local shard's shape becomes a DTensor with the parameter's mesh, placements and
+  global shape; DCP writes each rank's rows;
+* a parameter whose local tensor is empty (an owned one on a non-owner) gets an empty state
+  entry, so ``set_optimizer_state_dict(strict=True)`` finds nothing missing;
+* scalars of evenly sharded parameters (the 0-dim ``step`` counters) stay plain tensors: every
+  rank with a non-empty shard has the same value and DCP's de-duplication writes it once.
+
+The DTensors alias the live state tensors (no copy): ``dcp.save`` reads them, ``dcp.load`` writes
+into them in place. Loading then reshards like any FSDP2 state: the saved chunk(s) of a tensor are
+read into whatever layout the *loading* optimizer presents (a new owner, ``Shard(0)`` rows, or a
+plain tensor in a single process), so optimizer state follows its parameter.
+
+State whose *keys* depend on history would not survive that template-driven load (DCP only loads
+keys the loading side presents): Shampoo's inverse roots appear only once preconditioning starts.
+``_state_placeholders`` (a class attribute, ``{key: key it accompanies}``) makes ``state_dict()``
+present such keys as zeros when absent, and ``load_state_dict`` drops them again when they are
+still all zero (a real inverse root is positive definite, never zero).
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ..placement.owned import empty_local, local_tensor, owned_of, owner_meshes, wrap_dtensor
+from .._replicate.buckets import replica_of
+
+if TYPE_CHECKING:
+    from ..optim._base import MatrixOptimizer
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate
+except ImportError:  # pragma: no cover - torch without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+__all__ = ["present_state", "accept_state"]
+
+
+def _as_dtensor(opt_name: str, key: str, p: Tensor, value: Any) -> Any:
+    """``value`` (a local state tensor of DTensor parameter ``p``) as a DTensor; see the Note."""
+    if not isinstance(value, Tensor) or isinstance(value, DTensor):
+        return value
+    info = owned_of(p)
+    if value.ndim == 0 and info is None:
+        return value  # an even parameter's step counter: the same on every rank with a shard
+    if info is not None:
+        if info.mesh is None:  # pragma: no cover - make_sharded_param always sets it
+            raise RuntimeError(f"{opt_name}.state_dict: owned parameter without a mesh ({key})")
+        mesh, placements, shape = owner_meshes(info.mesh)[info.owner], (Replicate(),), tuple(value.shape)
+    else:
+        local = local_tensor(p)
+        if tuple(value.shape) != tuple(local.shape):
+            raise RuntimeError(
+                f"{opt_name}.state_dict: state {key!r} of a DTensor parameter with placements "
+                f"{p.placements} has shape {tuple(value.shape)}, not the local shard's shape "  # type: ignore[attr-defined]
+                f"{tuple(local.shape)}; only owned (whole-matrix) parameters may carry state of "
+                "another shape"
+            )
+        mesh, placements, shape = p.device_mesh, tuple(p.placements), tuple(p.shape)  # type: ignore[attr-defined]
+    return wrap_dtensor(value, mesh, placements, shape)
+
+
+def _param_list(opt: torch.optim.Optimizer) -> list[Tensor]:
+    return list(chain.from_iterable(g["params"] for g in opt.param_groups))
+
+
+def present_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
+    """Turn ``Optimizer.state_dict()``'s local state of DTensor parameters into DTensors.
+
+    Returns a new ``"state"`` mapping (the live per-parameter dicts are never mutated).
+    """
+    name = type(opt).__name__
+    params = _param_list(opt)
+    placeholders = getattr(opt, "_state_placeholders", {})
+    state: dict[Any, Any] = {}
+    for idx, st in sd["state"].items():
+        p = params[idx]
+        st = dict(st)
+        for key, dep in placeholders.items():
+            if key not in st and isinstance(st.get(dep), Tensor):
+                st[key] = torch.zeros_like(st[dep])
+        if DTensor is not None and isinstance(p, DTensor):
+            st = {k: _as_dtensor(name, f"state[{idx}][{k!r}]", p, v) for k, v in st.items()}
+        state[idx] = st
+    # A DTensor parameter whose local tensor is empty (an owned parameter on a non-owner, an
+    # empty even shard) never has state here, nor has one never stepped. Once its owner has state, a
+    # non-owner presents the
+    # same keys, as empty owned DTensors of the owner's global shapes (the optimizer's own state
+    # initializer run on a meta tensor): every rank then holds the same keys, which DCP's full
+    # state dict gathers key by key. Otherwise an explicit empty entry (on every rank alike) tells
+    # set_optimizer_state_dict(strict=True) that nothing is missing.
+    remote = opt._remote_state
+    for idx, p in enumerate(params):
+        replica = replica_of(p)
+        if replica is not None:
+            if p.requires_grad:
+                state[idx] = _replica_entry(opt, p, replica, state.get(idx))
+            continue
+        if idx not in state and DTensor is not None and isinstance(p, DTensor) and p.requires_grad:
+            info = owned_of(p)
+            remote_entry = info is not None and id(p) in remote and local_tensor(p).numel() == 0
+            state[idx] = _remote_entry(opt, p, info) if remote_entry else {}
+    return {**sd, "state": dict(sorted(state.items()))}
+
+
+def _remote_entry(opt: "MatrixOptimizer", p: Tensor, info: Any) -> dict[str, Any]:
+    """The keys and global shapes of the owner's state of ``p``, as empty owned DTensors."""
+    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+    schema = opt._state_schema(p, group)
+    mesh = owner_meshes(info.mesh)[info.owner]
+    local = local_tensor(p)
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if isinstance(v, Tensor):
+            shape = tuple(v.shape)
+            v = wrap_dtensor(empty_local(shape, v.dtype, local.device), mesh, (Replicate(),), shape)
+        out[k] = v
+    return out
+
+
+def _replica_entry(opt: "MatrixOptimizer", p: Tensor, info: Any, st: dict[str, Any] | None) -> dict[str, Any]:
+    """State of a ``matrixfsdp.replicate`` parameter, as owned DTensors on its owner's one-rank
+    mesh: the same checkpoint layout as ``fully_shard``'s owned parameters. Every rank presents
+    every trainable parameter's keys without communicating: non-owners as empty owned DTensors,
+    the owner its state or, before its first step, the state a first step starts from (the
+    [Note: state-initialization step] state: loading it is the same as having none)."""
+    if not info.is_local:
+        return _remote_entry(opt, p, info)
+    if not st:
+        group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+        st = opt._state_schema(p, group, like=p.detach())
+    mesh = owner_meshes(info.mesh)[info.owner]
+    return {k: wrap_dtensor(v, mesh, (Replicate(),), tuple(v.shape)) if isinstance(v, Tensor) else v
+            for k, v in st.items()}
+
+
+def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`present_state` for ``load_state_dict``: DTensor values become their
+    local tensors (checked against the parameter's layout); state of an owned parameter on a
+    non-owner is dropped; placeholders still all zero are dropped."""
+    name = type(opt).__name__
+    saved_ids = list(chain.from_iterable(g["params"] for g in sd["param_groups"]))
+    id_map = dict(zip(saved_ids, _param_list(opt)))
+    placeholders = getattr(opt, "_state_placeholders", {})
+    state: dict[Any, Any] = {}
+    for key, st in sd["state"].items():
+        p = id_map.get(key)
+        if p is None or not isinstance(st, dict):
+            state[key] = st
+            continue
+        out: dict[str, Any] = {}
+        replica = replica_of(p)
+        if replica is not None:  # matrixfsdp.replicate: only the owner keeps state
+            if replica.is_local:
+                state[key] = {k: local_tensor(v) if isinstance(v, Tensor) else v for k, v in st.items()
+                              if not (k in placeholders and isinstance(v, Tensor) and not bool(torch.any(v)))}
+            continue
+        is_dt = DTensor is not None and isinstance(p, DTensor)
+        info = owned_of(p)
+        if is_dt and info is not None and info.mesh is not None and info.mesh.get_local_rank() != info.owner:
+            if st:  # non-owners keep no state for an owned parameter, only that its owner has some
+                opt._remote_state.add(id(p))
+            continue
+        for k, v in st.items():
+            if DTensor is not None and isinstance(v, DTensor):
+                if not is_dt:
+                    v = v.full_tensor()  # a sharded state dict into a plain parameter
+                else:
+                    v = _check_local(name, key, k, p, v)
+            elif is_dt and isinstance(v, Tensor) and v.ndim > 0 and info is None:
+                local = local_tensor(p)
+                if tuple(v.shape) != tuple(local.shape):
+                    raise ValueError(
+                        f"{name}.load_state_dict: state {k!r} of parameter {key!r} has shape "
+                        f"{tuple(v.shape)} but this rank's shard of the parameter has shape "
+                        f"{tuple(local.shape)}; load sharded state with torch.distributed.checkpoint"
+                    )
+            if k in placeholders and isinstance(v, Tensor) and not bool(torch.any(v)):
+                continue
+            out[k] = v
+        state[key] = out
+    return {**sd, "state": state}
+
+
+def _check_local(name: str, key: Any, k: str, p: Tensor, v: Any) -> Tensor:
+    info = owned_of(p)
+    if info is None and (v.device_mesh != p.device_mesh or tuple(v.placements) != tuple(p.placements)):
+        raise ValueError(
+            f"{name}.load_state_dict: state {k!r} of parameter {key!r} is a DTensor with "
+            f"placements {tuple(v.placements)} on {v.device_mesh}, but the parameter has "
+            f"{tuple(p.placements)} on {p.device_mesh}; load it with torch.distributed.checkpoint "
+            "(get_state_dict + dcp.load + set_state_dict), which reshards"
+        )
+    local = local_tensor(v)
+    if info is None and v.shape != p.shape:
+        raise ValueError(
+            f"{name}.load_state_dict: state {k!r} of parameter {key!r} has global shape "
+            f"{tuple(v.shape)} but the parameter has {tuple(p.shape)}"
+        )
+    return local

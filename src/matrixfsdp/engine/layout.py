@@ -1,0 +1,253 @@
+"""Segment math for one wrapped block: who stores which rows, and where they travel.
+
+Pure functions of an :class:`~matrixfsdp._plan.OwnerPlan`'s parameters and the world size: no
+process group, no tensor. The runtime (``_block.py``) turns these numbers into buffer views and
+collective split sizes; the property tests in ``tests/test_layout.py`` pin the invariants.
+
+[Note: chunks and pieces]
+Every parameter is partitioned along dim 0 into ``W`` contiguous row ranges in rank order (see
+[Note: row segments] in ``_plan.py``). A *piece* is one non-empty row range of one parameter on
+one rank; since rows are contiguous in a row-major tensor, a piece is also a contiguous range
+``[flat_start, flat_start + numel)`` of the flattened parameter. Rank ``r``'s *chunk* is the
+concatenation of its pieces in parameter order: ``chunk_numel[r]`` elements, piece ``p`` at
+``p.offset``. Chunks are the unit on the wire, in both directions:
+
+* materialization (``all_gather_segments``): rank ``r`` sends its chunk to every peer and receives
+  every peer's chunk; its receive buffer holds the peers' chunks in rank order, *without* its own
+  (the owner computes on its own storage, see [Note: owner buffer lifetime] in ``_block.py``);
+* reduction (``reduce_scatter_segments``): every rank lays its full gradients out as all ``W``
+  chunks in rank order (chunk ``d`` = the rows rank ``d`` stores, followed by ``extra`` scalars,
+  the usage flags); the reduce-scatter leaves chunk ``r`` summed on rank ``r``.
+
+A parameter with exactly one piece (every owned parameter, and even ones with fewer rows than
+ranks' chunks) is contiguous in whichever buffer holds that piece, so the runtime views it in
+place; a parameter with several pieces (even placement) is assembled by copying its pieces into
+a parameter-major buffer (``assembled_offset``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..planner.record import ParamPlan
+
+__all__ = ["Piece", "ParamLayout", "BlockLayout", "GatherSplits"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One non-empty row segment of one parameter, stored on one rank."""
+
+    param: int  #: index into :attr:`BlockLayout.params`
+    rank: int
+    row_start: int
+    row_end: int
+    flat_start: int  #: element offset in the flattened full parameter
+    numel: int
+    offset: int  #: element offset in the rank's chunk
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """The row split of one parameter (``rows[r]`` = the ``[start, end)`` rank ``r`` stores)."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    owner: int | None
+    rows: tuple[tuple[int, int], ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def row_numel(self) -> int:
+        """Elements per row (a 0-dim parameter is one row of one element)."""
+        return math.prod(self.shape[1:]) if self.shape else 1
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        """Shape of ``rank``'s local tensor: ``[rows, *shape[1:]]`` (0-dim: ``()`` on the owner)."""
+        start, end = self.rows[rank]
+        if not self.shape:
+            return () if end > start else (0,)
+        return (end - start, *self.shape[1:])
+
+
+@dataclass(frozen=True)
+class GatherSplits:
+    """What one rank passes to an uneven all-to-all that materializes a block.
+
+    ``input_splits[d]`` elements go to rank ``d`` (the whole chunk to every peer, 0 to self);
+    ``output_splits[s]`` elements arrive from rank ``s`` at ``recv_offsets[s]`` of the receive
+    buffer (0 from self).
+    """
+
+    send_numel: int
+    input_splits: tuple[int, ...]
+    output_splits: tuple[int, ...]
+    recv_offsets: tuple[int, ...]
+
+    @property
+    def recv_numel(self) -> int:
+        return sum(self.output_splits)
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Chunk layout of a block's parameters (see [Note: chunks and pieces]).
+
+    Example::
+
+        layout = BlockLayout.from_plans(plan.params_of_block("blocks.0"), plan.world_size)
+        layout.chunk_numel        # elements each rank stores for the block
+        layout.gather_splits(r)   # all-to-all split sizes for rank r
+        layout.reduce_splits(extra=len(layout.params))  # reduce-scatter sizes, one flag per param
+    """
+
+    world_size: int
+    params: tuple[ParamLayout, ...]
+
+    def __post_init__(self) -> None:
+        W = self.world_size
+        if W < 1:
+            raise ValueError(f"BlockLayout: world_size must be >= 1, got {W}")
+        for p in self.params:
+            if len(p.rows) != W:
+                raise ValueError(f"BlockLayout: {p.fqn!r} has {len(p.rows)} row ranges for W={W}")
+            n = p.shape[0] if p.shape else 1
+            pos = 0
+            for start, end in p.rows:
+                # Row ranges are in rank order and tile [0, n); an empty range may sit anywhere.
+                if end < start or (end > start and start != pos):
+                    raise ValueError(f"BlockLayout: {p.fqn!r} rows {p.rows} do not tile [0, {n})")
+                pos = max(pos, end)
+            if pos != n:
+                raise ValueError(f"BlockLayout: {p.fqn!r} rows {p.rows} do not tile [0, {n})")
+
+    # ----------------------------------------------------------------------------- construction
+    @classmethod
+    def from_plans(cls, plans: Sequence[ParamPlan], world_size: int) -> "BlockLayout":
+        """The layout of ``plans`` (in the given order) over ``world_size`` ranks."""
+        return cls(
+            world_size=world_size,
+            params=tuple(
+                ParamLayout(
+                    fqn=p.fqn,
+                    shape=tuple(p.shape),
+                    owner=p.owner,
+                    rows=tuple(p.local_rows(r, world_size) for r in range(world_size)),
+                )
+                for p in plans
+            ),
+        )
+
+    # ----------------------------------------------------------------------------- pieces
+    @functools.cached_property
+    def pieces(self) -> tuple[Piece, ...]:
+        """All non-empty pieces, rank-major (the wire order), parameters in order within a rank."""
+        out = []
+        for r in range(self.world_size):
+            offset = 0
+            for i, p in enumerate(self.params):
+                start, end = p.rows[r]
+                if end == start or p.row_numel == 0:
+                    continue
+                numel = (end - start) * p.row_numel
+                out.append(Piece(i, r, start, end, start * p.row_numel, numel, offset))
+                offset += numel
+        return tuple(out)
+
+    @functools.cached_property
+    def _by_rank(self) -> tuple[tuple[Piece, ...], ...]:
+        return tuple(tuple(q for q in self.pieces if q.rank == r) for r in range(self.world_size))
+
+    @functools.cached_property
+    def _by_param(self) -> tuple[tuple[Piece, ...], ...]:
+        return tuple(tuple(q for q in self.pieces if q.param == i) for i in range(len(self.params)))
+
+    def pieces_of_rank(self, rank: int) -> tuple[Piece, ...]:
+        """Rank ``rank``'s pieces in chunk order."""
+        return self._by_rank[rank]
+
+    def pieces_of_param(self, index: int) -> tuple[Piece, ...]:
+        """Parameter ``index``'s pieces in rank (= row) order."""
+        return self._by_param[index]
+
+    @functools.cached_property
+    def chunk_numel(self) -> tuple[int, ...]:
+        """Elements rank ``r`` stores for this block (the size of its chunk)."""
+        return tuple(sum(q.numel for q in self._by_rank[r]) for r in range(self.world_size))
+
+    @property
+    def numel(self) -> int:
+        """Elements of the whole block (every parameter in full)."""
+        return sum(p.numel for p in self.params)
+
+    # ----------------------------------------------------------------------------- materialization
+    def gather_splits(self, rank: int) -> GatherSplits:
+        """Split sizes of the uneven all-to-all that materializes the block on ``rank``."""
+        W, chunk = self.world_size, self.chunk_numel
+        inp = tuple(chunk[rank] if d != rank else 0 for d in range(W))
+        out = tuple(chunk[s] if s != rank else 0 for s in range(W))
+        offs, acc = [], 0
+        for n in out:
+            offs.append(acc)
+            acc += n
+        return GatherSplits(chunk[rank], inp, out, tuple(offs))
+
+    def single_piece(self, index: int) -> Piece | None:
+        """The parameter's only piece if it has exactly one (then it is contiguous in place)."""
+        ps = self._by_param[index]
+        return ps[0] if len(ps) == 1 else None
+
+    @functools.cached_property
+    def _assembled(self) -> tuple[tuple[int | None, ...], int]:
+        offs: list[int | None] = []
+        acc = 0
+        for i, p in enumerate(self.params):
+            if len(self._by_param[i]) > 1:
+                offs.append(acc)
+                acc += p.numel
+            else:
+                offs.append(None)
+        return tuple(offs), acc
+
+    def assembled_offset(self, index: int) -> int | None:
+        """Offset of a multi-piece parameter in the assembled buffer (``None``: single piece)."""
+        return self._assembled[0][index]
+
+    @property
+    def assembled_numel(self) -> int:
+        """Size of the parameter-major buffer multi-piece parameters are copied into."""
+        return self._assembled[1]
+
+    # ----------------------------------------------------------------------------- reduction
+    def reduce_splits(self, extra: int = 0) -> tuple[int, ...]:
+        """Per-destination sizes of the reduce-scatter input: chunk ``d`` plus ``extra`` scalars."""
+        return tuple(n + extra for n in self.chunk_numel)
+
+    def reduce_offsets(self, extra: int = 0) -> tuple[int, ...]:
+        """Where chunk ``d`` starts in the reduce-scatter input."""
+        offs, acc = [], 0
+        for n in self.reduce_splits(extra):
+            offs.append(acc)
+            acc += n
+        return tuple(offs)
+
+    # ----------------------------------------------------------------------------- accounting
+    def gather_bytes(self, rank: int, itemsize: int) -> tuple[int, int]:
+        """``(sent, received)`` bytes of ``rank`` for one materialization."""
+        s = self.gather_splits(rank)
+        return sum(s.input_splits) * itemsize, s.recv_numel * itemsize
+
+    def reduce_bytes(self, rank: int, itemsize: int, extra: int = 0) -> tuple[int, int]:
+        """``(sent, received)`` bytes of ``rank`` for one reduction, counted as a direct
+        reduce-scatter: each rank sends every peer that peer's chunk and receives ``W - 1``
+        contributions to its own. Summed over ranks this equals a ring reduce-scatter of the same
+        chunks, ``(W - 1) * total``."""
+        splits = self.reduce_splits(extra)
+        mine = splits[rank]
+        return (sum(splits) - mine) * itemsize, (self.world_size - 1) * mine * itemsize

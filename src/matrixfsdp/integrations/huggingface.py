@@ -1,0 +1,103 @@
+"""Hugging Face ``transformers`` models under matrixfsdp: writing a ``save_pretrained`` folder.
+
+``PreTrainedModel.save_pretrained`` on a sharded model reads ``model.state_dict()``: owned
+parameters there are DTensors whose local tensor is empty on every rank but the owner, so
+transformers sees many empty tensors at the same address and refuses with a misleading "shared
+tensors" error (and even where it did not, it would write empty shards). :func:`save_pretrained`
+gathers each full tensor first (one broadcast per tensor, from its owner, in ``state_dict`` order
+on every rank), keeps it only on rank 0, and lets rank 0 run transformers' own
+``save_pretrained(state_dict=...)``: config, generation config, safetensors, tied weights written
+once (aliased keys map to one gathered tensor, which transformers de-duplicates as for an
+unsharded model).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = ["save_pretrained", "gather_full_state_dict"]
+
+
+def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True, api: str = "matrixfsdp.checkpoint") -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every sharded tensor replaced by its full value, on CPU.
+
+    A collective: call on every rank. With ``rank0_only`` the other ranks get ``{}`` and hold at
+    most one full tensor at a time. Keys that alias one parameter (tied weights) map to one
+    tensor object, as in an unsharded model's state dict.
+    """
+    from ..checkpoint.dcp import _check_sharded, drop_stale_state
+    from ..placement.owned import full_tensor
+
+    drop_stale_state(model)
+    _check_sharded(model, api)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    keep = rank == 0 or not rank0_only
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[int, torch.Tensor] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            if keep:
+                out[key] = seen[id(t)]
+            continue
+        full = full_tensor(t).detach()
+        if keep:
+            full = full.cpu()
+            seen[id(t)] = full
+            out[key] = full
+        else:
+            seen[id(t)] = None  # type: ignore[assignment]
+    return out
+
+
+def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs: Any) -> str:
+    """Write a Hugging Face ``save_pretrained`` folder from a (sharded) ``transformers`` model.
+
+    Call on every rank (a collective): full tensors are gathered from their owners, rank 0 calls
+    ``model.save_pretrained(save_directory, state_dict=full, **kwargs)`` (config, generation
+    config, safetensors; tied weights written once, as transformers does), and every rank
+    returns after the write, or raises the same error. Works unchanged on an unsharded model.
+    ``from_pretrained(save_directory)`` then loads it anywhere. Returns ``save_directory``.
+
+    Example::
+
+        matrixfsdp.checkpoint.save_pretrained(model, "out/qwen3-finetuned")   # every rank
+        model = Qwen3ForCausalLM.from_pretrained("out/qwen3-finetuned")        # one process
+    """
+    from ..checkpoint.dcp import _err, _raise_agreed
+
+    api = "matrixfsdp.checkpoint.save_pretrained"
+    if not callable(getattr(model, "save_pretrained", None)) or not hasattr(model, "config"):
+        raise TypeError(f"{api}: model must be a transformers PreTrainedModel (with save_pretrained "
+                        f"and config), got {type(model).__name__}")
+    for bad in ("state_dict", "is_main_process"):
+        if bad in kwargs:
+            raise ValueError(f"{api}: {bad}= is chosen by {api} itself, got {bad}= in kwargs")
+    error = None
+    full: dict[str, torch.Tensor] = {}
+    try:
+        full = gather_full_state_dict(model, api=api)
+    except (ValueError, RuntimeError) as e:
+        error = _err(e)
+    _raise_agreed(error)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank == 0:
+        try:
+            model.save_pretrained(save_directory, state_dict=full, is_main_process=True, **kwargs)
+            # transformers records type(model).__name__ (stripping torch's "FSDP" prefix only):
+            # write the user's class, which tools that read "architectures" (pipelines, vLLM) need
+            from .._fully_shard.init import cls_name
+
+            if getattr(model.config, "architectures", None) != [cls_name(model)]:
+                model.config.architectures = [cls_name(model)]
+                model.config.save_pretrained(save_directory)
+        except Exception as e:  # every rank must learn it
+            error = _err(RuntimeError(f"{api}: writing {os.fspath(save_directory)!r} failed: "
+                                      f"{type(e).__name__}: {e}"))
+    del full
+    _raise_agreed(error)
+    return os.fspath(save_directory)

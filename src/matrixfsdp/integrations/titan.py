@@ -1,0 +1,362 @@
+"""Train with matrixfsdp from a torchtitan (0.3.x) training config.
+
+From the command line (no registration in torchtitan: ``--module`` takes any importable module)::
+
+    torchrun --nproc-per-node 8 -m torchtitan.train --module matrixfsdp.titan --config qwen3_debugmodel_muon
+
+From Python, convert any dense Llama3/Qwen3 config::
+
+    from torchtitan.models.qwen3.config_registry import qwen3_14b
+    import matrixfsdp.titan
+    config = matrixfsdp.titan.with_matrixfsdp(qwen3_14b(), optimizer="Muon", lr=0.02, adamw_lr=3e-4)
+
+What the conversion does:
+
+* ``model_spec.parallelize_fn`` becomes :func:`parallelize_matrixfsdp`: activation checkpointing
+  as configured, then ``plan_owners`` over the decoder layers and ``matrixfsdp.fully_shard`` of
+  every layer and of the root on torchtitan's ``"fsdp"`` mesh (mixed precision and
+  ``fsdp_reshard_after_forward`` from the config), summed gradients (torchtitan normalizes the
+  loss by the global token count), full-tensor parameter initialization (see below) and
+  matrixfsdp's gradient clipping;
+* the optimizer becomes :class:`MatrixOptimizersContainer` (``"Muon"``, ``"Shampoo"`` or
+  ``"SOAP"``; torchtitan's own names still work): owned matrices get the matrix rule, every
+  other parameter AdamW, in separate param groups so the LR schedule scales both;
+* ``parallelism.spmd_backend = "partial_dtensor"`` (the "spmd_types" path parallelizes the model
+  itself), ``training.disable_cuda_graphs = True`` (the runtime's hooks run Python between kernels). A
+  ``ChunkedLossWrapper`` loss is kept: it runs the output head outside the model's forward, where
+  the root's unsharded parameters stay in place (``reshard_after_forward=False`` for the root, as
+  FSDP2).
+
+Initialization: torchtitan runs ``nn.init`` functions on the parameters after ``to_empty``; on
+owned DTensors some raise on non-owners (``trunc_normal_``) and random ones would advance only
+the owner's generator. Every torchtitan module's ``_init_param`` is therefore redirected to run
+the same initializer on a full temporary tensor -- every rank draws the same numbers, torchtitan
+seeds all ranks alike -- and keep its segment (``matrixfsdp.set_full_``): the sharded model starts
+from exactly the parameters an unsharded run with the same seed would, at any world size.
+
+Activation checkpointing as configured is applied first; the block sharded is the wrapped inner
+layer (the recomputation runs it without the wrapper's hooks). Modules that torchtitan initializes
+with ``reset_parameters()`` (no ``param_init``) are also initialized on full tensors.
+
+Not supported (clear errors): tensor/context/expert/pipeline parallelism, HSDP
+(``dp_replicate > 1``), CPU offload, ``torch.compile`` of the model, MoE (parameters with more
+than 2 dimensions). The clipping dispatch replaces ``torchtitan.distributed.utils.clip_grad_norm_``
+process-wide with a wrapper that calls the original for models without matrixfsdp parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import types
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .. import optim as _optim
+from ..placement.clip import clip_grad_norm_ as _mfsdp_clip
+from ..placement.owned import owned_of, set_full_
+from ..planner.planner import plan_owners
+from .._fully_shard import MixedPrecisionPolicy, fully_shard, get_state
+
+try:
+    import torchtitan  # noqa: F401
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+except ImportError as e:  # pragma: no cover - exercised only without torchtitan
+    raise ImportError(
+        "matrixfsdp.titan needs torchtitan (pip install -c constraints.txt 'matrixfsdp[titan]'); "
+        f"importing it failed: {e}"
+    ) from e
+
+__all__ = [
+    "parallelize_matrixfsdp",
+    "MatrixOptimizersContainer",
+    "with_matrixfsdp",
+    "qwen3_debugmodel_muon",
+]
+
+API = "matrixfsdp.titan"
+_MATRIX_OPTIMIZERS = {"Muon": _optim.Muon, "Shampoo": _optim.Shampoo, "SOAP": _optim.SOAP}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ================================================================================ parallelize
+def parallelize_matrixfsdp(
+    model: nn.Module,
+    *,
+    parallel_dims: Any,
+    training: Any,
+    parallelism: Any,
+    compile_config: Any,
+    ac_config: Any,
+    dump_folder: str,
+    skip_dp: bool = False,
+    policy: str = "balanced",
+    plan_optimizer: str = "muon",
+    collectives: str = "all_to_all",
+) -> nn.Module:
+    """torchtitan ``ModelSpec.parallelize_fn`` applying matrixfsdp's ``fully_shard``.
+
+    Called by torchtitan's Trainer on the meta-device model (keywords as torchtitan passes them);
+    ``policy``/``plan_optimizer``/``collectives`` are bound by :func:`with_matrixfsdp` and go to
+    ``plan_owners(policy=, optimizer=)`` and ``fully_shard(collectives=)``.
+    """
+    unsupported = [name for name, on in (
+        ("tensor parallelism", parallel_dims.tp_enabled), ("context parallelism", parallel_dims.cp_enabled),
+        ("expert parallelism", parallel_dims.ep_enabled), ("pipeline parallelism", parallel_dims.pp_enabled),
+        ("HSDP (dp_replicate > 1)", parallel_dims.dp_replicate_enabled),
+        ("CPU offload", bool(getattr(training, "enable_cpu_offload", False))),
+        ("torch.compile of the model", bool(compile_config.enable and "model" in compile_config.components)),
+    ) if on]
+    if unsupported:
+        raise ValueError(f"{API}.parallelize_matrixfsdp: not supported yet: {', '.join(unsupported)}")
+    if parallelism.spmd_backend != "partial_dtensor":
+        raise ValueError(
+            f"{API}.parallelize_matrixfsdp: set parallelism.spmd_backend='partial_dtensor' "
+            f"(with_matrixfsdp does), got {parallelism.spmd_backend=!r}"
+        )
+    high = [fqn for fqn, p in model.named_parameters() if p.ndim > 2]
+    if high:
+        raise ValueError(
+            f"{API}.parallelize_matrixfsdp: parameters with more than 2 dimensions (MoE experts?) are "
+            f"not supported yet, got {high[:3]}{'...' if len(high) > 3 else ''}"
+        )
+    if ac_config is not None:
+        ac_config.build(dump_folder=dump_folder).apply(model)
+    if skip_dp:
+        return model
+    layers = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
+    if not layers:
+        raise ValueError(f"{API}.parallelize_matrixfsdp: the model has no layers")
+    # Activation checkpointing wraps each layer; its recomputation runs the *inner* module (the
+    # wrapper's hooks do not fire), so the inner module is the block we shard.
+    layers = [getattr(layer, "_checkpoint_wrapped_module", layer) for layer in layers]
+    block_types = tuple({type(layer) for layer in layers})
+    mesh = parallel_dims.get_mesh("fsdp")
+    plan = plan_owners(model, mesh, block_types=block_types, policy=policy, optimizer=plan_optimizer)
+    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[training.mixed_precision_param],
+                              reduce_dtype=_DTYPES[training.mixed_precision_reduce])
+    raf = {"default": None, "always": True, "never": False}[parallelism.fsdp_reshard_after_forward]
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, plan=plan, mp_policy=mp, reshard_after_forward=raf,
+                    collectives=collectives)
+    fully_shard(model, mesh=mesh, plan=plan, mp_policy=mp,
+                reshard_after_forward=False if raf is None else raf, collectives=collectives)
+    model.set_gradient_divide_factor(1.0)  # type: ignore[attr-defined]
+    _redirect_param_init(model)
+    _install_clip_dispatch()
+    return model
+
+
+def _redirect_param_init(model: nn.Module) -> None:
+    """Make torchtitan's per-parameter initializers run on full tensors (see the module doc)."""
+    for m in model.modules():
+        _redirect_reset_parameters(m)
+        orig = getattr(m, "_init_param", None)
+        if orig is None or getattr(orig, "_matrixfsdp", False):
+            continue
+
+        def _init_param(self: nn.Module, name: str, param: nn.Parameter, _orig: Any = orig) -> None:
+            fn = (getattr(self, "_param_init", None) or {}).get(name)
+            if not isinstance(param, DTensor) or getattr(fn, "__name__", "") == "skip_param_init":
+                _orig(name, param)  # e.g. a tied embedding: initialized through its other site
+                return
+            local = param._local_tensor
+            full = torch.empty(tuple(param.shape), dtype=param.dtype, device=local.device)
+            with torch.no_grad():
+                _orig(name, full)
+                set_full_(param, full)
+
+        bound = types.MethodType(_init_param, m)
+        bound.__func__._matrixfsdp = True  # type: ignore[attr-defined]
+        m._init_param = bound  # type: ignore[method-assign]
+
+
+def _redirect_reset_parameters(m: nn.Module) -> None:
+    """torchtitan falls back to ``reset_parameters()`` for modules without ``param_init``
+    (protocols/module.py ``_init_self_parameters``); run it on full plain tensors too, so random
+    initializers draw alike on every rank."""
+    orig = getattr(m, "_init_self_parameters", None)
+    if orig is None or getattr(orig, "_matrixfsdp", False):
+        return
+
+    def _init_self_parameters(self: nn.Module, _orig: Any = orig) -> None:
+        own = [(n, p) for n, p in self._parameters.items() if isinstance(p, DTensor)]
+        if getattr(self, "_param_init", None) is not None or not own:
+            _orig()
+            return
+        saved = dict(self._parameters)
+        try:
+            for n, p in own:
+                full = torch.empty(tuple(p.shape), dtype=p.dtype, device=p._local_tensor.device)
+                self._parameters[n] = nn.Parameter(full, requires_grad=p.requires_grad)
+            with torch.no_grad():
+                _orig()
+            fulls = {n: self._parameters[n].detach() for n, _ in own}
+        finally:
+            self._parameters.update(saved)
+        with torch.no_grad():
+            for n, p in own:
+                set_full_(p, fulls[n])
+
+    bound = types.MethodType(_init_self_parameters, m)
+    bound.__func__._matrixfsdp = True  # type: ignore[attr-defined]
+    m._init_self_parameters = bound  # type: ignore[method-assign]
+
+
+def _install_clip_dispatch() -> None:
+    """Route torchtitan's ``clip_grad_norm_`` to matrixfsdp's when matrixfsdp parameters are
+    involved (torch's total norm cannot combine gradients on different owner meshes)."""
+    from torchtitan.distributed import utils as dist_utils
+
+    orig = dist_utils.clip_grad_norm_
+    if getattr(orig, "_matrixfsdp", False):
+        return
+
+    @functools.wraps(orig)
+    def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None,
+                        pp_mesh: Any = None, ep_enabled: bool = False) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if pp_mesh is None and not ep_enabled and any(owned_of(p) is not None for p in params):
+            return _mfsdp_clip(params, max_norm, norm_type, error_if_nonfinite)
+        return orig(params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
+
+    clip_grad_norm_._matrixfsdp = True  # type: ignore[attr-defined]
+    dist_utils.clip_grad_norm_ = clip_grad_norm_
+
+
+# ================================================================================ optimizers
+class MatrixOptimizersContainer(OptimizersContainer):
+    """torchtitan's ``OptimizersContainer`` that also knows ``"Muon"``, ``"Shampoo"`` and ``"SOAP"``
+    (``matrixfsdp.optim``). Each configured group of a matrix optimizer is split in two: the
+    parameters the plan owns as whole matrices (the matrix rule) and the rest (AdamW with the
+    group's ``adamw_lr``/``adamw_*`` settings as its ``lr``/...), so torchtitan's LR schedule,
+    which scales each group's ``lr``, applies to both.
+
+    Example::
+
+        MatrixOptimizersContainer.Config(param_groups=[ParamGroupConfig(
+            pattern=".*", optimizer_name="Muon",
+            optimizer_kwargs={"lr": 0.02, "weight_decay": 0.01, "adamw_lr": 3e-4})])
+    """
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        implementation: str = "for-loop"  # matrixfsdp's optimizers ignore fused/foreach
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torchtitan's flat-state load restores only keys present in the live state after its
+        state-initialization step; state our optimizers create later (Shampoo's inverse roots)
+        would be dropped. Create those keys first (zeros; an all-zero placeholder that stays
+        unloaded is discarded again by the optimizer), then load."""
+        from torchtitan.components.optimizer.utils import init_optim_state, load_flat_optim_state_dict
+
+        for opt in self.optimizers:
+            init_optim_state(opt)
+            for st in opt.state.values():
+                for key, dep in getattr(opt, "_state_placeholders", {}).items():
+                    if key not in st and dep in st:
+                        st[key] = torch.zeros_like(st[dep])
+            load_flat_optim_state_dict(opt, state_dict)
+
+    @staticmethod
+    def _resolve_optimizer_factory(name: str) -> Any:
+        if name in _MATRIX_OPTIMIZERS:
+            return _MATRIX_OPTIMIZERS[name]
+        return OptimizersContainer._resolve_optimizer_factory(name)
+
+    @staticmethod
+    def _build_param_groups(model: nn.Module, param_group_configs: list, impl_kwargs: dict) -> tuple:
+        groups, patterns = OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
+        for name in list(groups):
+            if name not in _MATRIX_OPTIMIZERS:
+                continue
+            split_groups, split_patterns = [], []
+            for g, pat in zip(groups[name], patterns[name]):
+                sharded = any(get_state(m) is not None for m in model.modules())
+                is_matrix = [(owned_of(p) is not None and owned_of(p).kind == "matrix") if sharded
+                             else p.ndim == 2 for p in g["params"]]
+                for want, algo in ((True, "auto"), (False, "adamw")):
+                    idx = [i for i, m in enumerate(is_matrix) if m == want]
+                    if not idx:
+                        continue
+                    ng = {k: v for k, v in g.items() if k not in ("params", "param_names")}
+                    ng["params"] = [g["params"][i] for i in idx]
+                    ng["param_names"] = [g["param_names"][i] for i in idx]
+                    ng["algorithm"] = algo
+                    if algo == "adamw":
+                        for key in ("lr", "weight_decay"):
+                            if ng.get(f"adamw_{key}") is not None:
+                                ng[key] = ng.pop(f"adamw_{key}")
+                            ng.pop(f"adamw_{key}", None)
+                    split_groups.append(ng)
+                    split_patterns.append(f"{pat} [{'matrices' if want else 'element-wise (AdamW)'}]")
+            groups[name], patterns[name] = split_groups, split_patterns
+        return groups, patterns
+
+
+# ================================================================================ configs
+def with_matrixfsdp(
+    config: Any,
+    *,
+    optimizer: str = "Muon",
+    lr: float = 0.02,
+    weight_decay: float = 0.01,
+    adamw_lr: float | None = None,
+    adamw_weight_decay: float | None = None,
+    optimizer_kwargs: dict[str, Any] | None = None,
+    policy: str = "balanced",
+    collectives: str = "all_to_all",
+) -> Any:
+    """Return ``config`` (a torchtitan ``Trainer.Config``) converted to train with matrixfsdp.
+
+    ``optimizer`` is ``"Muon"``, ``"Shampoo"`` or ``"SOAP"`` with ``lr``/``weight_decay`` for the
+    matrices and ``adamw_lr``/``adamw_weight_decay`` for everything else (``adamw_lr=None``: the
+    ``lr`` of the source config's Adam/AdamW group, an error if it has none;
+    ``adamw_weight_decay=None``: ``weight_decay``);
+    ``optimizer_kwargs`` adds further keyword arguments (e.g. ``{"ns_dtype": torch.float32}``).
+    ``policy`` and ``collectives`` go to ``plan_owners`` and ``fully_shard``. See the module
+    documentation for every field this changes.
+
+    Example::
+
+        config = with_matrixfsdp(qwen3_14b(), optimizer="Muon", lr=0.02, adamw_lr=3e-4)
+    """
+    if optimizer not in _MATRIX_OPTIMIZERS:
+        raise ValueError(f"{API}.with_matrixfsdp: optimizer must be one of {sorted(_MATRIX_OPTIMIZERS)}, "
+                         f"got {optimizer=!r}")
+    if config.model_spec is None:
+        raise ValueError(f"{API}.with_matrixfsdp: the config has no model_spec")
+    plan_opt = optimizer.lower()
+    if adamw_lr is None:
+        lrs = [g.optimizer_kwargs["lr"] for g in getattr(config.optimizer, "param_groups", ())
+               if g.optimizer_name in ("Adam", "AdamW") and "lr" in g.optimizer_kwargs]
+        if not lrs:
+            raise ValueError(f"{API}.with_matrixfsdp: pass adamw_lr (the source config has no Adam/AdamW "
+                             "group to take it from)")
+        adamw_lr = float(lrs[0])
+    config = copy.deepcopy(config)  # the caller's config (and its sections) stay untouched
+    config.model_spec = dataclasses.replace(
+        config.model_spec,
+        parallelize_fn=functools.partial(parallelize_matrixfsdp, policy=policy, plan_optimizer=plan_opt,
+                                         collectives=collectives),
+    )
+    kw: dict[str, Any] = {"lr": lr, "weight_decay": weight_decay, "adamw_lr": adamw_lr,
+                          "adamw_weight_decay": adamw_weight_decay, **(optimizer_kwargs or {})}
+    config.optimizer = MatrixOptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name=optimizer, optimizer_kwargs=kw)],
+    )
+    config.parallelism = dataclasses.replace(config.parallelism, spmd_backend="partial_dtensor")
+    config.training = dataclasses.replace(config.training, disable_cuda_graphs=True)
+    return config
+
+
+def qwen3_debugmodel_muon() -> Any:
+    """torchtitan's ``qwen3_debugmodel`` trained by matrixfsdp with Muon (lr 0.02, AdamW 8e-4)."""
+    from torchtitan.models.qwen3.config_registry import qwen3_debugmodel
+
+    return with_matrixfsdp(qwen3_debugmodel(), optimizer="Muon", lr=0.02, adamw_lr=8e-4)

@@ -1,0 +1,96 @@
+"""Gradient clipping for owner-placed parameters.
+
+``torch.nn.utils.clip_grad_norm_`` cannot be used on a matrixfsdp model: owned gradients live on
+one-rank owner meshes, and DTensor refuses to combine tensors of different meshes; under
+``matrixfsdp.replicate`` each gradient exists on its owner only. Every element
+of every gradient lives on exactly one rank (owned: the owner; even: its row shard), so the global
+norm is one all-reduce of the ranks' local partial sums.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .owned import local_tensor, owned_of
+from .._replicate import replica_of
+
+__all__ = ["clip_grad_norm_"]
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of a matrixfsdp model to a global norm of ``max_norm``, in place.
+
+    Same semantics as ``torch.nn.utils.clip_grad_norm_`` (scale by ``max_norm / (norm + 1e-6)``
+    when that is < 1; returns the total norm, a plain tensor, identical on every rank;
+    ``error_if_nonfinite`` raises before touching any gradient). Call on every rank. One
+    all-reduce of a scalar over ``process_group`` (default: the data-parallel mesh's group, taken
+    from the parameters; the default group otherwise). Gradients that are plain tensors (e.g. of
+    ``ignored_params``) are taken as replicated and counted once.
+
+    Example::
+
+        loss.backward()
+        matrixfsdp.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    max_norm, norm_type = float(max_norm), float(norm_type)
+    if max_norm < 0 or math.isnan(max_norm):
+        raise ValueError(f"matrixfsdp.clip_grad_norm_: max_norm must be >= 0, got {max_norm=}")
+    if norm_type <= 0 or math.isnan(norm_type):
+        raise ValueError(f"matrixfsdp.clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type=}")
+    group = process_group
+    if group is None:
+        for p in params:
+            replica = replica_of(p)
+            if replica is not None:
+                group = replica.group
+                break
+            info = owned_of(p)
+            mesh = info.mesh if info is not None else getattr(p, "device_mesh", None)
+            if mesh is not None and mesh.size() > 1:
+                group = mesh.get_group()
+                break
+    grads = [local_tensor(p.grad).detach() for p in params]
+    device = grads[0].device if grads else torch.device("cpu")
+    inf = math.isinf(norm_type)
+    distributed = dist.is_available() and dist.is_initialized()
+    # a replicated (plain) gradient is summed on one rank only; for the max norm it does not matter
+    first = not distributed or inf or dist.get_rank(group) == 0
+    local = torch.zeros((), dtype=torch.float32, device=device)
+    for p, g in zip(params, grads):
+        # owned gradients (DTensor, or replicate's: only the owner has one) count on their rank
+        sharded = isinstance(p.grad, DTensor) or replica_of(p) is not None
+        if g.numel() == 0 or (not sharded and not first):
+            continue
+        if inf:
+            local = torch.maximum(local, g.abs().max().float())
+        else:
+            local = local + g.float().abs().pow(norm_type).sum()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    total = local if inf else local.pow(1.0 / norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"matrixfsdp.clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
+            "non-finite, so it cannot be clipped (error_if_nonfinite=True); gradients are unchanged"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        if g.numel():
+            g.mul_(coef.to(g.dtype))
+    return total

@@ -1,0 +1,12 @@
+"""Planning: which rank owns each parameter, and the buckets, from shapes alone.
+
+Pure, deterministic Python: no process group, no tensors beyond shapes. ``record`` holds the
+frozen plan dataclasses and their digest, ``planner`` the global balance-aware assignment,
+``cost`` the per-optimizer cost model, ``buckets`` Canzona's alpha-balanced partition, ``report``
+the human-readable report and ``cli`` ``python -m matrixfsdp.plan``.
+"""
+
+from .planner import ELEMENTWISE, POLICIES, default_matrix_filter, plan_owners
+from .record import OwnerPlan, ParamPlan
+
+__all__ = ["plan_owners", "OwnerPlan", "ParamPlan", "POLICIES", "ELEMENTWISE", "default_matrix_filter"]

@@ -1,0 +1,518 @@
+"""The owner plan: a frozen, serializable record of where every parameter lives.
+
+The planner (``_planner.py``) produces an :class:`OwnerPlan`; the runtime only executes it.
+Nothing here touches a process group, a device or a real tensor.
+
+[Note: row segments]
+Every placement is a partition of a parameter's dim 0 into ``world_size`` contiguous row ranges,
+one per rank, in rank order:
+
+* ``"matrix"`` / ``"tail"`` (owned): the owner holds rows ``[0, n)``, every other rank ``[0, 0)``
+  (an empty ``[0, *shape[1:]]`` tensor);
+* ``"even"``: ``torch.chunk`` semantics, as stock FSDP2 ``Shard(0)``: chunk ``c = ceil(n / W)``,
+  rank ``r`` holds ``[min(r*c, n), min((r+1)*c, n))``.
+
+0-dim parameters cannot be split and are always owned. Because both cases are "row ranges in rank
+order", materialization and reduction are one piece of segment math for both (see ``local_rows``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+__all__ = [
+    "PLACEMENTS",
+    "ParamPlan",
+    "BlockStats",
+    "RankStats",
+    "OwnerPlan",
+    "even_rows",
+]
+
+#: The three placements a parameter can have.
+PLACEMENTS = ("matrix", "tail", "even")
+
+_FORMAT_VERSION = 1
+
+
+def even_rows(n: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Row range ``[start, end)`` of ``rank`` under ``torch.chunk(n, world_size)`` semantics."""
+    chunk = -(-n // world_size) if n else 0
+    return min(rank * chunk, n), min((rank + 1) * chunk, n)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamPlan:
+    """Where one parameter lives and what it costs.
+
+    ``owner`` is the owning rank for ``"matrix"``/``"tail"`` placements and ``None`` for
+    ``"even"``. ``block`` is the fqn of the wrapped block the parameter belongs to, ``""`` for the
+    root scope. ``nbytes`` is the parameter's storage, ``state_nbytes`` the optimizer state the
+    plan's optimizer keeps for it, ``cost`` its optimizer cost in the plan's cost model.
+    """
+
+    fqn: str
+    placement: str
+    owner: int | None
+    block: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    state_nbytes: int
+    cost: float
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"ParamPlan {self.fqn!r}: placement must be one of {PLACEMENTS}, got {self.placement=!r}"
+            )
+        owned = self.placement != "even"
+        if owned != (self.owner is not None):
+            raise ValueError(
+                f"ParamPlan {self.fqn!r}: {self.placement!r} placement "
+                f"{'needs an owner rank' if owned else 'takes no owner'}, got {self.owner=!r}"
+            )
+        if self.placement == "even" and len(self.shape) == 0:
+            raise ValueError(f"ParamPlan {self.fqn!r}: a 0-dim parameter cannot be evenly sharded")
+        if self.placement == "matrix" and len(self.shape) != 2:
+            raise ValueError(
+                f"ParamPlan {self.fqn!r}: 'matrix' placement needs a 2D parameter, got {self.shape=}"
+            )
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def local_rows(self, rank: int, world_size: int) -> tuple[int, int]:
+        """Row range ``[start, end)`` along dim 0 that ``rank`` stores (see [Note: row segments])."""
+        n = self.shape[0] if self.shape else 1
+        if self.placement == "even":
+            return even_rows(n, world_size, rank)
+        return (0, n) if rank == self.owner else (0, 0)
+
+    def local_shape(self, rank: int, world_size: int) -> tuple[int, ...]:
+        """Shape of the local tensor ``rank`` stores."""
+        if not self.shape:
+            return () if rank == self.owner else (0,)
+        start, end = self.local_rows(rank, world_size)
+        return (end - start, *self.shape[1:])
+
+    def share(self, rank: int, world_size: int) -> float:
+        """Fraction of this parameter that ``rank`` stores (and updates)."""
+        if self.placement != "even":
+            return 1.0 if rank == self.owner else 0.0
+        start, end = self.local_rows(rank, world_size)
+        return (end - start) / self.shape[0] if self.shape[0] else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockStats:
+    """Byte balance of one wrapped block (a unit of materialization).
+
+    ``gamma = max_rank_nbytes / (nbytes / W)``; ``gamma_lower_bound = max(1, W * largest_role /
+    nbytes)``: no owner assignment can do better, since the largest role lands whole on one rank.
+    The owner fan-out of materializing the block is ``gamma * (W-1)/W * nbytes`` bytes sent by
+    the busiest rank, against ``(W-1)/W * nbytes`` for a ring all-gather.
+    """
+
+    fqn: str
+    nbytes: int
+    largest_role_nbytes: int
+    max_rank_nbytes: int
+    gamma: float
+    gamma_lower_bound: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankStats:
+    """What one rank stores and computes under the plan (even shares included)."""
+
+    rank: int
+    nbytes: float
+    state_nbytes: float
+    cost: float
+    num_owned: int
+
+
+def _imbalance(values: list[float]) -> float:
+    avg = sum(values) / len(values)
+    return max(values) / avg if avg > 0 else 1.0
+
+
+def _three_term_bound(roles: list[float], world_size: int) -> float:
+    """max(average, largest role, W-th + (W+1)-th largest role): with W+1 roles on W ranks, two of
+    the W+1 largest share a rank. ``roles`` sorted descending."""
+    bound = sum(roles) / world_size
+    if roles:
+        bound = max(bound, roles[0])
+    if len(roles) > world_size:
+        bound = max(bound, roles[world_size - 1] + roles[world_size])
+    return bound
+
+
+def _l2_bins(asc: list[float], prefix: list[float], cap: float) -> int:
+    """Martello-Toth L2 lower bound on the bins of capacity ``cap`` that items ``asc`` need."""
+    n = len(asc)
+    half = bisect.bisect_right(asc, cap / 2)  # asc[:half] <= cap/2 < asc[half:]
+    best = 0
+    # K ranges over 0 and the distinct item sizes <= cap/2; J3 = [K, cap/2], J2 = (cap/2, cap-K],
+    # J1 = (cap-K, inf).
+    ks = [0.0] + sorted(set(asc[:half]))
+    for k in ks:
+        j1_start = bisect.bisect_right(asc, cap - k)
+        j3_start = bisect.bisect_left(asc, k)
+        n1 = n - j1_start
+        n2 = j1_start - half
+        s2 = prefix[j1_start] - prefix[half]
+        s3 = prefix[half] - prefix[j3_start]
+        extra = (s3 - (n2 * cap - s2)) / cap
+        bins = n1 + n2 + max(0, math.ceil(extra - 1e-9))
+        best = max(best, bins)
+    return best
+
+
+def _best_bin_load(sizes: list[tuple[float, int]], cap: float, limit: int = 50_000) -> float | None:
+    """Largest load <= ``cap`` one rank can hold (subset sum over sizes with multiplicities), or
+    ``None`` when the set of sums grows past ``limit`` (then no conclusion is drawn)."""
+    sums = {0.0}
+    for size, count in sizes:
+        if size <= 0:
+            continue
+        new = set(sums)
+        for x in sums:
+            y = x
+            for _ in range(count):
+                y += size
+                if y > cap:
+                    break
+                new.add(y)
+        sums = new
+        if len(sums) > limit:
+            return None
+    return max(sums)
+
+
+def _tight_lower_bound(role_loads: list[float], base: list[float] | float, world_size: int) -> float:
+    """Lower bound on the most loaded rank's load.
+
+    Owned roles are atomic; ``base[r]`` is the fixed load of rank ``r`` from even shards (a float
+    means that much per rank). The bound is ``max(roles bound + min(base), max(base), total / W)``.
+    Starts from the three-term bound and raises it by bisection to the smallest makespan ``T``
+    that neither of two bin-packing arguments proves infeasible on W ranks:
+
+    * Martello-Toth L2: a lower bound on the number of bins of capacity ``T`` the roles need;
+    * capacity: ``W`` times the fullest load one rank can reach under ``T`` (a subset sum) must
+      cover the total. This is what makes few-distinct-size instances (transformer blocks) tight.
+
+    Every value returned is the three-term bound or was proven unreachable, so it stays valid.
+    """
+    roles = sorted(role_loads, reverse=True)
+    lo = _three_term_bound(roles, world_size)
+    if len(roles) > world_size and lo > 0:
+        asc = roles[::-1]
+        prefix = [0.0]
+        for x in asc:
+            prefix.append(prefix[-1] + x)
+        total = prefix[-1]
+        counts: dict[float, int] = {}
+        for x in roles:
+            counts[x] = counts.get(x, 0) + 1
+        sizes = sorted(counts.items(), reverse=True)
+
+        def infeasible(t: float) -> bool:
+            if _l2_bins(asc, prefix, t) > world_size:
+                return True
+            best = _best_bin_load(sizes, t)
+            return best is not None and best * world_size < total * (1 - 1e-12)
+
+        if infeasible(lo):
+            hi = 2 * lo
+            while infeasible(hi):
+                lo, hi = hi, 2 * hi
+            for _ in range(30):
+                mid = (lo + hi) / 2
+                if infeasible(mid):
+                    lo = mid
+                else:
+                    hi = mid
+    if not isinstance(base, list):
+        base = [float(base)] * world_size
+    return max(lo + min(base), max(base), (sum(roles) + sum(base)) / world_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OwnerPlan:
+    """Where every parameter of a model lives across ``world_size`` data-parallel ranks.
+
+    Produced by :func:`matrixfsdp.plan_owners`; identical on every rank for the same inputs.
+    ``digest`` is the SHA-256 hex of the canonical JSON form: two plans are equal iff their
+    digests are. Save with :meth:`to_json`, load with :meth:`from_json`.
+
+    Example::
+
+        plan = matrixfsdp.plan_owners(model, 4, block_types=(Block,))
+        plan.owner_of("blocks.0.attn.q_proj.weight")  # -> 2
+        plan.owner_of("tok_emb.weight")  # -> None (evenly sharded)
+        print(plan.report())
+    """
+
+    world_size: int
+    policy: str
+    cost_model: str
+    optimizer: str
+    blocks: tuple[str, ...]
+    params: tuple[ParamPlan, ...]
+    #: Extra policy output, e.g. the bucket cut points of ``alpha_balanced``; JSON-able values.
+    meta: tuple[tuple[str, Any], ...] = ()
+    digest: str = dataclasses.field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"OwnerPlan: world_size must be an int >= 1, got {self.world_size=!r}")
+        seen: set[str] = set()
+        for p in self.params:
+            if p.fqn in seen:
+                raise ValueError(f"OwnerPlan: parameter {p.fqn!r} appears twice")
+            seen.add(p.fqn)
+            if p.owner is not None and not 0 <= p.owner < self.world_size:
+                raise ValueError(
+                    f"OwnerPlan: {p.fqn!r} owner must be in [0, {self.world_size}), got {p.owner=}"
+                )
+            if p.block not in self.blocks and p.block != "":
+                raise ValueError(f"OwnerPlan: {p.fqn!r} names unknown block {p.block!r}")
+        payload = json.dumps(self._canonical(), sort_keys=True, separators=(",", ":"))
+        object.__setattr__(self, "digest", hashlib.sha256(payload.encode()).hexdigest())
+
+    # ----------------------------------------------------------------------------- lookups
+    @functools.cached_property
+    def _by_fqn(self) -> dict[str, ParamPlan]:
+        return {p.fqn: p for p in self.params}
+
+    def __contains__(self, fqn: str) -> bool:
+        return fqn in self._by_fqn
+
+    def __getitem__(self, fqn: str) -> ParamPlan:
+        try:
+            return self._by_fqn[fqn]
+        except KeyError:
+            raise KeyError(f"OwnerPlan: no parameter {fqn!r} in the plan") from None
+
+    def owner_of(self, fqn: str) -> int | None:
+        """Owner rank of parameter ``fqn``, or ``None`` if it is evenly sharded."""
+        return self[fqn].owner
+
+    def params_of_block(self, block: str) -> tuple[ParamPlan, ...]:
+        """The parameters planned in ``block`` (``""``: root scope), in plan order."""
+        return tuple(p for p in self.params if p.block == block)
+
+    def owned_by(self, rank: int) -> tuple[ParamPlan, ...]:
+        """The parameters ``rank`` owns whole."""
+        return tuple(p for p in self.params if p.owner == rank)
+
+    # ----------------------------------------------------------------------------- statistics
+    @functools.cached_property
+    def rank_stats(self) -> tuple[RankStats, ...]:
+        W = self.world_size
+        nbytes = [0.0] * W
+        state = [0.0] * W
+        cost = [0.0] * W
+        owned = [0] * W
+        for p in self.params:
+            if p.owner is not None:
+                nbytes[p.owner] += p.nbytes
+                state[p.owner] += p.state_nbytes
+                cost[p.owner] += p.cost
+                owned[p.owner] += 1
+                continue
+            for r in range(W):
+                s = p.share(r, W)
+                nbytes[r] += p.nbytes * s
+                state[r] += p.state_nbytes * s
+                cost[r] += p.cost * s
+        return tuple(
+            RankStats(rank=r, nbytes=nbytes[r], state_nbytes=state[r], cost=cost[r], num_owned=owned[r])
+            for r in range(W)
+        )
+
+    @functools.cached_property
+    def block_stats(self) -> tuple[BlockStats, ...]:
+        W = self.world_size
+        out = []
+        for block in self.blocks:
+            ps = self.params_of_block(block)
+            per_rank = [0.0] * W
+            for p in ps:
+                for r in range(W):
+                    per_rank[r] += p.nbytes * p.share(r, W)
+            total = sum(p.nbytes for p in ps)
+            largest = max((n for n in _role_nbytes(ps).values()), default=0)
+            mx = max(per_rank)
+            out.append(
+                BlockStats(
+                    fqn=block,
+                    nbytes=total,
+                    largest_role_nbytes=largest,
+                    max_rank_nbytes=int(round(mx)),
+                    gamma=mx * W / total if total else 1.0,
+                    gamma_lower_bound=max(1.0, W * largest / total) if total else 1.0,
+                )
+            )
+        return tuple(out)
+
+    def _bound(self, attr: str) -> float:
+        roles = _role_loads(self.params, attr)
+        W = self.world_size
+        base = [sum(getattr(p, attr) * p.share(r, W) for p in self.params if p.owner is None) for r in range(W)]
+        return _tight_lower_bound(list(roles.values()), base, W)
+
+    @property
+    def bytes_imbalance(self) -> float:
+        """max/avg of per-rank parameter bytes."""
+        return _imbalance([s.nbytes for s in self.rank_stats])
+
+    @property
+    def state_imbalance(self) -> float:
+        """max/avg of per-rank parameter + optimizer-state bytes."""
+        return _imbalance([s.nbytes + s.state_nbytes for s in self.rank_stats])
+
+    @property
+    def cost_imbalance(self) -> float:
+        """max/avg of per-rank optimizer cost."""
+        return _imbalance([s.cost for s in self.rank_stats])
+
+    @property
+    def bytes_imbalance_bound(self) -> float:
+        """Tight lower bound of :attr:`bytes_imbalance` for the same roles (owned roles are atomic)."""
+        total = sum(p.nbytes for p in self.params)
+        return self._bound("nbytes") / (total / self.world_size) if total else 1.0
+
+    @property
+    def cost_imbalance_bound(self) -> float:
+        """Tight lower bound of :attr:`cost_imbalance` for the same roles."""
+        total = sum(p.cost for p in self.params)
+        return self._bound("cost") / (total / self.world_size) if total else 1.0
+
+    @property
+    def max_gamma_ratio(self) -> float:
+        """Worst ``gamma / gamma_lower_bound`` over blocks (1.0 = every block at its bound)."""
+        return max((b.gamma / b.gamma_lower_bound for b in self.block_stats), default=1.0)
+
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers as a flat dict (used by the CLI and the quality table)."""
+        return {
+            "world_size": self.world_size,
+            "policy": self.policy,
+            "cost_model": self.cost_model,
+            "optimizer": self.optimizer,
+            "num_params": len(self.params),
+            "num_blocks": len(self.blocks),
+            "cost_imbalance": self.cost_imbalance,
+            "cost_imbalance_bound": self.cost_imbalance_bound,
+            "bytes_imbalance": self.bytes_imbalance,
+            "bytes_imbalance_bound": self.bytes_imbalance_bound,
+            "state_imbalance": self.state_imbalance,
+            "max_gamma": max((b.gamma for b in self.block_stats), default=1.0),
+            "max_gamma_ratio": self.max_gamma_ratio,
+            "digest": self.digest,
+        }
+
+    # ----------------------------------------------------------------------------- serialization
+    def _canonical(self) -> dict[str, Any]:
+        return {
+            "format": _FORMAT_VERSION,
+            "world_size": self.world_size,
+            "policy": self.policy,
+            "cost_model": self.cost_model,
+            "optimizer": self.optimizer,
+            "blocks": list(self.blocks),
+            "params": [
+                {
+                    "fqn": p.fqn,
+                    "placement": p.placement,
+                    "owner": p.owner,
+                    "block": p.block,
+                    "shape": list(p.shape),
+                    "dtype": p.dtype,
+                    "nbytes": p.nbytes,
+                    "state_nbytes": p.state_nbytes,
+                    "cost": p.cost,
+                }
+                for p in self.params
+            ],
+            "meta": [[k, v] for k, v in self.meta],
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        """The canonical JSON form (``digest`` is recomputed on load, not trusted)."""
+        d = self._canonical()
+        d["digest"] = self.digest
+        return json.dumps(d, sort_keys=True, **kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> "OwnerPlan":
+        """Inverse of :meth:`to_json`; raises ``ValueError`` on a malformed or tampered plan."""
+        try:
+            d = json.loads(text)
+            if not isinstance(d, dict) or d.get("format") != _FORMAT_VERSION:
+                got = d.get("format") if isinstance(d, dict) else type(d).__name__
+                raise ValueError(
+                    f"OwnerPlan.from_json: expected plan format {_FORMAT_VERSION}, got format={got!r}"
+                )
+            plan = cls(
+                world_size=d["world_size"],
+                policy=d["policy"],
+                cost_model=d["cost_model"],
+                optimizer=d["optimizer"],
+                blocks=tuple(d["blocks"]),
+                params=tuple(
+                    ParamPlan(**{**p, "shape": tuple(p["shape"])}) for p in d["params"]
+                ),
+                meta=tuple((k, _freeze(v)) for k, v in d.get("meta", [])),
+            )
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"OwnerPlan.from_json: malformed plan: {e!r}") from None
+        if "digest" in d and d["digest"] != plan.digest:
+            raise ValueError(
+                f"OwnerPlan.from_json: digest mismatch, the file says {d['digest']!r} but its "
+                f"content hashes to {plan.digest!r}"
+            )
+        return plan
+
+    def report(self, *, per_rank: bool = True, per_block: bool = True) -> str:
+        """A human-readable report: who owns what, imbalances next to their bounds, gamma_B."""
+        from .report import format_plan
+
+        return format_plan(self, per_rank=per_rank, per_block=per_block)
+
+
+def _freeze(v: Any) -> Any:
+    if isinstance(v, list):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+def _role_key(p: ParamPlan) -> tuple[str, int | None] | str:
+    # A matrix is a role of its own; the owned tail of a block is one role; even shards are not
+    # roles (they are divisible load).
+    return p.fqn if p.placement == "matrix" else (p.block, p.owner)
+
+
+def _role_loads(params: Iterable[ParamPlan], attr: str) -> dict[Any, float]:
+    out: dict[Any, float] = {}
+    for p in params:
+        if p.owner is None:
+            continue
+        k = _role_key(p)
+        out[k] = out.get(k, 0) + getattr(p, attr)
+    return out
+
+
+def _role_nbytes(params: Iterable[ParamPlan]) -> dict[Any, float]:
+    return _role_loads(params, "nbytes")

@@ -1,0 +1,79 @@
+"""Human-readable plan reports (the CLI's default output)."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .record import OwnerPlan
+
+__all__ = ["format_plan", "human_bytes", "natural_key"]
+
+#: Rows are kept within this many columns (the per-rank "owns" list is cut to fit).
+WIDTH = 120
+
+
+def natural_key(s: str) -> list:
+    """Sort key that orders digit runs by value: ``layers.2`` before ``layers.10``."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", s) if t]
+
+
+def _fit(names: list[str], width: int) -> str:
+    """As many of ``names`` as fit in ``width`` columns, then ``... (+N)``."""
+    out = ""
+    for i, n in enumerate(names):
+        more = len(names) - i - 1
+        cand = (out + ", " if out else "") + n
+        tail = f", ... (+{more})" if more else ""
+        if len(cand) + len(tail) > width:
+            return (out + ", " if out else "") + f"... (+{len(names) - i})"
+        out = cand
+    return out
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_plan(plan: "OwnerPlan", *, per_rank: bool = True, per_block: bool = True) -> str:
+    s = plan.summary()
+    total = sum(p.nbytes for p in plan.params)
+    n_even = sum(1 for p in plan.params if p.owner is None)
+    lines = [
+        f"OwnerPlan  world_size={plan.world_size}  policy={plan.policy}  cost={plan.cost_model}  "
+        f"optimizer={plan.optimizer}",
+        f"  {len(plan.params)} parameters ({human_bytes(total)}), {len(plan.blocks)} blocks, "
+        f"{n_even} evenly sharded",
+        f"  digest {plan.digest}",
+        "",
+        "  imbalance (max/avg)      plan   lower bound   plan/bound",
+        f"    optimizer cost     {s['cost_imbalance']:8.3f}  {s['cost_imbalance_bound']:11.3f}  "
+        f"{s['cost_imbalance'] / s['cost_imbalance_bound']:10.3f}",
+        f"    parameter bytes    {s['bytes_imbalance']:8.3f}  {s['bytes_imbalance_bound']:11.3f}  "
+        f"{s['bytes_imbalance'] / s['bytes_imbalance_bound']:10.3f}",
+        f"    params + state     {s['state_imbalance']:8.3f}",
+        f"    worst gamma_B / bound: {s['max_gamma_ratio']:.3f}  (max gamma_B {s['max_gamma']:.2f})",
+        "    gamma_B: a block's most loaded owner's bytes / (block bytes / W), i.e. its collective's "
+        "slowdown vs even",
+    ]
+    if per_rank:
+        lines += ["", "  rank  owned   param bytes   +state bytes        cost  owns"]
+        for st in plan.rank_stats:
+            owned = sorted((p.fqn for p in plan.owned_by(st.rank)), key=natural_key)
+            row = (f"  {st.rank:4d}  {st.num_owned:5d}  {human_bytes(st.nbytes):>12}  "
+                   f"{human_bytes(st.nbytes + st.state_nbytes):>13}  {st.cost:10.3e}  ")
+            lines.append(row + _fit(owned, max(20, WIDTH - len(row))))
+    if per_block and plan.block_stats:
+        w = max(36, *(len(b.fqn) for b in plan.block_stats))
+        lines += ["", f"  {'block':<{w}}      bytes    gamma_B   bound   ratio"]
+        for b in sorted(plan.block_stats, key=lambda b: natural_key(b.fqn)):
+            lines.append(
+                f"  {b.fqn:<{w}} {human_bytes(b.nbytes):>10}  {b.gamma:8.3f}  {b.gamma_lower_bound:6.3f}  "
+                f"{b.gamma / b.gamma_lower_bound:6.3f}"
+            )
+    return "\n".join(lines)

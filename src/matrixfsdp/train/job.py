@@ -1,0 +1,479 @@
+"""The main job's training loop (``python -m matrixfsdp.train``), one process per data-parallel rank.
+
+:func:`run_rank` runs on every rank with the process group initialized: it trains the
+matrixfsdp run (``matrixfsdp.fully_shard`` + the chosen optimizer) and, with ``compare``, the
+stock FSDP2 + AdamW run on the same data and token budget, then writes the plot on rank 0.
+
+Files under ``out`` (rank 0 writes the logs; every rank writes its checkpoint shards)::
+
+    <run>.jsonl                 one record per step (+ held-out evals, + a final record)
+    ckpt/<run>/step-000100/     DCP checkpoint (matrixfsdp.checkpoint.save: atomic)
+    ckpt/<run>/step-000100.json trainer state: step (= data position), RNG state, fingerprint
+    loss.png                    loss curves of all runs
+
+[Note: bitwise resume]
+Everything a step depends on is in the checkpoint or is a function of the step: parameters and
+optimizer state (DCP), the learning rate (a closed-form schedule of the step, written into the
+param groups before each step), the batch (a function of ``(seed, step)``, see ``_train_data``)
+and the torch RNG state (saved, restored; the loop itself draws nothing from it). Per-rank thread
+count is fixed by the command. So a run resumed at the same world size computes bit for bit what
+the uninterrupted run computes. At another world size the global batch is the same, but the
+gradient is summed over another number of ranks in another order: the result agrees to float32
+rounding, not bitwise (W=2 -> 4 at the default size: losses within 2.2e-7 relative, see
+benchmarks/results/train_default/README.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..models.decoder import Decoder, DecoderConfig, DecoderLayer
+from ..placement.owned import local_tensor
+from .data import VOCAB_SIZE, Corpus, heldout_windows, load_corpus, local_batch
+
+__all__ = ["TrainConfig", "MODEL_SIZES", "OPTIMIZER_LRS", "run_rank", "TrainError", "latest_checkpoint",
+           "run_names"]
+
+
+class TrainError(ValueError):
+    """A user-facing error of ``matrixfsdp.train``: printed as one ``error:`` line, exit status 2."""
+
+
+def _cfg(hidden: int, inter: int, layers: int, heads: int, kv: int) -> DecoderConfig:
+    return DecoderConfig(vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=inter,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                         head_dim=hidden // heads, tie_word_embeddings=False)
+
+
+#: Byte-level Qwen3-style decoders (q/k RMSNorm, GQA, SwiGLU) sized for CPUs.
+MODEL_SIZES: dict[str, DecoderConfig] = {
+    "nano": _cfg(64, 192, 2, 4, 2),       # 0.13M parameters: tests and smoke runs
+    "small": _cfg(128, 384, 4, 4, 2),     # 0.8M: the default, ~1 minute per run on 2 cores
+    "base": _cfg(256, 768, 6, 8, 4),      # 4.6M: minutes per run on a laptop
+}
+
+#: Matrix learning rate (and the AdamW rate of the other parameters) per ``--optimizer``.
+OPTIMIZER_LRS: dict[str, tuple[float, float]] = {
+    "muon": (0.02, 3e-3),
+    "shampoo": (3e-3, 3e-3),
+    "soap": (3e-3, 3e-3),
+    "adamw": (1.5e-3, 1.5e-3),  # the best held-out loss of 7e-4 ... 1e-2 at the default budget
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    out: str
+    model: str = "small"
+    optimizer: str = "muon"
+    steps: int = 200
+    batch: int = 16
+    seq_len: int = 128
+    seed: int = 0
+    collectives: str = "all_to_all"
+    lr: float | None = None        # None: OPTIMIZER_LRS[optimizer]
+    adamw_lr: float | None = None
+    compare: bool = True
+    ckpt_every: int = 100
+    eval_every: int = 50
+    eval_windows: int = 32
+    sample_bytes: int = 200
+    resume: bool = False
+    stop_after: int | None = None
+    threads: int = 1
+    max_corpus_bytes: int | None = None
+    progress: bool | None = None  # None: when stderr is a terminal
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a resumed run must share with the checkpoint's run."""
+        return {k: getattr(self, k) for k in ("model", "optimizer", "steps", "batch", "seq_len", "seed",
+                                                "max_corpus_bytes", "lr", "adamw_lr")}
+
+    def lrs(self) -> tuple[float, float]:
+        """(matrix lr, AdamW lr) of the matrixfsdp run."""
+        lr, adamw_lr = OPTIMIZER_LRS[self.optimizer]
+        return (lr if self.lr is None else self.lr, adamw_lr if self.adamw_lr is None else self.adamw_lr)
+
+
+def run_names(cfg: TrainConfig) -> list[str]:
+    names = [f"matrixfsdp-{cfg.optimizer}"]
+    if cfg.compare:
+        names.append("fsdp2-adamw")
+    return names
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoints
+# ------------------------------------------------------------------------------------------------
+def latest_checkpoint(out: str | Path, run: str) -> tuple[Path, dict[str, Any]] | None:
+    """The newest ``ckpt/<run>/step-N`` with a readable trainer-state file, or None."""
+    d = Path(out) / "ckpt" / run
+    if not d.is_dir():
+        return None
+    for state_file in sorted(d.glob("step-*.json"), reverse=True):
+        try:
+            state = json.loads(state_file.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise TrainError(f"--resume: the trainer state {str(state_file)!r} is damaged ({e}); remove "
+                             f"it and {str(state_file.with_suffix(''))!r} to resume from an earlier one") from None
+        return state_file.with_suffix(""), state
+    return None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+def lr_multiplier(step: int, steps: int) -> float:
+    """Linear warmup over the first 10% (at most 20 steps), then cosine to 10%."""
+    warm = max(1, min(20, steps // 10))
+    if step < warm:
+        return (step + 1) / warm
+    t = (step - warm) / max(1, steps - warm)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def _scalar(t: torch.Tensor) -> float:
+    return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
+
+
+def _param_digest(model: nn.Module) -> str:
+    """sha256 over every rank's local shards (equal digests <=> bitwise equal models at the same W)."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        h.update(name.encode())
+        h.update(local_tensor(p).detach().contiguous().view(torch.uint8).numpy().tobytes())
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, h.hexdigest())
+    return hashlib.sha256("".join(parts).encode()).hexdigest()
+
+
+@dataclass
+class _Run:
+    name: str
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    base_lrs: list[tuple[float, float | None]]  # per group: (lr, adamw_lr)
+    clip: Callable[[Any, float], torch.Tensor]
+    counter: Any  # matrixfsdp CommCounter or None
+
+
+def _build_model(cfg: TrainConfig) -> Decoder:
+    model = Decoder(MODEL_SIZES[cfg.model])
+    model.reset_parameters(seed=cfg.seed)  # every rank draws the same full tensors
+    return model
+
+
+def _build_matrixfsdp(cfg: TrainConfig) -> _Run:
+    import matrixfsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .._fully_shard import comm_counter
+
+    W = dist.get_world_size()
+    model = _build_model(cfg)
+    mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("dp_shard",))
+    plan = matrixfsdp.plan_owners(model, mesh, block_types=(DecoderLayer,), optimizer=cfg.optimizer)
+    for layer in model.model.layers:
+        matrixfsdp.fully_shard(layer, mesh=mesh, plan=plan, collectives=cfg.collectives)
+    matrixfsdp.fully_shard(model, mesh=mesh, plan=plan, collectives=cfg.collectives)
+    lr, adamw_lr = cfg.lrs()
+    params = list(model.parameters())
+    opt: torch.optim.Optimizer
+    if cfg.optimizer == "muon":
+        opt = matrixfsdp.optim.Muon(params, lr=lr, weight_decay=0.0, adamw_lr=adamw_lr, ns_dtype=torch.float32)
+    elif cfg.optimizer == "shampoo":
+        opt = matrixfsdp.optim.Shampoo(params, lr=lr, adamw_lr=adamw_lr)
+    elif cfg.optimizer == "soap":
+        opt = matrixfsdp.optim.SOAP(params, lr=lr, adamw_lr=adamw_lr)
+    else:
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    base = [(g["lr"], g.get("adamw_lr")) for g in opt.param_groups]
+    return _Run(f"matrixfsdp-{cfg.optimizer}", model, opt, base, matrixfsdp.clip_grad_norm_, comm_counter(model))
+
+
+def _build_fsdp2(cfg: TrainConfig) -> _Run:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    W = dist.get_world_size()
+    model = _build_model(cfg)
+    mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("dp_shard",))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    lr, _ = OPTIMIZER_LRS["adamw"]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    return _Run("fsdp2-adamw", model, opt, [(lr, None)], torch.nn.utils.clip_grad_norm_, None)
+
+
+def _set_lr(run: _Run, mult: float) -> float:
+    for g, (lr, adamw_lr) in zip(run.opt.param_groups, run.base_lrs):
+        g["lr"] = lr * mult
+        if adamw_lr is not None:
+            g["adamw_lr"] = adamw_lr * mult
+    return run.base_lrs[0][0] * mult
+
+
+def _comm(counter: Any) -> tuple[int, int]:
+    if counter is None:
+        return 0, 0
+    return sum(counter.bytes_sent.values()), counter.total_calls
+
+
+@torch.no_grad()
+def _heldout_loss(model: nn.Module, windows: torch.Tensor) -> float:
+    rank, W = dist.get_rank(), dist.get_world_size()
+    mine = windows[rank::W]
+    logits = model(mine[:, :-1])
+    s = F.cross_entropy(logits.flatten(0, 1).float(), mine[:, 1:].flatten(), reduction="sum")
+    tot = torch.stack([s.double(), torch.tensor(float(mine[:, 1:].numel()), dtype=torch.float64)])
+    dist.all_reduce(tot)
+    return float(tot[0] / tot[1])
+
+
+@torch.no_grad()
+def _sample(model: nn.Module, cfg: TrainConfig, prompt: bytes = b"def ") -> str:
+    """Sample ``cfg.sample_bytes`` bytes (temperature 0.8); rank 0 draws, every rank runs the model."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    toks = torch.tensor([list(prompt)], dtype=torch.long)
+    for _ in range(cfg.sample_bytes):
+        logits = model(toks[:, -cfg.seq_len:])[0, -1].float()
+        nxt = torch.multinomial(torch.softmax(logits / 0.8, dim=-1), 1, generator=g).view(1, 1)
+        dist.broadcast(nxt, src=0)
+        toks = torch.cat([toks, nxt], dim=1)
+    return bytes(toks[0].tolist()).decode("utf-8", errors="replace")
+
+
+# ------------------------------------------------------------------------------------------------
+# one run
+# ------------------------------------------------------------------------------------------------
+def _train_run(cfg: TrainConfig, corpus: Corpus, build: Callable[[TrainConfig], _Run], name: str) -> dict | None:
+    """Train (or resume) one run; returns its final record on rank 0 (None elsewhere or if stopped)."""
+    from .. import checkpoint as mckpt
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    out = Path(cfg.out)
+    log_path = out / f"{name}.jsonl"
+    ckpt_dir = out / "ckpt" / name
+
+    # Decide where to start, identically on every rank (rank 0 reads, broadcasts).
+    start_info: list[Any] = [None]
+    if rank == 0:
+        try:
+            found = latest_checkpoint(out, name) if cfg.resume else None
+            start_info[0] = ("ok", None if found is None else (str(found[0]), found[1]))
+        except TrainError as e:
+            start_info[0] = ("error", str(e))
+    dist.broadcast_object_list(start_info, src=0)
+    if start_info[0][0] == "error":
+        raise TrainError(start_info[0][1])
+    found = start_info[0][1]
+
+    run = build(cfg)
+    start = 0
+    if found is not None:
+        ckpt_path, state = found
+        if state.get("fingerprint") != cfg.fingerprint():
+            diff = {k: (v, cfg.fingerprint().get(k)) for k, v in state.get("fingerprint", {}).items()
+                    if cfg.fingerprint().get(k) != v}
+            raise TrainError(f"--resume: {ckpt_path!r} was written by another configuration; "
+                             + ", ".join(f"--{k.replace('_', '-')} was {a!r}, now {b!r}" for k, (a, b) in diff.items()))
+        if state.get("corpus_sha256") != corpus.sha256:
+            raise TrainError(f"--resume: {ckpt_path!r} was trained on other data (corpus sha256 "
+                             f"{state.get('corpus_sha256', '?')[:12]} vs {corpus.sha256[:12]}: another Python version?)")
+        try:
+            mckpt.load(ckpt_path, run.model, run.opt)
+        except (FileNotFoundError, ValueError, RuntimeError) as e:
+            raise TrainError(f"--resume: cannot load {ckpt_path!r} ({e}); remove it and its .json to "
+                             "resume from an earlier checkpoint") from None
+        torch.set_rng_state(torch.tensor(bytearray.fromhex(state["torch_rng"]), dtype=torch.uint8))
+        start = int(state["step"])
+
+    # The log: keep what the checkpoint covers (steps <= start), drop the rest (it is recomputed).
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        kept: list[str] = []
+        if start > 0 and log_path.exists():
+            for line in log_path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a crash
+                if "final" not in rec and rec.get("step", 0) <= start:
+                    kept.append(line)
+        else:
+            kept.append(json.dumps({"run": name, "header": True, "config": dataclasses.asdict(cfg),
+                                    "world_size": W, "model_params": MODEL_SIZES[cfg.model].num_params,
+                                    "corpus": {"files": corpus.files, "train_bytes": corpus.train.numel(),
+                                               "heldout_bytes": corpus.heldout.numel(),
+                                               "sha256": corpus.sha256, "root": corpus.root},
+                                    "torch": torch.__version__}))
+        _atomic_write(log_path, "".join(line + "\n" for line in kept))
+    logf = open(log_path, "a") if rank == 0 else None
+
+    windows = heldout_windows(corpus, count=cfg.eval_windows, seq_len=cfg.seq_len)
+    tokens_per_step = cfg.batch * cfg.seq_len
+    bar = None
+    if rank == 0:
+        from tqdm.auto import tqdm
+
+        disable = (not sys.stderr.isatty()) if cfg.progress is None else not cfg.progress
+        bar = tqdm(total=cfg.steps, initial=start, desc=name, unit="step", dynamic_ncols=True,
+                   disable=disable, file=sys.stderr)
+
+    def log(rec: dict[str, Any]) -> None:
+        if logf is not None:
+            logf.write(json.dumps(rec) + "\n")
+            logf.flush()
+
+    t_run = time.perf_counter()
+    stop = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
+    try:
+        for step in range(start, stop):
+            t0 = time.perf_counter()
+            lr = _set_lr(run, lr_multiplier(step, cfg.steps))
+            xy = local_batch(corpus, step, batch=cfg.batch, seq_len=cfg.seq_len, seed=cfg.seed, rank=rank, world=W)
+            c = run.counter
+            if c is not None:
+                c.reset()
+            logits = run.model(xy[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), xy[:, 1:].flatten())
+            fwd = _comm(c)
+            loss.backward()
+            bwd = _comm(c)
+            gnorm = run.clip(run.model.parameters(), 1.0)
+            clip = _comm(c)
+            run.opt.step()
+            run.opt.zero_grad(set_to_none=True)
+            opt_step = _comm(c)
+            avg = loss.detach().clone()
+            dist.all_reduce(avg)
+            avg_loss = float(avg) / W
+            dt = time.perf_counter() - t0
+            done = step + 1
+            rec: dict[str, Any] = {"run": name, "step": done, "loss": avg_loss, "lr": lr,
+                                   "grad_norm": _scalar(gnorm),
+                                   "tokens_per_s": tokens_per_step / dt, "step_s": dt}
+            if c is not None:  # bytes this rank sent, per phase (rank 0's view)
+                rec["comm_bytes"] = {"forward": fwd[0], "backward": bwd[0] - fwd[0],
+                                     "clip": clip[0] - bwd[0], "optimizer_step": opt_step[0] - clip[0]}
+                rec["comm_calls"] = {"forward": fwd[1], "backward": bwd[1] - fwd[1],
+                                     "clip": clip[1] - bwd[1], "optimizer_step": opt_step[1] - clip[1]}
+            log(rec)
+            if bar is not None:
+                bar.set_postfix(loss=f"{avg_loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
+                bar.update(1)
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                h = _heldout_loss(run.model, windows)
+                log({"run": name, "step": done, "heldout_loss": h})
+                if bar is not None:
+                    bar.write(f"{name} step {done}: train loss {avg_loss:.4f}, held-out loss {h:.4f}")
+            if done % cfg.ckpt_every == 0 or done == cfg.steps:
+                _save(cfg, run, ckpt_dir, done, corpus)
+    finally:
+        if bar is not None:
+            bar.close()
+    if stop < cfg.steps:
+        if logf is not None:
+            logf.close()
+        return None
+    heldout = _heldout_loss(run.model, windows)
+    sample = _sample(run.model, cfg)
+    digest = _param_digest(run.model)
+    last = [json.loads(x) for x in log_path.read_text().splitlines()] if rank == 0 else []
+    train_losses = [r["loss"] for r in last if "loss" in r]
+    final = {"run": name, "final": True, "step": cfg.steps, "world_size": W,
+             "train_loss_last10": sum(train_losses[-10:]) / max(1, len(train_losses[-10:])),
+             "heldout_loss": heldout, "sample": sample, "param_sha256": digest,
+             "wall_s_this_process": time.perf_counter() - t_run, "resumed_from": start}
+    log(final)
+    if logf is not None:
+        logf.close()
+    return final if rank == 0 else None
+
+
+def _save(cfg: TrainConfig, run: _Run, ckpt_dir: Path, step: int, corpus: Corpus) -> None:
+    from .. import checkpoint as mckpt
+
+    rank = dist.get_rank()
+    if rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    path = ckpt_dir / f"step-{step:06d}"
+    mckpt.save(path, run.model, run.opt)
+    if rank == 0:  # the trainer state goes last: a checkpoint counts once its .json exists
+        state = {"step": step, "world_size": dist.get_world_size(), "fingerprint": cfg.fingerprint(),
+                 "corpus_sha256": corpus.sha256, "torch_rng": bytes(torch.get_rng_state().tolist()).hex()}
+        _atomic_write(path.with_name(path.name + ".json"), json.dumps(state))
+        # keep the newest two
+        for old in sorted(ckpt_dir.glob("step-*.json"))[:-2]:
+            old.unlink()
+            shutil.rmtree(old.with_suffix(""), ignore_errors=True)
+    dist.barrier()
+
+
+# ------------------------------------------------------------------------------------------------
+# entry on every rank
+# ------------------------------------------------------------------------------------------------
+def run_rank(cfg: TrainConfig) -> list[dict] | None:
+    """Train every run of ``cfg`` on this rank (process group initialized); rank 0 returns finals."""
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    corpus = load_corpus(max_bytes=cfg.max_corpus_bytes)
+    finals = []
+    builders = {f"matrixfsdp-{cfg.optimizer}": _build_matrixfsdp, "fsdp2-adamw": _build_fsdp2}
+    for name in run_names(cfg):
+        if cfg.resume and _finished(cfg, name):
+            if dist.get_rank() == 0:
+                finals.append(_final_record(cfg, name))
+            continue
+        finals.append(_train_run(cfg, corpus, builders[name], name))
+        if cfg.stop_after is not None and cfg.stop_after < cfg.steps:
+            return None
+    if dist.get_rank() == 0:
+        from .plot import plot_losses
+
+        plot_losses(Path(cfg.out), run_names(cfg), Path(cfg.out) / "loss.png")
+        return finals
+    return None
+
+
+def _final_record(cfg: TrainConfig, name: str) -> dict | None:
+    p = Path(cfg.out) / f"{name}.jsonl"
+    if not p.exists():
+        return None
+    for line in reversed(p.read_text().splitlines()):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("final"):
+            return rec
+    return None
+
+
+def _finished(cfg: TrainConfig, name: str) -> bool:
+    flag = [_final_record(cfg, name) is not None] if dist.get_rank() == 0 else [None]
+    dist.broadcast_object_list(flag, src=0)
+    return bool(flag[0])
