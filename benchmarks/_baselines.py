@@ -183,7 +183,7 @@ def muon_param_groups(named: Iterable[tuple[str, torch.Tensor]], *, auto: bool =
 
     ``auto=False`` (baselines): explicit routing, independent of how ``"auto"`` treats DTensors:
     ``algorithm="muon"`` for the hidden 2D weights, ``"adamw"`` for embeddings/head and for every
-    non-2D tensor. ``auto=True`` (the matrixfsdp slot, as its README shows): ``"adamw"`` for the
+    non-2D tensor. ``auto=True`` (the matrixfsdp slot, as docs/fully_shard.md describes): ``"adamw"`` for the
     embedding/head and ``"auto"`` for the rest, so routing follows the owner plan.
     """
     emb, mats, rest = [], [], []

@@ -10,7 +10,7 @@ the same two ratios with our ``plan_owners(policy="naive_static" | "alpha_balanc
 
 * ``ours``: the matrixfsdp ``Decoder`` (Hugging Face names: separate q/k/v and gate/up matrices),
   buckets in registration order, whole (TP=1) tensors, embeddings and head evenly sharded outside
-  the buckets (``elementwise="auto"``), FLOP cost: the configuration behind the README's old 28.7x.
+  the buckets (``elementwise="auto"``), FLOP cost: the configuration behind the old 28.7x (docs/planner.md).
 * ``megatron``: the DP-local parameter list Canzona partitions: one TP rank's shards (``--tp``) of a
   Megatron-Core GPT layout (fused ``linear_qkv`` and ``linear_fc1``, vocab-parallel embedding and
   output layer), buckets filled in backward order (Megatron's ``params[::-1]``), every parameter in
@@ -314,7 +314,7 @@ def render(res: dict[str, list[dict]], command: str, args) -> str:
         "max(40M, 1M x DP)) and %s." % (args.tp, _bucket(args.bucket), _bucket(args.match_bucket)),
         "",
         "Why naive_static is 28.7x in our default setting and 3.24x in the paper (bucket size relative to the "
-        "tensors, TP shards, the start-index rule on repeated identical layers): README.md, 'Reproducing Fig. 3c'.",
+        "tensors, TP shards, the start-index rule on repeated identical layers): docs/planner.md, 'Reproducing Fig. 3c'.",
         "",
         "## Fig. 3c",
         "",

@@ -62,7 +62,7 @@ def test_incomplete_hf_config(tmp_path, capsys):
 
 
 def test_qwen3_32b_on_32_ranks_reaches_every_bound(capsys):
-    """The planner example of the README (it was the README's first command)."""
+    """The planner example of docs/planner.md (it was the README's first command)."""
     assert main(["--model", "qwen3-32b", "--world", "32"]) == 0
     out = capsys.readouterr().out
     assert "OwnerPlan  world_size=32" in out

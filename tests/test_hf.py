@@ -13,7 +13,7 @@ ranks' slice losses):
 * ``matrixfsdp.checkpoint.save_pretrained`` writes a folder that ``from_pretrained`` loads into a
   model with the reference logits; tied weights are written once, as transformers does;
 * meta-device init: build on ``meta``, plan, shard, ``to_empty``, ``set_full_`` from a reference
-  state dict and recompute the non-persistent rotary buffers (the README recipe): reference logits.
+  state dict and recompute the non-persistent rotary buffers (the docs/huggingface.md recipe): reference logits.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def test_hf_save_pretrained_refuses_non_hf_model(tmp_path):
 
 # ================================================================================ meta init
 def reset_rope_buffers_(model) -> None:
-    """The README recipe: recompute every rotary module's non-persistent ``inv_freq`` from the
+    """The docs/huggingface.md recipe: recompute every rotary module's non-persistent ``inv_freq`` from the
     config after ``to_empty`` (transformers computes it in ``__init__``, which ran on ``meta``)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

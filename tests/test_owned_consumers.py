@@ -134,7 +134,7 @@ def cross_owner_check() -> dict:
 
 @pytest.mark.parametrize("W", [2, 3])
 def test_cross_owner_arithmetic_raises_a_clear_error_on_every_rank(W):
-    # stock FSDP2 computes both; owned tensors of different owners share no mesh (README)
+    # stock FSDP2 computes both; owned tensors of different owners share no mesh (docs/fully_shard.md)
     res = get_pool(W).run(cross_owner_check, timeout=90)
     for r in res:
         assert "aten::stack combines DTensors on different meshes" in r["clip"], r

@@ -262,4 +262,4 @@ def test_grad_scaler_needs_the_sharded_one():
     sharded = get_pool(2).run(grad_scaler, "sharded")
     assert all(r == {"changed": 0, "scale": 512.0} for r in sharded), sharded
     plain = get_pool(2).run(grad_scaler, "plain")
-    assert [r["scale"] for r in plain] == [512.0, 1024.0], plain  # why the README says ShardedGradScaler
+    assert [r["scale"] for r in plain] == [512.0, 1024.0], plain  # why docs/replicate.md says ShardedGradScaler

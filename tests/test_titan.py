@@ -157,7 +157,7 @@ def test_titan_checkpoint_resume_and_reshard(tmp_path, optimizer):
     from step 2 at the same world size continues exactly -- for Shampoo too, whose inverse roots
     appear only after preconditioning starts (torchtitan's loader keeps only keys present after
     its state-initialization step); Muon at W=3 continues as a W=3 run from the same state would
-    (within the W-invariance tolerance; Shampoo's roots amplify 1e-7 differences, see README)."""
+    (within the W-invariance tolerance; Shampoo's roots amplify 1e-7 differences, see docs/benchmarks.md)."""
     folder = str(tmp_path)
     full = get_pool(2).run(_train_ckpt, STEPS, folder, None, optimizer, timeout=180)[0]
     assert os.path.isdir(os.path.join(folder, f"{optimizer}-w2", "step-2")), os.listdir(folder)

@@ -218,7 +218,7 @@ def plan_owners(
             ``"even"`` (``Shard(0)``), or ``"auto"`` (default): owned when the tail fits in the
             scope's fair share ``max(largest matrix role, scope bytes / W)``, else even. This
             owns the tiny norms of a block (no extra pieces to move) and evenly shards embeddings
-            and output heads, whose ownership would wreck byte balance at large W (see README).
+            and output heads, whose ownership would wreck byte balance at large W (see docs/planner.md).
         precondition_frequency: amortization of Shampoo/SOAP eigendecompositions in ``"flops"``.
         alpha, bucket_numel: ``alpha_balanced`` blend factor in [0, 1] and ZeRO-1 bucket size in
             elements (default: Megatron's ``max(40M, 1M * W)``).
