@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..comm.collectives import CommCounter, collectives_for
+from ..engine.backward import in_backward
 from ..placement.owned import local_tensor, owner_meshes
 from ..planner.record import OwnerPlan
 from .init import (API, CLAIM_ATTR, STATE_ATTR, _check_call, _check_mesh, _check_not_torch_fsdp,
@@ -144,7 +145,7 @@ def drop_stale_state(module: nn.Module) -> None:
     every rank."""
     for m in module.modules():
         state = get_state(m)
-        if state is not None and state.ctx is not None and torch._C._current_graph_task_id() == -1:
+        if state is not None and state.ctx is not None and not in_backward():
             if not state.ctx.awaiting_backward:
                 state.ctx.begin_iteration()
             check_layout(state.ctx)
@@ -355,7 +356,7 @@ def _lazy_init(state: BlockState) -> None:
             "model (the module given to plan_owners) before running forward"
         )
     ctx = state.root_ctx
-    if state is ctx.root and torch._C._current_graph_task_id() == -1:
+    if state is ctx.root and not in_backward():
         check_layout(ctx)  # once per iteration, at the root's forward outside backward
     if not ctx.checked:
         # torch's fully_shard applied after ours would otherwise fail obscurely (or silently).

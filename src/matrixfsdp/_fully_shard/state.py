@@ -1,15 +1,15 @@
 """Hooks and ordering: when each block unshards, reshards and reduces (FSDP2's execution model).
 
 A :class:`BlockState` is created by every ``matrixfsdp.fully_shard`` call and owns the block's
-:class:`~._param_group.ParamGroup`. All block states under one root share a
+:class:`~.param_group.ParamGroup`. All block states under one root share a
 :class:`RootContext`, built when the root call resolves the plan. Per training step, per block::
 
     pre-forward    unshard (prefetched by the previous block), put the unsharded leaves in the
-                   module's slots, wrap the inputs that require grad in ``_PostBackward``
+                   module's slots, pass the inputs that require grad through a post-backward hook
     post-forward   reshard if reshard_after_forward (else keep the leaves in the slots); wrap the
-                   outputs that require grad in ``_PreBackward``; always runs, also if forward raised
-    pre-backward   (``_PreBackward.backward``) unshard again, prefetch the previous block
-    post-backward  (``_PostBackward.backward``, or the root's final callback for blocks whose
+                   outputs that require grad through a pre-backward hook; always runs, also if forward raised
+    pre-backward   (the outputs' hook) unshard again, prefetch the previous block
+    post-backward  (the inputs' hook, or the root's final callback for blocks whose
                    inputs need no grad) take the leaves' ``.grad``, reshard, issue the reduction
     final callback post-backward of what is left, finish every reduction, reshard everything
 
@@ -17,12 +17,9 @@ A :class:`BlockState` is created by every ``matrixfsdp.fully_shard`` call and ow
 The unsharded parameters are leaves (see ``_param.py``), so autograd's ``AccumulateGrad`` writes
 their ``.grad`` exactly as for an unsharded model; nothing else produces gradients. A backward that
 does not accumulate into leaves (``torch.autograd.grad``, ``backward(inputs=...)``) leaves every
-``.grad`` alone: at its first pre-backward the root asks the engine whether the ``AccumulateGrad``
-node of a private *anchor* leaf will run (``torch._C._will_engine_execute_node``). The anchor is an
-input of every ``_PreBackward``, so the node is in every graph that reaches a block; it runs in a
-plain ``backward()`` and not in ``autograd.grad``. The answer depends only on which call the
-program made, so every rank takes the same decision, and a non-accumulating backward issues no
-reduction at all.
+``.grad`` alone and issues no reduction: the root's :class:`~..engine.backward.BackwardTracker`
+decides at the first pre-backward (see [Note: backward tracking]; the pre-backward hooks carry its
+anchor).
 Double backward: ``torch.autograd.grad(..., create_graph=True)`` builds a graph that holds the
 unsharded leaves, so the root *pins* every block unsharded until the next accumulating backward
 has finished; that backward defers every reduction to its final callback (second-order
@@ -31,7 +28,7 @@ order there, giving the single-process gradients. ``backward(create_graph=True)`
 gradients *into* ``.grad``) raises on every rank at its first pre-backward.
 
 [Note: backward ordering]
-``_PostBackward`` wraps the block's inputs, so its backward runs once the gradients of the inputs
+The post-backward hook wraps the block's inputs, so it runs once the gradients of the inputs
 are complete; autograd runs every ``AccumulateGrad`` that is ready before any node created earlier
 in forward, so the block's leaf gradients are in place then. The order of pre-backward,
 post-backward and final callback follows autograd's data dependencies, identical on every rank,
@@ -67,10 +64,11 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
 
 from ..comm.collectives import SegmentCollectives
 from .param import ManagedParam
@@ -99,57 +97,6 @@ class TrainingState(enum.Enum):
     POST_BACKWARD = "post_backward"
 
 
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on the block's inputs; its backward is the block's post-backward."""
-
-    @staticmethod
-    def forward(ctx: Any, state: "BlockState", *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state = state
-        ctx.set_materialize_grads(False)
-        # Aliases, not the inputs themselves: a tensor a custom Function returns as-is becomes a
-        # view that refuses in-place ops; a detached alias behaves as in plain torch (it shares
-        # the version counter, so modifying a tensor autograd saved still raises, as without us).
-        return tuple(t.detach() for t in inputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        ctx.state.post_backward()
-        return (None, *grads)
-
-
-class _PreBackward(torch.autograd.Function):
-    """Identity on the block's outputs; its backward is the block's pre-backward. Takes the
-    root's anchor leaf (see [Note: gradient path])."""
-
-    @staticmethod
-    def forward(ctx: Any, state: "BlockState", anchor: torch.Tensor,
-                *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state = state
-        ctx.set_materialize_grads(False)
-        return tuple(t.detach() for t in outputs)  # aliases: see _PostBackward
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        ctx.state.pre_backward()
-        return (None, None, *grads)
-
-
-def _wrap_grad_tensors(fn: Any, lead: tuple, tree: Any) -> Any:
-    """Apply ``fn(*lead, *tensors)`` to the tensors of ``tree`` that require grad."""
-    flat, spec = tree_flatten(tree)
-    idx = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
-    if not idx:
-        return tree
-    outs = fn.apply(*lead, *[flat[i] for i in idx])
-    for j, i in enumerate(idx):
-        flat[i] = outs[j]
-    return tree_unflatten(flat, spec)
-
-
 @dataclass(eq=False)
 class RootContext:
     """State shared by all blocks under one root."""
@@ -163,9 +110,6 @@ class RootContext:
     post_forward_order: list["BlockState"] = field(default_factory=list)
     order_complete: bool = False
     checked: bool = False  # first-forward checks done
-    callback_queued: bool = False
-    graph_task: int | None = None  # the backward being run (its first pre-backward was seen)
-    accumulating: bool = True  # this backward accumulates into .grad (see [Note: gradient path])
     pinned: bool = False  # blocks stay unsharded for a double backward
     #: a grad-mode forward ran since the last backward or iteration start (checkpoint helpers
     #: refuse to touch parameters a pending backward would read)
@@ -175,8 +119,13 @@ class RootContext:
     undecided: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.anchor = torch.empty(0, device=self.comm.device, requires_grad=True)
-        self.anchor_node = self.anchor.view_as(self.anchor).grad_fn.next_functions[0][0]
+        #: the anchor, the running backward and its final callback (see [Note: backward tracking])
+        self.backward = BackwardTracker(self.comm.device, "matrixfsdp.fully_shard")
+
+    @property
+    def accumulating(self) -> bool:
+        """Whether the running backward accumulates into ``.grad`` (see [Note: gradient path])."""
+        return self.backward.accumulating
 
     # ---------------------------------------------------------------------------- iteration
     def begin_iteration(self) -> None:
@@ -185,9 +134,7 @@ class RootContext:
         Called outside backward, on every rank at the same program point; issues no collective
         of its own, it only waits for collectives already issued on every rank.
         """
-        if self.callback_queued:  # an exception escaped the last backward: its callback is gone
-            self.callback_queued = False
-            self.graph_task = None
+        if self.backward.take_aborted():  # an exception escaped the last backward
             pending, self.pending = self.pending, []
             for p in pending:
                 p.handle.wait()  # issued on every rank; the partial result is dropped
@@ -203,24 +150,17 @@ class RootContext:
 
     def on_backward_start(self) -> None:
         """At every pre-backward: the first one of a backward decides its mode."""
-        task = torch._C._current_graph_task_id()
-        if task == self.graph_task:
+        tracker = self.backward
+        if tracker.is_current():
             return
         create_graph = torch.is_grad_enabled()
-        accumulating = bool(torch._C._will_engine_execute_node(self.anchor_node))
+        accumulating = tracker.will_accumulate()
         if create_graph and accumulating:
-            raise RuntimeError(
-                "matrixfsdp.fully_shard: backward(create_graph=True) is not supported (higher-order "
-                "gradients accumulated into .grad); compute the inner derivative with "
-                "torch.autograd.grad(..., create_graph=True) and call backward() on the result"
-            )
-        self.graph_task = task
-        self.accumulating = accumulating
+            tracker.refuse_create_graph()
+        tracker.start(accumulating)
         if create_graph:
             self.pinned = True
-        if not self.callback_queued:
-            self.callback_queued = True
-            Variable._execution_engine.queue_callback(self.final_callback)
+        tracker.queue_final_callback(self.final_callback)
 
     def final_callback(self) -> None:
         """After the whole backward: remaining post-backwards, every reduction, reshard."""
@@ -241,8 +181,7 @@ class RootContext:
                     s.group.reshard()
                 s.training_state = TrainingState.IDLE
         finally:
-            self.callback_queued = False
-            self.graph_task = None
+            self.backward.finished()
             self.awaiting_backward = self.pinned
 
     # ---------------------------------------------------------------------------- reductions
@@ -329,13 +268,13 @@ class BlockState:
     # ============================================================================ forward
     def pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
         ctx = self.root_ctx
-        in_backward = _in_backward()
-        if in_backward and self.training_state is TrainingState.PRE_BACKWARD:
+        in_bwd = in_backward()
+        if in_bwd and self.training_state is TrainingState.PRE_BACKWARD:
             # Recomputation inside backward (activation checkpointing): the leaves are in place.
             self.group.wait_for_unshard()
             self.group.to_unsharded()
             return args, kwargs
-        if self.is_root and not in_backward:
+        if self.is_root and not in_bwd:
             ctx.begin_iteration()
         self.training_state = TrainingState.FORWARD
         if not ctx.order_complete and self not in ctx.forward_order:
@@ -348,11 +287,11 @@ class BlockState:
         self.group.refresh_trainable()
         self.group.to_unsharded()
         if torch.is_grad_enabled():
-            args, kwargs = _wrap_grad_tensors(_PostBackward, (self,), (args, kwargs))
+            args, kwargs = wrap_grad_tensors(self.post_backward, None, (args, kwargs))
         return args, kwargs
 
     def post_forward(self, output: Any) -> Any:
-        if _in_backward() and self.training_state is TrainingState.PRE_BACKWARD:
+        if in_backward() and self.training_state is TrainingState.PRE_BACKWARD:
             return output  # recomputation: the block stays unsharded for its backward
         if self._reshard_after_forward() or not torch.is_grad_enabled():
             # Without autograd no backward follows: keeping full params would leave them stale
@@ -367,7 +306,7 @@ class BlockState:
         if output is None:
             return None
         if torch.is_grad_enabled():
-            wrapped = _wrap_grad_tensors(_PreBackward, (self, ctx.anchor), output)
+            wrapped = wrap_grad_tensors(self.pre_backward, ctx.backward.anchor, output)
             ctx.awaiting_backward |= wrapped is not output
             output = wrapped
         return self._cast_output(output)

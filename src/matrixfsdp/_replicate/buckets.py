@@ -47,9 +47,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.autograd import Variable
 
 from ..comm.collectives import Handle, SegmentCollectives
+from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
 from .layout import BucketLayout
 
 __all__ = ["ReplicaInfo", "replica_of", "Bucket", "ReplicateState"]
@@ -196,22 +196,6 @@ class Bucket:
             h.wait()
 
 
-class _BackwardStart(torch.autograd.Function):
-    """Identity on the root's outputs; its backward tells the state a backward has started. Takes
-    the state's anchor leaf, so the engine says whether the backward accumulates into ``.grad``."""
-
-    @staticmethod
-    def forward(ctx: Any, state: "ReplicateState", anchor: torch.Tensor, *outputs: torch.Tensor) -> tuple:
-        ctx.state = state
-        ctx.set_materialize_grads(False)
-        return tuple(t.detach() for t in outputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple:
-        ctx.state.on_backward_start(from_output=True)
-        return (None, None, *grads)
-
-
 class ReplicateState:
     """Everything ``matrixfsdp.replicate`` attaches to one model."""
 
@@ -227,14 +211,12 @@ class ReplicateState:
                 self.where[id(p)] = (b, i)
         self.requires_gradient_sync = True
         self.dirty = False  # parameters changed on owners since the last gather
-        self.graph_task: int | None = None
         self.active = False  # the running backward reduces
-        self.callback_queued = False
         self.next_launch = 0  # index into the reduction order
         self.stash: dict[int, torch.Tensor] = {}  # reduced grads held over an accumulating backward
         self.assigned: dict[int, torch.Tensor] = {}
-        self.anchor = torch.empty(0, device=buckets[0].device if buckets else "cpu", requires_grad=True)
-        self.anchor_node = self.anchor.view_as(self.anchor).grad_fn.next_functions[0][0]
+        #: the anchor, the running backward and its final callback (see [Note: backward tracking])
+        self.backward = BackwardTracker(buckets[0].device if buckets else "cpu", "matrixfsdp.replicate")
         # strong references to the AccumulateGrad nodes, as DDP keeps them (hooks live on tensors,
         # but the unused-parameter check asks the engine about these nodes)
         self.acc_nodes = {id(p): p.view_as(p).grad_fn.next_functions[0][0]
@@ -245,14 +227,14 @@ class ReplicateState:
 
     # ----------------------------------------------------------------------------- forward
     def pre_forward_root(self) -> None:
-        if torch._C._current_graph_task_id() != -1:
+        if in_backward():
             return  # a recomputation inside backward: parameters are current
         if self._issue_gathers():
             for b in self.uncovered_buckets or ():
                 b.wait_gather()
 
     def pre_forward_module(self, module: nn.Module, buckets: list[Bucket]) -> None:
-        if (self.dirty or self.callback_queued) and torch._C._current_graph_task_id() == -1:
+        if (self.dirty or self.backward.callback_queued) and not in_backward():
             # a forward that did not start at the root (a submodule called directly): the root's
             # pre-forward did not gather; bring every bucket up to date before reading any
             self.sync_params()
@@ -268,9 +250,7 @@ class ReplicateState:
             self.uncovered_buckets = self._find_uncovered()
         if not torch.is_grad_enabled():
             return output
-        from .._fully_shard.state import _wrap_grad_tensors
-
-        return _wrap_grad_tensors(_BackwardStart, (self, self.anchor), output)
+        return wrap_grad_tensors(self._backward_start_from_output, self.backward.anchor, output)
 
     def _find_uncovered(self) -> list[Bucket]:
         """Buckets holding a parameter whose module ran no forward (used functionally, e.g. a tied
@@ -287,7 +267,7 @@ class ReplicateState:
 
     def sync_params(self) -> None:
         """Bring every rank's parameters up to date now (a collective when they are stale)."""
-        if torch._C._current_graph_task_id() != -1:
+        if in_backward():
             return
         self._issue_gathers()
         for b in self.buckets:
@@ -297,7 +277,7 @@ class ReplicateState:
         """Outside backward: clean up after a backward an exception escaped (its callback is
         gone), then issue every bucket's all-gather if the parameters are stale. Returns whether
         it issued them."""
-        if self.callback_queued:
+        if self.backward.take_aborted():
             self._abort_backward()
         if not self.dirty:
             return False
@@ -307,15 +287,18 @@ class ReplicateState:
         return True
 
     # ----------------------------------------------------------------------------- backward
+    def _backward_start_from_output(self) -> None:
+        self.on_backward_start(from_output=True)
+
     def on_backward_start(self, *, from_output: bool) -> None:
-        task = torch._C._current_graph_task_id()
-        if task == self.graph_task:
+        tracker = self.backward
+        if tracker.is_current():
             return
         # a post-accumulate hook firing proves accumulation; the root output asks the engine
-        accumulating = (not from_output) or bool(torch._C._will_engine_execute_node(self.anchor_node))
+        accumulating = (not from_output) or tracker.will_accumulate()
         if not accumulating:
             return  # torch.autograd.grad / backward(inputs=...) on other tensors: .grad untouched
-        if self.callback_queued:
+        if tracker.callback_queued:
             # another graph task while a reducing backward has not finished: a backward run inside
             # a backward (torch.utils.checkpoint(use_reentrant=True) recomputes and differentiates
             # each segment in its own nested backward). Its parameters are invisible to the outer
@@ -330,12 +313,8 @@ class ReplicateState:
             )
         self.check_views()
         if torch.is_grad_enabled():
-            raise RuntimeError(
-                "matrixfsdp.replicate: backward(create_graph=True) is not supported (higher-order "
-                "gradients accumulated into .grad); compute the inner derivative with "
-                "torch.autograd.grad(..., create_graph=True) and call backward() on the result"
-            )
-        self.graph_task = task
+            tracker.refuse_create_graph()
+        tracker.start(True)
         # reduced gradients still in .grad (no zero_grad since the last step) accumulate like DDP's:
         # hold them out of this backward's reduction and add them back after it
         for key, g in list(self.assigned.items()):
@@ -347,8 +326,7 @@ class ReplicateState:
         self.active = self.requires_gradient_sync
         if not self.active:
             return
-        self.callback_queued = True
-        Variable._execution_engine.queue_callback(self.final_callback)
+        tracker.queue_final_callback(self.final_callback)
         self.next_launch = 0
         for b in self.buckets:
             b.begin()
@@ -394,7 +372,7 @@ class ReplicateState:
 
     def on_grad(self, p: nn.Parameter) -> None:
         """Post-accumulate-grad hook of every managed parameter."""
-        if torch._C._current_graph_task_id() != self.graph_task:
+        if not self.backward.is_current():
             self.on_backward_start(from_output=False)
         if not self.active:
             return
@@ -444,8 +422,7 @@ class ReplicateState:
             self.dirty = True
         finally:
             self.active = False
-            self.callback_queued = False
-            self.graph_task = None
+            self.backward.finished()
 
     def _assign(self, p: nn.Parameter, g: torch.Tensor) -> None:
         prev = self.stash.pop(id(p), None)
@@ -459,6 +436,4 @@ class ReplicateState:
         reductions (on every rank alike) and drop them with the partial gradients."""
         for b in self.buckets:
             b.drop()
-        self.callback_queued = False
         self.active = False
-        self.graph_task = None
