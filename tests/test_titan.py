@@ -69,7 +69,8 @@ def _train(steps: int, dump_folder: str, optimizer: str, variant: str = "plain")
         trainer.optimizers.step()  # the grads of the last step are still there
         after = (sum(counter.calls.values()), counter.bytes_sent)
         return {"kinds": kinds, "algos": algos, "optimizer_types": types_, "step_comm": (before, after),
-                "model_class": type(model).__name__}
+                "model_class": type(model).__name__,
+                "is_managed": isinstance(model, matrixfsdp.MatrixFSDPModule)}
 
     # The harness's own full-tensor init patch is off: matrixfsdp.titan must make the init
     # world-size independent by itself.
@@ -91,7 +92,7 @@ def test_titan_trainer_matrixfsdp_world_size_invariant(tmp_path, optimizer):
         for r in res:
             assert all(math.isfinite(x) for x in r["losses"] + r["grad_norms"]), r
             info = r["inspected"]
-            assert info["model_class"].startswith("MatrixFSDP"), info
+            assert info["is_managed"] and not info["model_class"].startswith("MatrixFSDP"), info
             assert info["optimizer_types"] == [optimizer], info
             assert info["algos"] == ["adamw", "auto"], info
             mats = [f for f, k in info["kinds"].items() if k == "matrix"]

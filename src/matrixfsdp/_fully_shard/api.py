@@ -1,6 +1,6 @@
 """``matrixfsdp.fully_shard``: ZeRO-3 with owner placement, applied like torch's FSDP2.
 
-The public surface: ``fully_shard``, the ``MatrixFSDP<Cls>`` class swap with FSDP2's controls,
+The public surface: ``fully_shard``, the class swap (``engine/swap.py``) with FSDP2's controls,
 hook installation. Resolution and checks live in ``_init.py``, the hooks' logic in ``_state.py``,
 a block's buffers and collectives in ``_param_group.py``, one parameter's two forms in
 ``_param.py``.
@@ -20,11 +20,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..comm.collectives import CommCounter, collectives_for
 from ..engine.backward import in_backward
+from ..engine.swap import swap_class
 from ..placement.owned import local_tensor, owner_meshes
 from ..planner.record import OwnerPlan
 from .init import (API, CLAIM_ATTR, STATE_ATTR, _check_call, _check_mesh, _check_not_torch_fsdp,
                     _check_world_size, _collect_managed, _is_planned_model, _resolve,
-                    _verify_plan_digest, cls_name, default_mesh, get_state, plan_call, resolve_call)
+                    _verify_plan_digest, default_mesh, get_state, plan_call, resolve_call)
 from .state import BlockState, RootContext, ShardConfig
 
 __all__ = ["fully_shard", "MatrixFSDPModule", "UnshardHandle", "comm_counter", "get_state",
@@ -55,8 +56,8 @@ def fully_shard(
 
     Takes torch's ``fully_shard`` keywords plus the required ``plan``. Apply it to every block
     the plan names, then to the planned model (see [Note: resolution at the root call]); build
-    the optimizer afterwards. Returns ``module``, whose class is swapped to ``MatrixFSDP<Cls>``
-    with ``unshard``/``reshard``/``set_requires_gradient_sync``/``set_reshard_after_forward``/
+    the optimizer afterwards. Returns ``module``, whose class is swapped to a subclass (of the same
+    name) of :class:`MatrixFSDPModule` and its own class, with ``unshard``/``reshard``/``set_requires_gradient_sync``/``set_reshard_after_forward``/
     ``set_modules_to_forward_prefetch``/``set_modules_to_backward_prefetch``.
 
     * ``reshard_after_forward``: ``None`` means True except for the root (like FSDP2).
@@ -86,7 +87,7 @@ def fully_shard(
             f"world is not supported), got {reshard_after_forward!r}"
         )
     if get_state(module) is not None:
-        raise ValueError(f"{API}: already applied to this {cls_name(module)}")
+        raise ValueError(f"{API}: already applied to this {type(module).__name__}")
     _check_not_torch_fsdp(module)
     mesh = mesh if mesh is not None else default_mesh()
     _check_mesh(mesh)
@@ -115,7 +116,7 @@ def fully_shard(
         module.register_state_dict_pre_hook(to_sharded),
         module._register_load_state_dict_pre_hook(to_sharded),
     ]
-    _swap_class(module)
+    swap_class(module, MatrixFSDPModule, API)
     if plan is None:  # drop-in: shard this call's parameters now (see [Note: drop-in planning])
         call_plan = plan_call(params, mesh) if params else None
         if call_plan is not None:
@@ -166,9 +167,9 @@ class UnshardHandle:
 
 
 class MatrixFSDPModule:
-    """Mixin placed first in the MRO of ``fully_shard``-ed modules (``MatrixFSDP<Cls>``)."""
+    """Mixin placed first in the MRO of ``fully_shard``-ed modules (the swapped class keeps the user's class name)."""
 
-    # [MatrixFSDP<Orig>, MatrixFSDPModule, Orig, ...]
+    # [Orig (swapped), MatrixFSDPModule, Orig, ...]
     _orig_cls_mro_index = 2
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -274,7 +275,7 @@ class MatrixFSDPModule:
         unresolved = [s for s in states if not s.resolved]
         if unresolved:
             raise RuntimeError(
-                f"{API}: to_empty on {cls_name(self)} before its blocks were resolved; call "  # type: ignore[arg-type]
+                f"{API}: to_empty on {type(self).__name__} before its blocks were resolved; call "  # type: ignore[arg-type]
                 "matrixfsdp.fully_shard on the planned model first"
             )
         dev = torch.device(device) if device is not None else torch.get_default_device()
@@ -302,35 +303,6 @@ class MatrixFSDPModule:
         return [s for m in mods if (s := get_state(m)) is not None]
 
 
-_CLS_CACHE: dict[type, type] = {}
-
-
-def _unimplemented_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
-    raise AssertionError(f"{API}: deepcopy is not supported; use a state dict")
-
-
-def _swap_class(module: nn.Module) -> None:
-    cls = type(module)
-    new_cls = _CLS_CACHE.get(cls)
-    if new_cls is None:
-        attrs: dict[str, Any] = {"__deepcopy__": _unimplemented_deepcopy}
-        if callable(getattr(cls, "save_pretrained", None)):  # a Hugging Face model
-            attrs["save_pretrained"] = _save_pretrained
-        new_cls = type(f"MatrixFSDP{cls.__name__}", (MatrixFSDPModule, cls), attrs)
-        _CLS_CACHE[cls] = new_cls
-    module.__class__ = new_cls
-
-
-def _save_pretrained(self: nn.Module, save_directory: Any, **kwargs: Any) -> Any:
-    """Hugging Face's ``save_pretrained`` on a sharded model: call it on every rank (a
-    collective, as with FSDP2); see :func:`matrixfsdp.checkpoint.save_pretrained`."""
-    if "state_dict" in kwargs:  # full tensors given (rank 0 inside matrixfsdp's save_pretrained)
-        return super(type(self), self).save_pretrained(save_directory, **kwargs)  # type: ignore[misc]
-    from ..integrations.huggingface import save_pretrained
-
-    return save_pretrained(self, save_directory, **kwargs)
-
-
 # ================================================================================ hooks
 def _pre_forward_hook(state: BlockState, module: nn.Module, args: tuple, kwargs: dict) -> Any:
     _lazy_init(state)
@@ -351,7 +323,7 @@ def _lazy_init(state: BlockState) -> None:
     resolution, when the planned model and all its blocks are known)."""
     if not state.resolved:
         raise RuntimeError(
-            f"{API}: {cls_name(state.module)} was registered but never resolved against "
+            f"{API}: {type(state.module).__name__} was registered but never resolved against "
             "its plan; after wrapping the blocks, call matrixfsdp.fully_shard on the planned "
             "model (the module given to plan_owners) before running forward"
         )

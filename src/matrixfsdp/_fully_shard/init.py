@@ -57,14 +57,6 @@ def get_state(module: nn.Module) -> BlockState | None:
     return module.__dict__.get(STATE_ATTR)
 
 
-def cls_name(module: nn.Module) -> str:
-    """The user's class name (``Block``, not ``MatrixFSDPBlock``)."""
-    cls = type(module)
-    if cls.__name__.startswith("MatrixFSDP") and len(cls.__mro__) > 2:
-        cls = cls.__mro__[2]
-    return cls.__name__
-
-
 def _collect_managed(module: nn.Module, ignored: set[nn.Parameter]) -> list[ManagedParam]:
     """Parameters of ``module`` not under an already wrapped submodule (FSDP2's rule)."""
     by_id: dict[int, ManagedParam] = {}
@@ -82,14 +74,14 @@ def _collect_managed(module: nn.Module, ignored: set[nn.Parameter]) -> list[Mana
             owner = claim() if claim is not None else None
             if owner is not None:
                 raise ValueError(
-                    f"{API}: parameter {name!r} of {cls_name(module)} is already managed by "
-                    f"the fully_shard call on {cls_name(owner.module)}; wrap blocks "
+                    f"{API}: parameter {name!r} of {type(module).__name__} is already managed by "
+                    f"the fully_shard call on {type(owner.module).__name__}; wrap blocks "
                     "bottom-up (blocks first, the model last) and keep tied parameters inside "
                     "one wrapped module"
                 )
             if isinstance(p, DTensor):
                 raise ValueError(
-                    f"{API}: parameter {name!r} of {cls_name(module)} is already a DTensor; "
+                    f"{API}: parameter {name!r} of {type(module).__name__} is already a DTensor; "
                     "it is managed by another sharding API"
                 )
             mp = by_id.get(id(p))
@@ -159,7 +151,7 @@ def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, m
     rank = mesh.get_local_rank()
     dtypes = sorted({str(mp.orig.dtype).removeprefix("torch.") for mp in state.params})  # type: ignore[union-attr]
     if state.config.mp_policy.param_dtype is None and len(dtypes) > 1:
-        raise ValueError(f"{API}: {cls_name(module)} mixes parameter dtypes {dtypes}; set "
+        raise ValueError(f"{API}: {type(module).__name__} mixes parameter dtypes {dtypes}; set "
                          "mp_policy.param_dtype to materialize them in one dtype")
     if plan is not None:  # None: the module manages no parameter of its own
         order = {p.fqn: i for i, p in enumerate(plan.params)}
@@ -176,7 +168,7 @@ def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, m
             )
         if s.config.mesh != mesh:
             raise ValueError(f"{API}: {name!r} was wrapped with mesh {s.config.mesh} but its root "
-                             f"{cls_name(module)} with {mesh}; use one data-parallel mesh")
+                             f"{type(module).__name__} with {mesh}; use one data-parallel mesh")
     comm = CommContext(mesh_device(mesh))
     state.resolve(fqn="", rank=rank, coll=coll, comm=comm)
     ctx = RootContext(root=state, states=[s for _, s in entries], comm=comm)

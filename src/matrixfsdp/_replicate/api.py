@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm.collectives import CommCounter, collectives_for
+from ..engine.swap import swap_class
 from ..planner.record import OwnerPlan
 from .layout import build_layout
 from .buckets import _ATTR, Bucket, ReplicaInfo, ReplicateState
@@ -142,7 +143,7 @@ def replicate(
     _install_hooks(module, state)
     _watch_optimizer_steps(state)
     setattr(module, _STATE_ATTR, state)
-    _swap_class(module)
+    swap_class(module, MatrixReplicateModule, API)
     return module
 
 
@@ -301,22 +302,3 @@ class MatrixReplicateModule:
                 "the flat buckets the collectives read and write; use assign=False (copies in place)"
             )
         return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
-
-
-_CLS_CACHE: dict[type, type] = {}
-
-
-def _no_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
-    raise TypeError(f"{API}: deepcopy of a replicated module is not supported; use a state dict")
-
-
-def _swap_class(module: nn.Module) -> None:
-    cls = type(module)
-    new_cls = _CLS_CACHE.get(cls)
-    if new_cls is None:
-        # the model keeps its class name (tools key on it: Hugging Face writes it to config.json's
-        # "architectures" in save_pretrained); isinstance(model, MatrixReplicateModule) tells it apart
-        new_cls = type(cls.__name__, (MatrixReplicateModule, cls),
-                       {"__deepcopy__": _no_deepcopy, "__qualname__": cls.__qualname__})
-        _CLS_CACHE[cls] = new_cls
-    module.__class__ = new_cls

@@ -39,7 +39,7 @@ from typing import Sequence
 
 from .dcp import MODEL_KEY, OPTIM_KEY, load, model_state_dict, optimizer_state_dict, read_metadata, save
 from .safetensors import ByteTracker, export_safetensors, import_safetensors
-from ..integrations.huggingface import save_pretrained
+from .huggingface import save_pretrained
 
 __all__ = [
     "save",

@@ -9,6 +9,10 @@ on every rank), keeps it only on rank 0, and lets rank 0 run transformers' own
 ``save_pretrained(state_dict=...)``: config, generation config, safetensors, tied weights written
 once (aliased keys map to one gathered tensor, which transformers de-duplicates as for an
 unsharded model).
+
+The same collective form is given to ``model.save_pretrained`` itself on every ``fully_shard``-ed
+Hugging Face model, through a class adapter of the engine's class swap (the runtime knows nothing
+of transformers).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..engine.swap import register_class_adapter
+
 __all__ = ["save_pretrained", "gather_full_state_dict"]
 
 
@@ -30,7 +36,7 @@ def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True, api: st
     most one full tensor at a time. Keys that alias one parameter (tied weights) map to one
     tensor object, as in an unsharded model's state dict.
     """
-    from ..checkpoint.dcp import _check_sharded, drop_stale_state
+    from .dcp import _check_sharded, drop_stale_state
     from ..placement.owned import full_tensor
 
     drop_stale_state(model)
@@ -68,7 +74,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
         matrixfsdp.checkpoint.save_pretrained(model, "out/qwen3-finetuned")   # every rank
         model = Qwen3ForCausalLM.from_pretrained("out/qwen3-finetuned")        # one process
     """
-    from ..checkpoint.dcp import _err, _raise_agreed
+    from .dcp import _err, _raise_agreed
 
     api = "matrixfsdp.checkpoint.save_pretrained"
     if not callable(getattr(model, "save_pretrained", None)) or not hasattr(model, "config"):
@@ -87,17 +93,31 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if rank == 0:
         try:
+            # transformers records type(model).__name__ in "architectures": the swapped class keeps
+            # the user's name (see engine/swap.py)
             model.save_pretrained(save_directory, state_dict=full, is_main_process=True, **kwargs)
-            # transformers records type(model).__name__ (stripping torch's "FSDP" prefix only):
-            # write the user's class, which tools that read "architectures" (pipelines, vLLM) need
-            from .._fully_shard.init import cls_name
-
-            if getattr(model.config, "architectures", None) != [cls_name(model)]:
-                model.config.architectures = [cls_name(model)]
-                model.config.save_pretrained(save_directory)
         except Exception as e:  # every rank must learn it
             error = _err(RuntimeError(f"{api}: writing {os.fspath(save_directory)!r} failed: "
                                       f"{type(e).__name__}: {e}"))
     del full
     _raise_agreed(error)
     return os.fspath(save_directory)
+
+
+def _collective_save_pretrained(self: nn.Module, save_directory: Any, **kwargs: Any) -> Any:
+    """Hugging Face's ``save_pretrained`` on a ``fully_shard``-ed model: call it on every rank (a
+    collective, as with FSDP2); see :func:`save_pretrained`."""
+    if "state_dict" in kwargs:  # full tensors given (rank 0 inside save_pretrained above)
+        return super(type(self), self).save_pretrained(save_directory, **kwargs)  # type: ignore[misc]
+    return save_pretrained(self, save_directory, **kwargs)
+
+
+def _save_pretrained_adapter(user_cls: type, mixin: type) -> dict[str, Any]:
+    from .._fully_shard import MatrixFSDPModule
+
+    if mixin is MatrixFSDPModule and callable(getattr(user_cls, "save_pretrained", None)):
+        return {"save_pretrained": _collective_save_pretrained}
+    return {}
+
+
+register_class_adapter(_save_pretrained_adapter)

@@ -1,0 +1,67 @@
+"""The class swap both front-ends apply, as FSDP2 does: a managed module's class becomes a subclass
+of the front-end's mixin (its controls: ``reshard``, ``no_sync``, ...) and of the user's class.
+
+One naming policy: the swapped class keeps the user's class name and qualified name. Tools key on
+it (Hugging Face writes ``type(model).__name__`` to ``config.json``'s ``architectures``;
+pipelines and serving engines read it back); ``isinstance(model, MatrixFSDPModule)`` or
+``isinstance(model, MatrixReplicateModule)`` tells a managed module apart, and
+:func:`user_class` gives the original class.
+
+Outside code that must add methods to swapped classes (the Hugging Face integration gives
+``save_pretrained`` its collective form) registers a *class adapter* with
+:func:`register_class_adapter`; the front-ends know nothing of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NoReturn
+
+import torch.nn as nn
+
+__all__ = ["swap_class", "user_class", "register_class_adapter"]
+
+#: ``adapter(user_cls, mixin) -> {name: attribute}`` for each swapped class (see the docstring)
+ClassAdapter = Callable[[type, type], dict[str, Any]]
+
+_ADAPTERS: list[ClassAdapter] = []
+_CACHE: dict[tuple[type, type], type] = {}
+_MIXINS: set[type] = set()
+
+
+def register_class_adapter(adapter: ClassAdapter) -> None:
+    """Add attributes to every class swapped from now on (idempotent per adapter)."""
+    if adapter not in _ADAPTERS:
+        _ADAPTERS.append(adapter)
+        _CACHE.clear()
+
+
+def _refuse_deepcopy(api: str) -> Callable[..., NoReturn]:
+    def __deepcopy__(self: Any, memo: Any) -> NoReturn:
+        raise TypeError(f"{api}: deepcopy of a managed module is not supported; copy the model "
+                        "before sharding it, or build a new one and load a state dict")
+    return __deepcopy__
+
+
+def swap_class(module: nn.Module, mixin: type, api: str) -> None:
+    """Make ``module`` an instance of ``mixin`` and of its own class, keeping its class name."""
+    cls = type(module)
+    if issubclass(cls, mixin):
+        return
+    new_cls = _CACHE.get((cls, mixin))
+    if new_cls is None:
+        attrs: dict[str, Any] = {"__deepcopy__": _refuse_deepcopy(api), "__qualname__": cls.__qualname__,
+                                 "__module__": cls.__module__}
+        for adapter in _ADAPTERS:
+            attrs.update(adapter(cls, mixin))
+        new_cls = type(cls.__name__, (mixin, cls), attrs)
+        _CACHE[(cls, mixin)] = new_cls
+        _MIXINS.add(mixin)
+    module.__class__ = new_cls
+
+
+def user_class(module: nn.Module | type) -> type:
+    """The class the user built ``module`` as (before any front-end swapped it)."""
+    cls = module if isinstance(module, type) else type(module)
+    while cls.__bases__ and cls.__bases__[0] in _MIXINS:
+        cls = cls.__bases__[1]
+    return cls

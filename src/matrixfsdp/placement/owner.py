@@ -1,0 +1,89 @@
+"""The owner descriptor: which data-parallel rank updates a parameter and keeps its optimizer state.
+
+[Note: one owner descriptor]
+Both front-ends give each parameter they place on one rank an :class:`Owned` descriptor, reachable
+with :func:`owner_of`. Its ``storage`` says what the other ranks hold:
+
+* ``"sharded"`` (``fully_shard``, ZeRO-3): the parameter is an owned DTensor, whole on the owner
+  and an empty ``[0, ...]`` shard elsewhere (see [Note: owned parameter representation]);
+* ``"replicated"`` (``replicate``, ZeRO-1/2): every rank holds the whole (plain) tensor, the owner
+  alone receives its reduced gradient and updates it, the others receive the new value at the next
+  forward.
+
+Optimizers, clipping and checkpoints consult this descriptor alone (``is_local``: this rank steps
+it and keeps its state; ``owner_mesh``: where that state is presented in state dicts), whichever
+front-end placed the parameter. :func:`owned_of`, the public lookup, answers for ``"sharded"``
+parameters only: they are the ones whose local tensor is empty on non-owners.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["Owned", "owner_of", "owned_of", "is_owned", "set_owner", "STORAGES"]
+
+_ATTR = "_matrixfsdp_owned"
+
+#: what ranks other than the owner hold (see the Note)
+STORAGES = ("sharded", "replicated")
+
+
+@dataclass(frozen=True)
+class Owned:
+    """Rank ``owner`` of the data-parallel ``mesh`` updates this parameter and keeps its state.
+
+    ``kind`` is the plan placement (``"matrix"`` or ``"tail"``); ``storage`` what the other ranks
+    hold (see [Note: one owner descriptor]).
+
+    Example::
+
+        info = matrixfsdp.owned_of(model.blocks[0].attn.q_proj.weight)
+        if info is not None and info.owner == mesh.get_local_rank():
+            ...  # the whole matrix is p.to_local()
+    """
+
+    owner: int
+    kind: str
+    mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    storage: str = "sharded"
+
+    @property
+    def is_local(self) -> bool:
+        """Whether this rank is the owner (it steps the parameter and keeps its state)."""
+        return self.mesh is not None and self.mesh.get_local_rank() == self.owner
+
+    @property
+    def owner_mesh(self) -> DeviceMesh:
+        """The owner's one-rank sub-mesh, on which its state is presented in state dicts."""
+        from .owned import owner_meshes
+
+        if self.mesh is None:
+            raise ValueError(f"matrixfsdp: owner descriptor {self!r} has no data-parallel mesh")
+        return owner_meshes(self.mesh)[self.owner]
+
+
+def owner_of(t: Any) -> Owned | None:
+    """The owner descriptor of a parameter placed by either front-end, else ``None``."""
+    return getattr(t, _ATTR, None)
+
+
+def owned_of(t: Any) -> Owned | None:
+    """The :class:`Owned` metadata of a ``fully_shard``-owned parameter (whole on its owner, an
+    empty shard elsewhere), else ``None``."""
+    info = owner_of(t)
+    return info if info is not None and info.storage == "sharded" else None
+
+
+def is_owned(t: Any) -> bool:
+    """Whether ``t`` is a ``fully_shard``-owned parameter."""
+    return owned_of(t) is not None
+
+
+def set_owner(t: Any, info: Owned) -> None:
+    """Attach ``info`` to parameter ``t`` (the front-ends call this once per parameter)."""
+    if info.storage not in STORAGES:
+        raise ValueError(f"matrixfsdp: storage must be one of {STORAGES}, got {info.storage!r}")
+    setattr(t, _ATTR, info)
