@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def _gather(rank_msgs):
     import torch.distributed as dist
 
-    from matrixfsdp.checkpoint.dcp import _all_gather_strings
+    from matrixfsdp.comm.agree import all_gather_strings
 
-    return _all_gather_strings(rank_msgs[dist.get_rank()])
+    return all_gather_strings(rank_msgs[dist.get_rank()])
 
 
 def test_all_gather_strings():

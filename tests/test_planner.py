@@ -128,7 +128,7 @@ def test_mesh_argument_needs_1d():
 
     model = Net([Block([(4, 4)])])
     assert plan_owners(model, FakeMesh(1, 3), block_types=Block).world_size == 3
-    with pytest.raises(ValueError, match=r"plan_owners: the mesh must be 1-D .* got mesh.ndim=2"):
+    with pytest.raises(ValueError, match=r"plan_owners: mesh must be 1-D .* got a 2-D mesh"):
         plan_owners(model, FakeMesh(2, 4), block_types=Block)
 
 

@@ -23,9 +23,11 @@ from ..engine.backward import in_backward
 from ..engine.swap import swap_class
 from ..placement.owned import local_tensor, owner_meshes
 from ..planner.record import OwnerPlan
-from .init import (API, CLAIM_ATTR, STATE_ATTR, _check_call, _check_mesh, _check_not_torch_fsdp,
+from ..engine.plan_check import verify_plan_digest
+from ..mesh import default_mesh, mesh_info
+from .init import (API, CLAIM_ATTR, STATE_ATTR, _check_call, _check_not_torch_fsdp,
                     _check_world_size, _collect_managed, _is_planned_model, _resolve,
-                    _verify_plan_digest, default_mesh, get_state, plan_call, resolve_call)
+                    get_state, plan_call, resolve_call)
 from .state import BlockState, RootContext, ShardConfig
 
 __all__ = ["fully_shard", "MatrixFSDPModule", "UnshardHandle", "comm_counter", "get_state",
@@ -89,11 +91,11 @@ def fully_shard(
     if get_state(module) is not None:
         raise ValueError(f"{API}: already applied to this {type(module).__name__}")
     _check_not_torch_fsdp(module)
-    mesh = mesh if mesh is not None else default_mesh()
-    _check_mesh(mesh)
-    coll = collectives_for(mesh.get_group(), collectives)
+    info = mesh_info(mesh if mesh is not None else default_mesh(API), api=API)
+    mesh = info.mesh
+    coll = collectives_for(info.shard_group, collectives)
     if plan is not None:
-        _verify_plan_digest(plan, mesh, coll)  # collective: before any plan-dependent check
+        verify_plan_digest(plan, info, api=API)  # collective: before any plan-dependent check
         _check_world_size(plan, mesh)
     owner_meshes(mesh)
 
@@ -120,7 +122,7 @@ def fully_shard(
     if plan is None:  # drop-in: shard this call's parameters now (see [Note: drop-in planning])
         call_plan = plan_call(params, mesh) if params else None
         if call_plan is not None:
-            _verify_plan_digest(call_plan, mesh, coll)
+            verify_plan_digest(call_plan, info, api=API)
         resolve_call(module, state, call_plan, mesh, coll)
     elif _is_planned_model(module, plan):
         _resolve(module, plan, mesh)

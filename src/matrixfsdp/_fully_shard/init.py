@@ -41,7 +41,8 @@ from torch.distributed.tensor import DTensor
 
 from ..comm.collectives import SegmentCollectives, collectives_for
 from ..planner.record import OwnerPlan, ParamPlan
-from .param import ManagedParam, mesh_device, shard_param
+from ..mesh import mesh_device
+from .param import ManagedParam, shard_param
 from .param_group import CommContext
 from .state import BlockState, RootContext
 
@@ -259,13 +260,6 @@ def _resolve(root: nn.Module, plan: OwnerPlan, mesh: DeviceMesh) -> None:
         s.is_root = s is root_state
 
 
-def default_mesh() -> DeviceMesh:
-    if not dist.is_initialized():
-        raise RuntimeError(f"{API}: torch.distributed is not initialized and no mesh was given")
-    device_type = "cpu" if dist.get_backend() == "gloo" else "cuda"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
-
-
 # ================================================================================ checks
 # Local checks raise before any collective. The one collective check, verify_plan_digest, runs at
 # the first fully_shard call of each (plan object, mesh) pair on every rank, *before* any check
@@ -299,18 +293,6 @@ def _check_call(module: Any, plan: Any, shard_placement_fn: Any, offload_policy:
         )
 
 
-def _check_mesh(mesh: Any) -> None:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"{API}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"{API}: mesh must be 1-D (the data-parallel shard dimension), got a {mesh.ndim}-D "
-            f"mesh of shape {tuple(mesh.shape)}; pass mesh['dp_shard'] or a 1-D mesh"
-        )
-    if mesh.get_coordinate() is None:
-        raise ValueError(f"{API}: this rank is not part of the mesh {mesh}")
-
-
 def _check_world_size(plan: OwnerPlan, mesh: DeviceMesh) -> None:
     if plan.world_size != mesh.size():
         raise ValueError(
@@ -331,37 +313,6 @@ def _check_not_torch_fsdp(module: nn.Module) -> None:
                 "torch.distributed.fsdp.fully_shard; matrixfsdp.fully_shard and torch's "
                 "fully_shard cannot be mixed in one model"
             )
-
-
-# [Note: digest exchange is keyed by plan object]
-# Whether a call exchanges digests must not depend on the plan's *content*: if it did (say, a
-# cache keyed by digest), a rank whose plan happens to equal one verified earlier would skip the
-# collective while a rank with a different plan would enter it, and gloo would hang instead of
-# raising. We key on the plan *object* (its identity, for as long as it lives), which every rank
-# creates at the same program point, so all ranks exchange at the same calls.
-_VERIFIED: dict[tuple[int, tuple[int, ...]], Any] = {}
-
-_DIGEST_BYTES = 32
-
-
-def _verify_plan_digest(plan: OwnerPlan, mesh: DeviceMesh, coll: SegmentCollectives, *, api: str = API) -> None:
-    """All ranks exchange the plan digest (one all-gather of 32 bytes); raise on mismatch."""
-    key = (id(plan), tuple(mesh.mesh.flatten().tolist()))
-    if key in _VERIFIED:
-        return
-    mine = torch.frombuffer(bytearray(bytes.fromhex(plan.digest)), dtype=torch.uint8)
-    if mine.numel() != _DIGEST_BYTES:
-        raise ValueError(f"{api}: malformed plan digest {plan.digest!r}")
-    device = mesh_device(mesh)
-    gathered = coll.all_gather_fixed(mine.to(device)).cpu()
-    digests = [bytes(row.tolist()).hex() for row in gathered]
-    if len(set(digests)) != 1:
-        by_rank = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
-        raise RuntimeError(
-            f"{api}: the plan differs across ranks ({by_rank}); every rank must build the same "
-            "plan (same model, world size and planner arguments, or load one saved plan)"
-        )
-    _VERIFIED[key] = weakref.finalize(plan, _VERIFIED.pop, key, None)
 
 
 def _check_param(fqn: str, param: torch.Tensor, plan: OwnerPlan, block: str) -> ParamPlan:

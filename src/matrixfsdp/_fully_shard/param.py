@@ -32,12 +32,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ..mesh import mesh_device
 from ..placement.owned import local_tensor, make_sharded_param, owned_of
 
 if TYPE_CHECKING:
     from ..planner.record import ParamPlan
 
-__all__ = ["ManagedParam", "shard_param", "mesh_device"]
+__all__ = ["ManagedParam", "shard_param"]
 
 
 @dataclass(eq=False)
@@ -115,13 +116,6 @@ class ManagedParam:
             local = torch.empty(expected, dtype=local.dtype, device=local.device)
         self.swap_local(local, mesh)
         return True
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device this rank computes on for ``mesh``."""
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
 
 
 def shard_param(mp: ManagedParam, mesh: DeviceMesh, rank: int) -> None:

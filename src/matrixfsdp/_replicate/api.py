@@ -11,8 +11,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..comm.agree import agree
 from ..comm.collectives import CommCounter, collectives_for
-from ..engine.swap import swap_class
+from ..engine.plan_check import verify_plan_digest
+from ..mesh import MeshInfo, default_mesh, mesh_info
+from ..engine.swap import front_end_of, swap_class
 from ..planner.record import OwnerPlan
 from .layout import build_layout
 from .buckets import _ATTR, Bucket, ReplicaInfo, ReplicateState
@@ -74,12 +77,8 @@ def replicate(
     if reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype):
         raise TypeError(f"{API}: reduce_dtype must be a torch.dtype or None, got {reduce_dtype!r}")
     _check_not_sharded(module)
-    if mesh is None:
-        from .._fully_shard.init import default_mesh
-
-        mesh = default_mesh()
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
-        raise ValueError(f"{API}: mesh must be a 1-D DeviceMesh, got {mesh!r}")
+    info = mesh_info(mesh if mesh is not None else default_mesh(API), api=API)
+    mesh = info.mesh
     if plan is None:
         from ..planner.planner import plan_owners
 
@@ -103,19 +102,16 @@ def replicate(
             f"{even[:3]} evenly ('even' placement); build it with plan_owners(..., "
             "elementwise='owned') or a bucket policy (alpha_balanced, naive_static)"
         )
-    group = mesh.get_group()
-    coll = collectives_for(group)
-    from .._fully_shard.init import _verify_plan_digest
-
-    _verify_plan_digest(plan, mesh, coll, api=API)  # before anything depends on the plan's content
-    rank, W = mesh.get_local_rank(), mesh.size()
+    coll = collectives_for(info.shard_group)
+    verify_plan_digest(plan, info, api=API)  # before anything depends on the plan's content
+    rank, W = info.shard_rank, info.shard_size
     trainable = [f for f, p in named.items() if p.requires_grad]
     devices = {p.device for p in named.values()}
     error = None
     if len(devices) > 1 or any(d.type == "meta" for d in devices):
         error = f"{API}: parameters must be materialized on one device, got {sorted(map(str, devices))}"
     layouts = build_layout(plan, trainable, bucket_numel=bucket_numel)
-    _agree_on_layout(layouts, stage, reduce_dtype, error, mesh, coll)
+    _agree_on_layout(layouts, stage, reduce_dtype, error, info)
     buckets = [
         Bucket(lay, [named[s.fqn] for s in lay.slots], rank=rank, world_size=W, coll=coll,
                reduce_dtype=reduce_dtype, persistent=stage == 1)
@@ -147,21 +143,16 @@ def replicate(
     return module
 
 
-def _agree_on_layout(layouts: Any, stage: int, reduce_dtype: Any, error: str | None, mesh: DeviceMesh,
-                     coll: Any) -> None:
-    """One 32-byte all-gather: every rank must run the same buckets (the plan digest does not
-    cover ``bucket_numel``, which parameters are trainable, ``stage`` or ``reduce_dtype``), and a
-    local check that failed on one rank fails on all of them instead of leaving the rest hanging."""
+def _agree_on_layout(layouts: Any, stage: int, reduce_dtype: Any, error: str | None, info: MeshInfo) -> None:
+    """One exchange: every rank must run the same buckets (the plan digest does not cover
+    ``bucket_numel``, which parameters are trainable, ``stage`` or ``reduce_dtype``), and a local
+    check that failed on one rank fails on all of them instead of leaving the rest hanging."""
     import hashlib
 
-    what = repr((error, [(lay.dtype, lay.slots, lay.param_splits) for lay in layouts], stage, str(reduce_dtype)))
-    mine = torch.frombuffer(bytearray(hashlib.sha256(what.encode()).digest()), dtype=torch.uint8)
-    from .._fully_shard.param import mesh_device
-
-    gathered = coll.all_gather_fixed(mine.to(mesh_device(mesh))).cpu()
-    if error is not None:
-        raise ValueError(error)
-    if any(not torch.equal(row, gathered[0]) for row in gathered):
+    what = repr(([(lay.dtype, lay.slots, lay.param_splits) for lay in layouts], stage, str(reduce_dtype)))
+    fingerprints = agree(None if error is None else f"ValueError|{error}", hashlib.sha256(what.encode()).hexdigest(),
+                         group=info.shard_group, device=info.device)
+    if len(set(fingerprints)) != 1:
         raise ValueError(
             f"{API}: the ranks disagree on the bucket layout (bucket_numel, stage, reduce_dtype or "
             "which parameters require grad differ), or a check failed on another rank; call "
@@ -173,10 +164,8 @@ def _check_not_sharded(module: nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from .._fully_shard.init import get_state
-
     for name, m in module.named_modules():
-        if isinstance(m, FSDPModule) or get_state(m) is not None:
+        if isinstance(m, FSDPModule) or front_end_of(m) not in (None, MatrixReplicateModule):
             raise ValueError(f"{API}: submodule {name or '<root>'!r} is already sharded by fully_shard; "
                              "replicate manages plain (replicated) parameters")
     for name, p in module.named_parameters():

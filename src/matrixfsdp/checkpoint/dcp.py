@@ -69,6 +69,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from ..comm.agree import agree, encode_error, is_distributed
 from ..placement.owned import local_tensor, owned_of, wrap_dtensor
 from .._replicate.buckets import replica_of
 
@@ -122,78 +123,12 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 # ==================================================================================== collectives
-def _dist_on(process_group: Any = None) -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _rank(process_group: Any = None) -> int:
-    return dist.get_rank(process_group) if _dist_on() else 0
-
-
-_EXC = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError, "RuntimeError": RuntimeError}
-
-
-def _err(e: Exception) -> str:
-    name = type(e).__name__ if type(e).__name__ in _EXC else "RuntimeError"
-    return f"{name}|{e}"
-
-
-# [Note: collectives right before exit]
-# The error agreement below is often the last collective of a program: a script catches the
-# ``FileNotFoundError`` of a missing checkpoint (or finishes after a save) and exits. Gloo runs a
-# collective on a worker thread, which signals completion and only then drops its references to
-# the collective's tensors. Dropping a reference to a tensor that has a Python object takes the
-# GIL (``TensorImpl::decref_pyobject``). If the main thread has meanwhile reached interpreter
-# finalization, taking the GIL ends the worker thread with a forced unwind through a ``noexcept``
-# destructor (``~AsyncAllgatherWork``): ``terminate called without an active exception``, SIGABRT
-# (seen in about 1 of 6 runs at W=2; a core dump shows exactly that stack). ``all_gather_object``
-# allocates its tensors internally, so the agreement uses ``all_gather`` on tensors of its own
-# and returns only once gloo holds no reference to them (their use count is back to 1).
-
-
-def _wait_released(tensors: list[torch.Tensor], timeout_s: float = 10.0) -> None:
-    """Wait until no other owner (a backend's worker thread) references ``tensors``."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while any(t._use_count() > 1 for t in tensors) and time.monotonic() < deadline:
-        time.sleep(1e-4)
-
-
-def _all_gather_strings(msg: str | None, process_group: Any = None) -> list[str | None]:
-    """``all_gather_object`` for short strings, safe right before exit (see the Note above)."""
-    world = dist.get_world_size(process_group)
-    data = b"" if msg is None else b"\x01" + msg.encode()
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, size, group=process_group)
-    n = max(1, max(int(s) for s in sizes))
-    buf = torch.zeros(n, dtype=torch.uint8)
-    if data:
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    outs = [torch.zeros(n, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(outs, buf, group=process_group)
-    _wait_released([size, *sizes, buf, *outs])
-    return [None if int(k) == 0 else bytes(o[1:int(k)].tolist()).decode() for k, o in zip(sizes, outs)]
-
-
-def _raise_agreed(error: str | None, process_group: Any = None) -> None:
-    """Raise the first (lowest-rank) error among all ranks on every rank (``error`` is
-    ``"ExcName|message"`` or None). One exchange of the strings; so no rank hangs while another
-    raises."""
-    errors: list[Any] = [error]
-    if _dist_on():
-        errors = _all_gather_strings(error, process_group)
-    for r, e in enumerate(errors):
-        if e is not None:
-            name, msg = e.split("|", 1)
-            if r != _rank(process_group):
-                msg = f"{msg} (reported by rank {r})"
-            raise _EXC[name](msg)
+    return dist.get_rank(process_group) if is_distributed() else 0
 
 
 def _barrier(process_group: Any = None) -> None:
-    if _dist_on():
+    if is_distributed():
         dist.barrier(group=process_group)
 
 
@@ -246,10 +181,10 @@ def save(
         if optimizer is not None:
             sd[OPTIM_KEY] = optimizer_state_dict(model, optimizer)
     except (ValueError, RuntimeError) as e:
-        error = _err(e)
-    _raise_agreed(error, process_group)
+        error = encode_error(e)
+    agree(error, group=process_group)
     token = [uuid.uuid4().hex[:12] if _rank(process_group) == 0 else None]
-    if _dist_on():
+    if is_distributed():
         dist.broadcast_object_list(token, src=dist.get_global_rank(process_group, 0) if process_group else 0,
                                    group=process_group)
     tmp = f"{path}.tmp-{token[0]}"
@@ -260,8 +195,8 @@ def save(
         try:
             _commit(tmp, path, token[0])
         except OSError as e:  # every rank must learn it, or the others wait forever
-            error = _err(RuntimeError(f"{api}: could not commit {tmp!r} to {path!r}: {e}"))
-    _raise_agreed(error, process_group)
+            error = encode_error(RuntimeError(f"{api}: could not commit {tmp!r} to {path!r}: {e}"))
+    agree(error, group=process_group)
     return path
 
 
@@ -570,8 +505,8 @@ def load(
             sd_keys += list(_flat_keys(f"{OPTIM_KEY}.param_groups", groups_tpl))
         check_files(path, md, sd_keys, api)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
-        error = _err(e)
-    _raise_agreed(error, process_group)
+        error = encode_error(e)
+    agree(error, group=process_group)
 
     # Non-tensor optimizer state needs a placeholder DCP can replace.
     for st in state_tpl.values():
@@ -606,7 +541,7 @@ def load(
                          f"parameters than the optimizer's (first difference: checkpoint {diff[0]!r}, "
                          f"optimizer {diff[1]!r})")
                 break
-    _raise_agreed(error, process_group)
+    agree(error, group=process_group)
 
     # ---- apply (cannot fail on validated input)
     if optimizer is not None:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..comm.agree import agree, encode_error
 from ..engine.swap import register_class_adapter
 
 __all__ = ["save_pretrained", "gather_full_state_dict"]
@@ -74,8 +75,6 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
         matrixfsdp.checkpoint.save_pretrained(model, "out/qwen3-finetuned")   # every rank
         model = Qwen3ForCausalLM.from_pretrained("out/qwen3-finetuned")        # one process
     """
-    from .dcp import _err, _raise_agreed
-
     api = "matrixfsdp.checkpoint.save_pretrained"
     if not callable(getattr(model, "save_pretrained", None)) or not hasattr(model, "config"):
         raise TypeError(f"{api}: model must be a transformers PreTrainedModel (with save_pretrained "
@@ -88,8 +87,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
     try:
         full = gather_full_state_dict(model, api=api)
     except (ValueError, RuntimeError) as e:
-        error = _err(e)
-    _raise_agreed(error)
+        error = encode_error(e)
+    agree(error)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if rank == 0:
         try:
@@ -97,10 +96,10 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
             # the user's name (see engine/swap.py)
             model.save_pretrained(save_directory, state_dict=full, is_main_process=True, **kwargs)
         except Exception as e:  # every rank must learn it
-            error = _err(RuntimeError(f"{api}: writing {os.fspath(save_directory)!r} failed: "
+            error = encode_error(RuntimeError(f"{api}: writing {os.fspath(save_directory)!r} failed: "
                                       f"{type(e).__name__}: {e}"))
     del full
-    _raise_agreed(error)
+    agree(error)
     return os.fspath(save_directory)
 
 

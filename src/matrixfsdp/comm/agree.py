@@ -28,7 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree", "agreement_device", "encode_error", "is_distributed"]
+from ..mesh import backend_devices
+
+__all__ = ["agree", "all_gather_strings", "agreement_device", "encode_error", "is_distributed"]
 
 #: exception types an error may be re-raised as on the other ranks (anything else: RuntimeError)
 _EXC: dict[str, type[Exception]] = {
@@ -53,15 +55,7 @@ def agreement_device(group: Any = None) -> torch.device:
     """A device the group's backend can communicate on, for the agreement's small tensors: the CPU
     when the group has a CPU backend (gloo, or ``"cpu:gloo,cuda:nccl"``), else the current
     accelerator (an NCCL-only group)."""
-    config = dist.get_backend_config(group)
-    devices = set()
-    for entry in config.split(","):
-        dev, sep, backend = entry.partition(":")
-        if sep:
-            devices.add(dev.strip())
-        else:  # a bare backend name: the devices it serves by default
-            devices |= {d for d, b in dist.Backend.default_device_backend_map.items()
-                        if b == entry.strip().lower()}
+    devices = backend_devices(group)
     if "cpu" in devices or not devices:
         return torch.device("cpu")
     acc = torch.accelerator.current_accelerator()
@@ -77,10 +71,12 @@ def _wait_released(tensors: list[torch.Tensor], timeout_s: float = 10.0) -> None
         time.sleep(1e-4)
 
 
-def _all_gather_strings(msg: str, group: Any, device: torch.device) -> list[str]:
-    """``all_gather_object`` for short strings, safe right before exit (see the Note above)."""
+def all_gather_strings(msg: str | None, group: Any = None, device: torch.device | None = None) -> list[str | None]:
+    """``all_gather_object`` for short strings (or None), safe right before exit (see the Note)."""
+    if device is None:
+        device = agreement_device(group)
     world = dist.get_world_size(group)
-    data = msg.encode()
+    data = b"" if msg is None else b"\x01" + msg.encode()
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(sizes, size, group=group)
@@ -92,7 +88,7 @@ def _all_gather_strings(msg: str, group: Any, device: torch.device) -> list[str]
     buf = buf.to(device)
     outs = [torch.zeros(n, dtype=torch.uint8, device=device) for _ in range(world)]
     dist.all_gather(outs, buf, group=group)
-    rows = [bytes(o[:k].cpu().tolist()).decode() for k, o in zip(lengths, outs)]
+    rows = [None if k == 0 else bytes(o[1:k].cpu().tolist()).decode() for k, o in zip(lengths, outs)]
     _wait_released([size, *sizes, buf, *outs])
     return rows
 
@@ -112,10 +108,9 @@ def agree(error: str | None = None, fingerprint: str | None = None, *, group: An
     else:
         rank = dist.get_rank(group)
         mine = ("E" + error if error is not None else "-") + "\x00" + (fingerprint or "")
-        got = _all_gather_strings(mine, group, device if device is not None else agreement_device(group))
         rows = []
-        for row in got:
-            e, _, f = row.partition("\x00")
+        for row in all_gather_strings(mine, group, device):
+            e, _, f = (row or "").partition("\x00")
             rows.append((e[1:] if e.startswith("E") else None, f or None))
     for r, (e, _) in enumerate(rows):
         if e is not None:

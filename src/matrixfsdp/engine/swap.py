@@ -18,7 +18,7 @@ from typing import Any, Callable, NoReturn
 
 import torch.nn as nn
 
-__all__ = ["swap_class", "user_class", "register_class_adapter"]
+__all__ = ["swap_class", "front_end_of", "user_class", "register_class_adapter"]
 
 #: ``adapter(user_cls, mixin) -> {name: attribute}`` for each swapped class (see the docstring)
 ClassAdapter = Callable[[type, type], dict[str, Any]]
@@ -57,6 +57,13 @@ def swap_class(module: nn.Module, mixin: type, api: str) -> None:
         _CACHE[(cls, mixin)] = new_cls
         _MIXINS.add(mixin)
     module.__class__ = new_cls
+
+
+def front_end_of(module: nn.Module) -> type | None:
+    """The front-end mixin ``module`` was swapped to (``MatrixFSDPModule``, ...), else None."""
+    cls = type(module)
+    base = cls.__bases__[0] if cls.__bases__ else None
+    return base if base in _MIXINS else None
 
 
 def user_class(module: nn.Module | type) -> type:

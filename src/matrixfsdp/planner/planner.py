@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
+from ..mesh import mesh_info
 from .cost import ParamInfo, resolve_cost, state_nbytes
 from .record import OwnerPlan, ParamPlan, _three_term_bound, even_rows
 
@@ -80,12 +81,7 @@ def _world_size(world_size_or_mesh: Any) -> int:
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(world_size_or_mesh, DeviceMesh):
-        if world_size_or_mesh.ndim != 1:
-            raise ValueError(
-                f"plan_owners: the mesh must be 1-D (the data-parallel shard dimension), "
-                f"got mesh.ndim={world_size_or_mesh.ndim}"
-            )
-        return world_size_or_mesh.size()
+        return mesh_info(world_size_or_mesh, api="plan_owners", member=False).shard_size
     raise TypeError(
         f"plan_owners: world_size_or_mesh must be an int or a 1-D DeviceMesh, got {type(world_size_or_mesh).__name__}"
     )

@@ -206,7 +206,7 @@ def _exit_now(status: int) -> None:
     torch 2.13 + gloo: a collective's worker thread drops its references to the collective's
     tensors only after signalling completion; if that happens while the main thread finalizes
     the interpreter, taking the GIL aborts the process (``terminate called without an active
-    exception``; see [Note: collectives right before exit] in ``_checkpoint.py``). Everything
+    exception``; see [Note: collectives right before exit] in ``comm/agree.py``). Everything
     is written and the process group destroyed by now, so nothing is lost by skipping it.
     """
     sys.stdout.flush()

@@ -1,0 +1,39 @@
+"""Every rank runs the same plan: the digest exchange both front-ends make before using a plan.
+
+[Note: digest exchange is keyed by plan object]
+Whether a call exchanges digests must not depend on the plan's *content*: if it did (say, a
+cache keyed by digest), a rank whose plan happens to equal one verified earlier would skip the
+collective while a rank with a different plan would enter it, and gloo would hang instead of
+raising. We key on the plan *object* (its identity, for as long as it lives), which every rank
+creates at the same program point, so all ranks exchange at the same calls.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from ..comm.agree import agree
+from ..mesh import MeshInfo
+from ..planner.record import OwnerPlan
+
+__all__ = ["verify_plan_digest"]
+
+_VERIFIED: dict[tuple[int, tuple[int, ...]], Any] = {}
+
+
+def verify_plan_digest(plan: OwnerPlan, info: MeshInfo, *, api: str) -> None:
+    """All ranks of the shard group exchange the plan digest once per plan object; a plan that
+    differs on any rank raises ``RuntimeError`` on every rank. A collective: run it before any
+    check that depends on the plan's content."""
+    key = (id(plan), tuple(info.mesh.mesh.flatten().tolist()))
+    if key in _VERIFIED:
+        return
+    digests = agree(fingerprint=plan.digest, group=info.shard_group, device=info.device)
+    if len(set(digests)) != 1:
+        by_rank = ", ".join(f"rank {r}: {(d or '')[:12]}" for r, d in enumerate(digests))
+        raise RuntimeError(
+            f"{api}: the plan differs across ranks ({by_rank}); every rank must build the same "
+            "plan (same model, world size and planner arguments, or load one saved plan)"
+        )
+    _VERIFIED[key] = weakref.finalize(plan, _VERIFIED.pop, key, None)
