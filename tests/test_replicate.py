@@ -16,7 +16,7 @@ from _harness import get_pool
 from _models import TinyConfig, TinyDecoder, make_batch
 
 import matrixfsdp
-from matrixfsdp._replicate import replica_of
+from matrixfsdp.placement.owner import owner_of
 
 BATCH = 12
 KW = dict(lr=0.02, ns_dtype=torch.float32, adamw_lr=3e-3, weight_decay=0.01)
@@ -62,7 +62,7 @@ def ddp_parity(stage: int, steps: int, policy: str, alpha: float) -> dict:
         out["loss_diff"] = max(out["loss_diff"], (loss - ref_loss).abs().item())
         for n, p in names.items():
             q = ref_p[n]
-            info = replica_of(p)
+            info = owner_of(p)
             if info is None:  # frozen
                 continue
             if not info.is_local:
@@ -89,7 +89,7 @@ def ddp_parity(stage: int, steps: int, policy: str, alpha: float) -> dict:
                        zip(names.items(), TinyDecoder(cfg, seed=0).parameters()))
     out["n_buckets"] = len(model.owner_plan.meta and dict(model.owner_plan.meta)["buckets"])
     out["state_params"] = sorted(n for n, p in names.items() if p in opt.state)
-    out["owned"] = sorted(n for n, p in names.items() if replica_of(p) and replica_of(p).is_local)
+    out["owned"] = sorted(n for n, p in names.items() if owner_of(p) and owner_of(p).is_local)
     return out
 
 
@@ -115,7 +115,7 @@ def _ref_grads_equal(model, ref, tol):
     worst, bad = 0.0, []
     ref_p = dict(ref.module.named_parameters())
     for n, p in model.named_parameters():
-        info, q = replica_of(p), ref_p[n]
+        info, q = owner_of(p), ref_p[n]
         if info is None:
             continue
         if not info.is_local:
@@ -616,7 +616,7 @@ def torch_adamw_standard_resume(root: str) -> dict:
     after_load = len(fopt.state)
     _train(fresh, fopt, cfg, 2, start=2)
     model.sync_params(); fresh.sync_params()
-    owned = sum(1 for p in fresh.parameters() if replica_of(p) is not None and replica_of(p).is_local)
+    owned = sum(1 for p in fresh.parameters() if owner_of(p) is not None and owner_of(p).is_local)
     return {"after_load": after_load, "after_step": len(fopt.state), "owned": owned,
             "trainable": sum(1 for p in fresh.parameters() if p.requires_grad),
             "diff": max((p - q).abs().max().item() for p, q in zip(model.parameters(), fresh.parameters()))}
@@ -743,7 +743,7 @@ def shampoo_soap_parity(name: str) -> dict:
     moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), TinyDecoder(cfg, seed=0).parameters()))
     return {"grad_diff": g, "bad": bad, "moved": moved,
             "param_diff": max((p - ref_p[n]).abs().max().item() for n, p in model.named_parameters()),
-            "state_owned": all(replica_of(p).is_local for p in opt.state)}
+            "state_owned": all(owner_of(p).is_local for p in opt.state)}
 
 
 @pytest.mark.parametrize("name", ["Shampoo", "SOAP"])

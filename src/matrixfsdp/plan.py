@@ -1,11 +1,127 @@
-"""``python -m matrixfsdp.plan``: the planner's command line (kept at this path for users;
-the implementation is :mod:`matrixfsdp.planner.cli`)."""
+"""Command line: plan owners for a built-in preset or a Hugging Face config and print the report.
 
+    python -m matrixfsdp.plan --model qwen3-32b --world 32
+    python -m matrixfsdp.plan --hf-config path/to/config.json --world 64 --json > plan.json
+
+No process group, no weights: the model is built on the ``meta`` device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
 import sys
+import time
+from pathlib import Path
 
-from .planner.cli import build_parser, main
+import torch
 
-__all__ = ["main", "build_parser"]
+from .models.decoder import PRESETS, Decoder, DecoderLayer, config_from_hf
+from .planner.planner import ELEMENTWISE, POLICIES, plan_owners
+from .planner.cost import COST_MODELS, OPTIMIZERS
+from .planner.report import natural_key
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m matrixfsdp.plan",
+        description=__doc__.split("\n")[0] + " Without --model or --hf-config, plans qwen3-32b.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default="qwen3-32b", choices=sorted(PRESETS, key=natural_key),
+                     help="built-in preset (Qwen3 shapes from the published Hugging Face configs)")
+    src.add_argument("--hf-config", metavar="PATH",
+                     help="a Llama/Qwen-style Hugging Face config.json, or the model folder holding it")
+    p.add_argument("--world", type=int, required=True, help="data-parallel world size (ranks)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES],
+                   help="parameter dtype for the byte figures; auto: the HF config's torch_dtype/dtype, "
+                        "else bfloat16 (the dtype of the released Qwen3 weights)")
+    p.add_argument("--policy", default="balanced", choices=POLICIES,
+                   help="planner: balanced (bytes and cost together), role_greedy / scope_greedy "
+                        "(simple baselines), alpha_balanced / naive_static (Canzona's ZeRO-1 buckets)")
+    p.add_argument("--cost", default="flops", choices=COST_MODELS,
+                   help="optimizer cost model to balance: FLOPs of the optimizer, state bytes, or numel")
+    p.add_argument("--optimizer", default="muon", choices=OPTIMIZERS,
+                   help="the optimizer whose FLOPs and state the plan balances")
+    p.add_argument("--elementwise", default="auto", choices=ELEMENTWISE,
+                   help="placement of element-wise tensors (norms, embeddings): auto owns a block's "
+                        "tail when it fits its fair share, else shards it evenly")
+    p.add_argument("--alpha", type=float, default=1.0, help="alpha_balanced blend factor, in [0, 1]")
+    p.add_argument("--bucket-numel", type=int, default=None,
+                   help="ZeRO-1 bucket size in elements (alpha_balanced / naive_static; default: Megatron's)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (OwnerPlan.to_json)")
+    p.add_argument("--no-ranks", action="store_true", help="omit the per-rank table")
+    p.add_argument("--no-blocks", action="store_true", help="omit the per-block gamma_B table")
+    return p
+
+
+def _hf_dtype(path: Path) -> str | None:
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    d = cfg.get("torch_dtype") or cfg.get("dtype")
+    return d if d in _DTYPES else None
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.world < 1:
+        raise ValueError(f"--world must be >= 1, got {args.world}")
+    hf = None
+    if args.hf_config:
+        hf = Path(args.hf_config)
+        if hf.is_dir():
+            hf = hf / "config.json"
+    cfg = config_from_hf(hf) if hf else PRESETS[args.model]
+    dtype_name = args.dtype if args.dtype != "auto" else ((_hf_dtype(hf) if hf else None) or "bfloat16")
+    with torch.device("meta"):
+        model = Decoder(cfg).to(_DTYPES[dtype_name])
+    t0 = time.perf_counter()
+    plan = plan_owners(
+        model,
+        args.world,
+        block_types=(DecoderLayer,),
+        policy=args.policy,
+        cost=args.cost,
+        optimizer=args.optimizer,
+        elementwise=args.elementwise,
+        alpha=args.alpha,
+        bucket_numel=args.bucket_numel,
+    )
+    ms = (time.perf_counter() - t0) * 1e3
+    if args.json:
+        print(plan.to_json(indent=1))
+        return 0
+    name = str(hf) if hf else args.model
+    print(f"# {name}: {cfg.num_params / 1e9:.2f}B parameters in {dtype_name}, planned in {ms:.1f} ms")
+    print(plan.report(per_rank=not args.no_ranks, per_block=not args.no_blocks))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (bad input: one ``error:`` line on stderr, 2)."""
+    args = build_parser().parse_args(argv)
+    try:
+        status = _run(args)
+        sys.stdout.flush()
+        return status
+    except (ValueError, TypeError) as e:
+        msg = str(e)
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `| head` closed the pipe: stop quietly
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout without a file descriptor (captured)
+            pass
+        return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

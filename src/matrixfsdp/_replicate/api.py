@@ -15,10 +15,11 @@ from ..comm.agree import agree
 from ..comm.collectives import CommCounter, collectives_for
 from ..engine.plan_check import verify_plan_digest
 from ..mesh import MeshInfo, default_mesh, mesh_info
+from ..placement.owner import Owned, owner_of, set_owner
 from ..engine.swap import front_end_of, swap_class
 from ..planner.record import OwnerPlan
 from .layout import build_layout
-from .buckets import _ATTR, Bucket, ReplicaInfo, ReplicateState
+from .buckets import Bucket, ReplicateState
 
 __all__ = ["replicate", "MatrixReplicateModule"]
 
@@ -134,7 +135,7 @@ def replicate(
     state.mesh = mesh
     for b in buckets:
         for slot, p in zip(b.layout.slots, b.params):
-            setattr(p, _ATTR, ReplicaInfo(slot.owner, rank, mesh))
+            set_owner(p, Owned(owner=slot.owner, kind=plan[slot.fqn].placement, mesh=mesh, storage="replicated"))
             p.register_post_accumulate_grad_hook(state.on_grad)
     _install_hooks(module, state)
     _watch_optimizer_steps(state)
@@ -214,7 +215,7 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
         return
     for g in optimizer.param_groups:
         for p in g["params"]:
-            info = getattr(p, _ATTR, None)
+            info = owner_of(p)
             if info is not None and not info.is_local:
                 optimizer.state.pop(p, None)
 

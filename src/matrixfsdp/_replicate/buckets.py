@@ -52,31 +52,7 @@ from ..comm.collectives import Handle, SegmentCollectives
 from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
 from .layout import BucketLayout
 
-__all__ = ["ReplicaInfo", "replica_of", "Bucket", "ReplicateState"]
-
-_ATTR = "_matrixfsdp_replica"
-
-
-@dataclass(frozen=True)
-class ReplicaInfo:
-    """Set on every parameter managed by ``matrixfsdp.replicate``: rank ``owner`` updates it."""
-
-    owner: int
-    rank: int
-    mesh: Any  # the 1-D data-parallel DeviceMesh
-
-    @property
-    def group(self) -> Any:
-        return self.mesh.get_group()
-
-    @property
-    def is_local(self) -> bool:
-        return self.owner == self.rank
-
-
-def replica_of(p: Any) -> ReplicaInfo | None:
-    return getattr(p, _ATTR, None)
-
+__all__ = ["Bucket", "ReplicateState"]
 
 class Bucket:
     """One bucket's flat parameter buffer, gradient buffer and in-flight reduction."""

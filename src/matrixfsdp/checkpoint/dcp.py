@@ -71,7 +71,7 @@ from torch.distributed.tensor import DTensor
 
 from ..comm.agree import agree, encode_error, is_distributed
 from ..placement.owned import local_tensor, owned_of, wrap_dtensor
-from .._replicate.buckets import replica_of
+from ..placement.owner import owner_of
 
 __all__ = ["save", "load", "model_state_dict", "optimizer_state_dict", "MODEL_KEY", "OPTIM_KEY"]
 
@@ -336,8 +336,8 @@ def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: Tenso
     shape, dtype = tuple(tmeta.size), tmeta.properties.dtype
     local = local_tensor(p)
     if not isinstance(p, DTensor):
-        replica = replica_of(p)
-        if replica is not None and not replica.is_local:
+        info = owner_of(p)
+        if info is not None and not info.is_local:
             return None  # matrixfsdp.replicate: the owner keeps (and loads) this state
         return torch.empty(shape, dtype=dtype, device=p.device)
     info = owned_of(p)

@@ -26,7 +26,7 @@ State dicts are torch's. Step counters are 0-dim float32 CPU tensors, as in ``to
 instead of casting them to a bf16 parameter's dtype. For DTensor parameters ``state_dict()``
 presents the (local) state as DTensors with the parameter's layout, so ``torch.distributed.checkpoint``
 saves and reshards it like FSDP2's; see [Note: optimizer state in state dicts] in
-``matrixfsdp/_ckpt_state.py``.
+``optim/state_dict.py``.
 
 [Note: local tensors]
 Under matrixfsdp a parameter may be a ``DTensor``. Routing looks at its *global* shape
@@ -49,7 +49,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..placement.owned import local_tensor, owned_of  # one local-tensor helper for the package
-from .._replicate.buckets import replica_of
+from ..placement.owner import owner_of
 from ._adamw import adamw_step, new_step_counter
 
 try:  # torch builds without distributed have no DTensor; then nothing is one.
@@ -71,8 +71,8 @@ ADAMW_DEFAULTS: dict[str, Any] = {
 
 def _remote_replica(p: Tensor) -> bool:
     """A parameter of a ``matrixfsdp.replicate`` model that another rank owns (and updates)."""
-    info = replica_of(p)
-    return info is not None and not info.is_local
+    info = owner_of(p)
+    return info is not None and info.storage == "replicated" and not info.is_local
 
 
 def wide_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -116,7 +116,7 @@ class MatrixOptimizer(Optimizer):
         so a plain reference run and a sharded run of the same model step every parameter alike.
         ``Optimizer(model.parameters())`` with ``algorithm="auto"`` cannot see modules: there a
         plain 2D tensor gets the matrix rule (embeddings and heads included)."""
-        from ..planner.planner import default_matrix_filter
+        from ..planner.rules import default_matrix_filter
 
         head_rows = frozenset(m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding))
         matrix, rest = [], []
@@ -358,7 +358,7 @@ class MatrixOptimizer(Optimizer):
         the local state) with the parameter's layout, so DCP can save and reshard it. Each param
         group records the rule of each of its parameters (``"routes"``), which
         :meth:`load_state_dict` checks."""
-        from ..checkpoint.optim_state import present_state
+        from .state_dict import present_state
 
         sd = present_state(self, super().state_dict())
         routes = self._routes()
@@ -377,7 +377,7 @@ class MatrixOptimizer(Optimizer):
         which would round Shampoo/SOAP float32 factors of a bf16 parameter to bf16. DTensor state
         (from :meth:`state_dict` or DCP) is reduced to its local tensor first.
         """
-        from ..checkpoint.optim_state import accept_state
+        from .state_dict import accept_state
 
         mine = self._routes()
         for i, saved in enumerate(state_dict["param_groups"]):

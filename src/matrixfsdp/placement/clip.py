@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .owned import local_tensor, owned_of
-from .._replicate import replica_of
+from .owned import local_tensor
+from .owner import owner_of
 
 __all__ = ["clip_grad_norm_"]
 
@@ -56,11 +56,7 @@ def clip_grad_norm_(
     group = process_group
     if group is None:
         for p in params:
-            replica = replica_of(p)
-            if replica is not None:
-                group = replica.group
-                break
-            info = owned_of(p)
+            info = owner_of(p)
             mesh = info.mesh if info is not None else getattr(p, "device_mesh", None)
             if mesh is not None and mesh.size() > 1:
                 group = mesh.get_group()
@@ -74,7 +70,7 @@ def clip_grad_norm_(
     local = torch.zeros((), dtype=torch.float32, device=device)
     for p, g in zip(params, grads):
         # owned gradients (DTensor, or replicate's: only the owner has one) count on their rank
-        sharded = isinstance(p.grad, DTensor) or replica_of(p) is not None
+        sharded = isinstance(p.grad, DTensor) or owner_of(p) is not None
         if g.numel() == 0 or (not sharded and not first):
             continue
         if inf:

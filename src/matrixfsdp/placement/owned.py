@@ -36,7 +36,6 @@ outside the owner mesh replaces the local tensor by a shapeless ``[0]`` tensor.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +44,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_flatten, tree_map
+
+from .owner import _OWNER_OF, Owned, is_owned, owned_of, owner_meshes, set_owner
 
 __all__ = [
     "Owned",
@@ -59,66 +60,6 @@ __all__ = [
     "full_tensor",
     "set_full_",
 ]
-
-_OWNED_ATTR = "_matrixfsdp_owned"
-
-
-@dataclass(frozen=True)
-class Owned:
-    """Placement metadata of an owned parameter: rank ``owner`` of the data-parallel ``mesh``
-    stores it whole, every other rank stores an empty ``[0, *shape[1:]]`` tensor.
-
-    ``kind`` is the plan placement (``"matrix"`` or ``"tail"``).
-
-    Example::
-
-        info = matrixfsdp.owned_of(model.blocks[0].attn.q_proj.weight)
-        if info is not None and info.owner == mesh.get_local_rank():
-            ...  # the whole matrix is p.to_local()
-    """
-
-    owner: int
-    kind: str
-    mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
-
-
-def owned_of(t: Any) -> Owned | None:
-    """The :class:`Owned` metadata of a matrixfsdp-owned parameter, else ``None``."""
-    return getattr(t, _OWNED_ATTR, None)
-
-
-def is_owned(t: Any) -> bool:
-    """Whether ``t`` is a matrixfsdp-owned parameter."""
-    return owned_of(t) is not None
-
-
-_OWNER_MESHES: dict[DeviceMesh, tuple[DeviceMesh, ...]] = {}
-
-
-def owner_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
-    """The one-rank sub-meshes ``[mesh.mesh[r]]`` for every ``r`` (created once, collectively).
-
-    Every rank must call this the first time for a given ``mesh`` (``fully_shard`` does).
-    """
-    subs = _OWNER_MESHES.get(mesh)
-    if subs is None:
-        ranks = mesh.mesh.flatten().tolist()
-        # No communicator: a one-rank [Replicate()] mesh never communicates (W new_group
-        # calls would mean W communicator splits, with eager NCCL init, for nothing).
-        subs = tuple(
-            # named after the owner, so DTensor's errors tell the meshes apart ("owned_by_rank3")
-            DeviceMesh(mesh.device_type, [g], mesh_dim_names=(f"owned_by_rank{r}",), _init_backend=False)
-            for r, g in enumerate(ranks)
-        )
-        _OWNER_MESHES[mesh] = subs
-        for r, sub in enumerate(subs):
-            _OWNER_OF[sub] = (mesh, r)
-    return subs
-
-
-# owner sub-mesh -> (data-parallel mesh, owner rank); filled by owner_meshes
-_OWNER_OF: dict[DeviceMesh, tuple[DeviceMesh, int]] = {}
-
 
 class OwnedDTensor(DTensor):
     """A DTensor stored whole on one rank of a data-parallel mesh (see
@@ -342,7 +283,7 @@ def make_sharded_param(
                           requires_grad=requires_grad)
     dt._is_param = True  # makes isinstance(dt, nn.Parameter) true, as nn.Parameter(dt) would
     if owner is not None:
-        setattr(dt, _OWNED_ATTR, Owned(owner=owner, kind=kind, mesh=mesh))
+        set_owner(dt, Owned(owner=owner, kind=kind, mesh=mesh))
     return dt  # type: ignore[return-value]
 
 

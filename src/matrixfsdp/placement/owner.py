@@ -23,7 +23,7 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Owned", "owner_of", "owned_of", "is_owned", "set_owner", "STORAGES"]
+__all__ = ["Owned", "owner_of", "owned_of", "is_owned", "set_owner", "owner_meshes", "STORAGES"]
 
 _ATTR = "_matrixfsdp_owned"
 
@@ -58,8 +58,6 @@ class Owned:
     @property
     def owner_mesh(self) -> DeviceMesh:
         """The owner's one-rank sub-mesh, on which its state is presented in state dicts."""
-        from .owned import owner_meshes
-
         if self.mesh is None:
             raise ValueError(f"matrixfsdp: owner descriptor {self!r} has no data-parallel mesh")
         return owner_meshes(self.mesh)[self.owner]
@@ -87,3 +85,31 @@ def set_owner(t: Any, info: Owned) -> None:
     if info.storage not in STORAGES:
         raise ValueError(f"matrixfsdp: storage must be one of {STORAGES}, got {info.storage!r}")
     setattr(t, _ATTR, info)
+
+
+_OWNER_MESHES: dict[DeviceMesh, tuple[DeviceMesh, ...]] = {}
+
+
+def owner_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
+    """The one-rank sub-meshes ``[mesh.mesh[r]]`` for every ``r`` (created once, collectively).
+
+    Every rank must call this the first time for a given ``mesh`` (``fully_shard`` does).
+    """
+    subs = _OWNER_MESHES.get(mesh)
+    if subs is None:
+        ranks = mesh.mesh.flatten().tolist()
+        # No communicator: a one-rank [Replicate()] mesh never communicates (W new_group
+        # calls would mean W communicator splits, with eager NCCL init, for nothing).
+        subs = tuple(
+            # named after the owner, so DTensor's errors tell the meshes apart ("owned_by_rank3")
+            DeviceMesh(mesh.device_type, [g], mesh_dim_names=(f"owned_by_rank{r}",), _init_backend=False)
+            for r, g in enumerate(ranks)
+        )
+        _OWNER_MESHES[mesh] = subs
+        for r, sub in enumerate(subs):
+            _OWNER_OF[sub] = (mesh, r)
+    return subs
+
+
+# owner sub-mesh -> (data-parallel mesh, owner rank); filled by owner_meshes
+_OWNER_OF: dict[DeviceMesh, tuple[DeviceMesh, int]] = {}

@@ -2,8 +2,9 @@
 
 Pure, deterministic Python: no process group, no tensors beyond shapes. ``record`` holds the
 frozen plan dataclasses and their digest, ``planner`` the global balance-aware assignment,
-``cost`` the per-optimizer cost model, ``buckets`` Canzona's alpha-balanced partition, ``report``
-the human-readable report and ``cli`` ``python -m matrixfsdp.plan``.
+``cost`` the per-optimizer cost model, ``buckets`` Canzona's alpha-balanced partition, ``rules``
+the matrix rule shared with the optimizers and ``report`` the human-readable report. The command
+line, ``python -m matrixfsdp.plan``, is :mod:`matrixfsdp.plan`.
 """
 
 from .planner import ELEMENTWISE, POLICIES, default_matrix_filter, plan_owners

@@ -28,6 +28,7 @@ import torch.nn as nn
 from ..mesh import mesh_info
 from .cost import ParamInfo, resolve_cost, state_nbytes
 from .record import OwnerPlan, ParamPlan, _three_term_bound, even_rows
+from .rules import default_matrix_filter
 
 __all__ = ["plan_owners", "POLICIES", "ELEMENTWISE", "default_matrix_filter"]
 
@@ -35,7 +36,6 @@ POLICIES = ("balanced", "role_greedy", "scope_greedy", "alpha_balanced", "naive_
 ELEMENTWISE = ("auto", "owned", "even")
 
 PARTNERS = 16
-_HEAD_NAMES = ("lm_head", "output", "head", "classifier")
 
 
 @dataclass(frozen=True)
@@ -54,21 +54,6 @@ class _Role:
     placement: str  # "matrix" | "tail"
     nbytes: int
     cost: float
-
-
-def default_matrix_filter(fqn: str, param: torch.Tensor, module: nn.Module, head_rows: frozenset[int]) -> bool:
-    """The default ``matrix_filter``: 2D weights, except embeddings and the output head.
-
-    Embeddings (``nn.Embedding`` weights) and the output head (a 2D weight whose owning module is
-    named like ``lm_head``/``output``/``head``, or whose row count is an embedding's vocabulary
-    size) go to AdamW, as in standard Muon recipes.
-    """
-    if param.ndim != 2 or isinstance(module, nn.Embedding):
-        return False
-    leaf = fqn.rsplit(".", 2)[-2] if fqn.count(".") >= 1 else ""
-    if leaf in _HEAD_NAMES:
-        return False
-    return param.shape[0] not in head_rows
 
 
 def _world_size(world_size_or_mesh: Any) -> int:

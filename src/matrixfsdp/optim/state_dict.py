@@ -1,4 +1,4 @@
-"""Optimizer state in checkpoint form: local state tensors <-> DTensors with the parameter's layout.
+"""Optimizer state in state-dict form: local state tensors <-> DTensors with the parameter's layout.
 
 [Note: optimizer state in state dicts]
 The matrix optimizers keep the state of a DTensor parameter as *plain local tensors* (``step()``
@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ..placement.owned import empty_local, local_tensor, owned_of, owner_meshes, wrap_dtensor
-from .._replicate.buckets import replica_of
+from ..placement.owned import empty_local, local_tensor, owned_of, wrap_dtensor
+from ..placement.owner import owner_of
 
 if TYPE_CHECKING:
-    from ..optim._base import MatrixOptimizer
+    from ._base import MatrixOptimizer
 
 try:
     from torch.distributed.tensor import DTensor, Replicate
@@ -55,6 +55,12 @@ except ImportError:  # pragma: no cover - torch without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
 __all__ = ["present_state", "accept_state"]
+
+
+def _replicated(p: Tensor) -> Any:
+    """The owner descriptor of a ``matrixfsdp.replicate`` parameter (whole on every rank)."""
+    info = owner_of(p)
+    return info if info is not None and info.storage == "replicated" else None
 
 
 def _as_dtensor(opt_name: str, key: str, p: Tensor, value: Any) -> Any:
@@ -67,7 +73,7 @@ def _as_dtensor(opt_name: str, key: str, p: Tensor, value: Any) -> Any:
     if info is not None:
         if info.mesh is None:  # pragma: no cover - make_sharded_param always sets it
             raise RuntimeError(f"{opt_name}.state_dict: owned parameter without a mesh ({key})")
-        mesh, placements, shape = owner_meshes(info.mesh)[info.owner], (Replicate(),), tuple(value.shape)
+        mesh, placements, shape = info.owner_mesh, (Replicate(),), tuple(value.shape)
     else:
         local = local_tensor(p)
         if tuple(value.shape) != tuple(local.shape):
@@ -112,7 +118,7 @@ def present_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
     # set_optimizer_state_dict(strict=True) that nothing is missing.
     remote = opt._remote_state
     for idx, p in enumerate(params):
-        replica = replica_of(p)
+        replica = _replicated(p)
         if replica is not None:
             if p.requires_grad:
                 state[idx] = _replica_entry(opt, p, replica, state.get(idx))
@@ -128,7 +134,7 @@ def _remote_entry(opt: "MatrixOptimizer", p: Tensor, info: Any) -> dict[str, Any
     """The keys and global shapes of the owner's state of ``p``, as empty owned DTensors."""
     group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
     schema = opt._state_schema(p, group)
-    mesh = owner_meshes(info.mesh)[info.owner]
+    mesh = info.owner_mesh
     local = local_tensor(p)
     out: dict[str, Any] = {}
     for k, v in schema.items():
@@ -150,7 +156,7 @@ def _replica_entry(opt: "MatrixOptimizer", p: Tensor, info: Any, st: dict[str, A
     if not st:
         group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
         st = opt._state_schema(p, group, like=p.detach())
-    mesh = owner_meshes(info.mesh)[info.owner]
+    mesh = info.owner_mesh
     return {k: wrap_dtensor(v, mesh, (Replicate(),), tuple(v.shape)) if isinstance(v, Tensor) else v
             for k, v in st.items()}
 
@@ -170,7 +176,7 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
             state[key] = st
             continue
         out: dict[str, Any] = {}
-        replica = replica_of(p)
+        replica = _replicated(p)
         if replica is not None:  # matrixfsdp.replicate: only the owner keeps state
             if replica.is_local:
                 state[key] = {k: local_tensor(v) if isinstance(v, Tensor) else v for k, v in st.items()
