@@ -146,5 +146,6 @@ def shard_param(mp: ManagedParam, mesh: DeviceMesh, rank: int) -> None:
             local = data.new_empty(pp.local_shape(rank, W))
     mp.sharded = make_sharded_param(local, shape=tuple(pp.shape), mesh=mesh, owner=pp.owner,
                                     kind=pp.placement, requires_grad=orig.requires_grad)
+    setattr(mp.sharded, "_matrixfsdp_fqn", mp.fqn)  # optim._list_routing names it in its warning
     mp.orig = None
     mp.to_sharded()
