@@ -58,7 +58,8 @@ ADAMW_FLOPS_PER_ELEM = 12
 CONFIGS = {
     "ours": ("ours", 1, "flops", "auto"),
     "canzona": ("megatron", 8, "numel", "owned"),
-    # the same, but the AdamW embedding/head stay evenly sharded (only Muon matrices and norms atomic)
+    # the same, but the AdamW embedding/head stay evenly sharded ("auto": measure() asks bucket
+    # policies for "even", which shards the norms too; equal to 3 decimals, issue 20)
     "canzona-sharded": ("megatron", 8, "numel", "auto"),
 }
 #: The Fig. 3c points: (config, bucket). 40M is Megatron's default; at 400M (10 buckets per TP rank)
@@ -160,6 +161,9 @@ def measure(model: str, W: int, *, layout: str, tp: int, cost: str, elementwise:
     kw = {}
     if policy in ("naive_static", "alpha_balanced"):
         kw["bucket_numel"] = bucket_numel
+        # bucket policies' "auto" keeps every tensor atomic (issue 20); these rows shard the
+        # embedding/head as before ("even" also shards the norms: measured equal to 3 decimals)
+        elementwise = "even" if elementwise == "auto" else elementwise
     if policy == "alpha_balanced":
         kw["alpha"] = alpha
     t = time.perf_counter()

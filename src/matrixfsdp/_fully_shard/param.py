@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..mesh import mesh_device
+from ..placement.owner import FQN_ATTR
 from ..placement.owned import local_tensor, make_sharded_param, owned_of
 
 if TYPE_CHECKING:
@@ -140,5 +141,6 @@ def shard_param(mp: ManagedParam, mesh: DeviceMesh, rank: int) -> None:
             local = data.new_empty(pp.local_shape(rank, W))
     mp.sharded = make_sharded_param(local, shape=tuple(pp.shape), mesh=mesh, owner=pp.owner,
                                     kind=pp.placement, requires_grad=orig.requires_grad)
+    setattr(mp.sharded, FQN_ATTR, mp.fqn)  # optimizers' warnings name it
     mp.orig = None
     mp.to_sharded()

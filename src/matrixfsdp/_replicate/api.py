@@ -96,13 +96,7 @@ def replicate(
     missing = sorted(set(named) - {p.fqn for p in plan.params})
     if missing:
         raise ValueError(f"{API}: the plan has no entry for {missing[:3]} (plan the same model)")
-    even = [p.fqn for p in plan.params if p.fqn in named and p.owner is None]
-    if even:
-        raise ValueError(
-            f"{API}: every parameter must be owned whole by one rank, but the plan shards "
-            f"{even[:3]} evenly ('even' placement); build it with plan_owners(..., "
-            "elementwise='owned') or a bucket policy (alpha_balanced, naive_static)"
-        )
+    _check_whole(plan, named)
     coll = collectives_for(info.shard_group)
     verify_plan_digest(plan, info, api=API)  # before anything depends on the plan's content
     rank, W = info.shard_rank, info.shard_size
@@ -158,6 +152,19 @@ def _agree_on_layout(layouts: Any, stage: int, reduce_dtype: Any, error: str | N
             f"{API}: the ranks disagree on the bucket layout (bucket_numel, stage, reduce_dtype or "
             "which parameters require grad differ), or a check failed on another rank; call "
             "replicate with the same model and arguments on every rank"
+        )
+
+
+def _check_whole(plan: OwnerPlan, named: dict[str, Any]) -> None:
+    """Refuse evenly sharded ('even') entries. The hint keeps the caller's policy and asks for
+    ``elementwise='owned'``, the one option that never yields 'even' (so never the caller's)."""
+    even = [p.fqn for p in plan.params if p.fqn in named and p.owner is None]
+    if even:
+        raise ValueError(
+            f"{API}: every parameter must be owned whole by one rank, but the plan "
+            f"(policy={plan.policy!r}, W={plan.world_size}) shards {len(even)} parameter(s) evenly "
+            f"('even' placement), e.g. {even[:3]}; rebuild it with plan_owners(..., "
+            f"policy={plan.policy!r}, elementwise='owned')"
         )
 
 

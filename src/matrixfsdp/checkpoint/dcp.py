@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import copy
 import os
-import pickle
 import shutil
 import uuid
 from collections.abc import Iterable
@@ -260,14 +259,10 @@ def read_metadata(path: str | os.PathLike, api: str = "matrixfsdp.checkpoint") -
             f"{api}: {mfile!r} is missing; {path!r} is not a complete DCP checkpoint (an "
             "unfinished save writes .metadata last)"
         )
-    try:
-        with open(mfile, "rb") as f:
-            md = pickle.load(f)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
-        raise ValueError(f"{api}: cannot read {mfile!r} ({type(e).__name__}: {e}); the file is damaged") from e
-    if not isinstance(md, Metadata):
-        raise ValueError(f"{api}: {mfile!r} holds a {type(md).__name__}, not DCP metadata")
-    return md
+    from .safe_pickle import load_metadata
+
+    with open(mfile, "rb") as f:
+        return load_metadata(f, mfile, api)  # allow-listed unpickling: a foreign global is refused
 
 
 def check_files(path: str, md: Metadata, keys: Iterable[str] | None = None, api: str = "matrixfsdp.checkpoint") -> None:
@@ -519,7 +514,9 @@ def load(
     try:
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-        dcp.load(sd, checkpoint_id=path, process_group=process_group,
+        from .safe_pickle import SafeFileSystemReader
+
+        dcp.load(sd, storage_reader=SafeFileSystemReader(path), process_group=process_group,
                  planner=DefaultLoadPlanner(allow_partial_load=not strict))
     except CheckpointException as e:
         raise RuntimeError(f"{api}: reading checkpoint {path!r} failed; the model and optimizer "

@@ -102,11 +102,16 @@ class MatrixOptimizer(Optimizer):
         defaults = {**defaults, "algorithm": "auto", **adamw}
         # Constructor arguments first, so their errors name no group.
         self._check_hparams(defaults, "")
-        if isinstance(params, torch.nn.Module):
+        from_module = isinstance(params, torch.nn.Module)
+        if from_module:
             params = self._module_groups(params)
         #: ids of owned parameters whose owner (another rank) has state (see present_state)
         self._remote_state: set[int] = set()
         super().__init__(params, defaults)
+        if not from_module:
+            from ._list_routing import warn_if_list_routing_differs
+
+            warn_if_list_routing_differs(self)
 
     def _module_groups(self, model: torch.nn.Module) -> list[dict[str, Any]]:
         """[Note: one routing rule] ``Optimizer(model)`` routes every parameter by the planner's

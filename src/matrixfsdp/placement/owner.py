@@ -26,6 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = ["Owned", "owner_of", "owned_of", "is_owned", "set_owner", "owner_meshes", "STORAGES"]
 
 _ATTR = "_matrixfsdp_owned"
+#: set by fully_shard on each sharded parameter (owned or even): its fqn, for messages
+FQN_ATTR = "_matrixfsdp_fqn"
 
 #: what ranks other than the owner hold (see the Note)
 STORAGES = ("sharded", "replicated")

@@ -33,6 +33,7 @@ from .rules import default_matrix_filter
 __all__ = ["plan_owners", "POLICIES", "ELEMENTWISE", "default_matrix_filter"]
 
 POLICIES = ("balanced", "role_greedy", "scope_greedy", "alpha_balanced", "naive_static")
+BUCKET_POLICIES = ("alpha_balanced", "naive_static")
 ELEMENTWISE = ("auto", "owned", "even")
 
 PARTNERS = 16
@@ -200,6 +201,8 @@ def plan_owners(
             scope's fair share ``max(largest matrix role, scope bytes / W)``, else even. This
             owns the tiny norms of a block (no extra pieces to move) and evenly shards embeddings
             and output heads, whose ownership would wreck byte balance at large W (see docs/planner.md).
+            The bucket policies keep every tensor atomic under ``"auto"`` (Canzona's rule;
+            ``replicate`` needs it); pass ``"even"`` to shard their element-wise tensors.
         precondition_frequency: amortization of Shampoo/SOAP eigendecompositions in ``"flops"``.
         alpha, bucket_numel: ``alpha_balanced`` blend factor in [0, 1] and ZeRO-1 bucket size in
             elements (default: Megatron's ``max(40M, 1M * W)``).
@@ -242,9 +245,13 @@ def plan_owners(
         )
 
     meta: tuple[tuple[str, Any], ...] = ()
+    if policy in BUCKET_POLICIES and elementwise == "auto":
+        # Canzona's rule: ZeRO-1 buckets keep every tensor atomic, which is what replicate runs at
+        # any W; "even" (embedding/head sharded, as in the Fig. 3c benchmark) stays on request.
+        elementwise = "owned"
     roles, even = _build_roles(specs, W, elementwise, cost_fn)
     params = [make(s, "even", None) for s in even]
-    if policy in ("alpha_balanced", "naive_static"):
+    if policy in BUCKET_POLICIES:
         from .buckets import partition_buckets
 
         # Buckets hold the owned parameters in registration order; evenly sharded element-wise
