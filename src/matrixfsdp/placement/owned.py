@@ -35,7 +35,6 @@ outside the owner mesh replaces the local tensor by a shapeless ``[0]`` tensor.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ._compat import called_from
 from .owner import _OWNER_OF, Owned, is_owned, owned_of, owner_meshes, set_owner
 
 __all__ = [
@@ -99,34 +99,18 @@ class OwnedDTensor(DTensor):
 
         return tree_map(rewrap, out)
 
-    # [Note: torch's full state-dict loaders and owned tensors]
-    # set_model_state_dict / set_optimizer_state_dict with full_state_dict=True distribute each
-    # incoming full tensor onto the local DTensor's mesh; torch 2.13 assumes every rank is in
-    # that mesh, which a one-rank owner mesh breaks in two places (no public hook runs earlier):
-    # * broadcast_from_rank0=True: ``_distribute_tensors`` copies
-    #   ``full[slices]`` into ``to_local()``; for a rank outside the mesh
-    #   ``compute_local_shape_and_global_offset`` gives offset ``()``, so the slice is the whole
-    #   tensor and the copy into the ``[0, ...]`` local raised on non-owners while the owner went
-    #   on to the next broadcast (a hang). Called from there, a non-owner's ``to_local()`` hands
-    #   out a scratch buffer of the full shape instead: the copy lands nowhere (a non-owner holds
-    #   none of the value), the owner's copy writes its parameter; every rank then loads alike.
-    # * without it: ``_distribute_state_dict`` runs ``distribute_tensor`` on the owner mesh,
-    #   which broadcasts over that mesh's process group; owner meshes have none (see
-    #   owner_meshes), so the owner raised and the others went on. Read from there, the mesh
-    #   raises a ValueError on every rank at the same key instead (every rank's local state
-    #   holds the same owned keys).
-    # Caller detection compares code objects (exact; if torch renames them, the tests fail).
+    # [Note: torch's full state-dict loaders and owned tensors] (in _compat.py): the two
+    # members below answer torch's full state-dict loaders differently, on supported torch only.
 
     def to_local(self, *, grad_placements: Any = None) -> torch.Tensor:  # type: ignore[override]
-        if (self._spec.mesh.get_coordinate() is None
-                and sys._getframe(1).f_code is _dsd_code("_distribute_tensors")):
+        if self._spec.mesh.get_coordinate() is None and called_from("_distribute_tensors"):
             local = self._local_tensor
             return torch.empty(tuple(self.shape), dtype=local.dtype, device=local.device)
         return super().to_local(grad_placements=grad_placements)
 
     @property
     def device_mesh(self) -> DeviceMesh:  # type: ignore[override]
-        if sys._getframe(1).f_code is _dsd_code("_distribute_state_dict"):
+        if called_from("_distribute_state_dict"):
             dp, owner = self._dp()
             raise ValueError(
                 "matrixfsdp: set_model_state_dict/set_optimizer_state_dict with "
@@ -218,19 +202,6 @@ def _refuse_mixed_owner_meshes(func: Any, args: Any, kwargs: Any) -> None:
             "clip with matrixfsdp.clip_grad_norm_(model.parameters(), max_norm), or reduce local "
             "terms (p.to_local()) and all-reduce them"
         )
-
-
-_DSD_CODES: dict[str, Any] = {}
-
-
-def _dsd_code(name: str) -> Any:
-    """The code object of ``torch.distributed._state_dict_utils.<name>`` (None if absent)."""
-    if name not in _DSD_CODES:
-        from torch.distributed import _state_dict_utils
-
-        fn = getattr(_state_dict_utils, name, None)
-        _DSD_CODES[name] = getattr(fn, "__code__", None)
-    return _DSD_CODES[name]
 
 
 def empty_local(shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torch.Tensor:

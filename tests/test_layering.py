@@ -1,0 +1,69 @@
+"""The layering contracts (``.importlinter``), stated once and checked here:
+
+* the planner needs no runtime, collectives, optimizer or checkpoint code;
+* optimizers see only the owner descriptor and local tensors;
+* the runtimes know nothing of Hugging Face, torchtitan, checkpoints or the main job;
+* the two front-ends share code only through the engine;
+* the packages form layers (apps > integrations > checkpoint > front-ends, optimizers > engine >
+  placement > collectives > planner > mesh), with no import cycles inside any package;
+* no behaviour is chosen by inspecting a caller's frame, except in the version-gated compat module.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+CONFIG = ROOT / ".importlinter"
+
+
+def _lint(src: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    code = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+    return subprocess.run([sys.executable, "-c", code, str(CONFIG), "--no-cache"], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+def test_every_layering_contract_is_kept():
+    res = _lint(SRC)
+    assert res.returncode == 0, res.stdout + res.stderr
+    kept = re.findall(r"KEPT", res.stdout)
+    assert len(kept) == 6, res.stdout  # every contract of .importlinter ran and held
+
+
+def test_a_runtime_importing_an_integration_breaks_the_contracts(tmp_path):
+    """The check can fail: the same tree with one forbidden import is refused, naming it."""
+    shutil.copytree(SRC / "matrixfsdp", tmp_path / "matrixfsdp", ignore=shutil.ignore_patterns("__pycache__"))
+    state = tmp_path / "matrixfsdp" / "_fully_shard" / "state.py"
+    state.write_text(state.read_text() + "\nfrom ..integrations import titan as _titan  # noqa\n")
+    res = _lint(tmp_path)
+    assert res.returncode == 1, res.stdout
+    assert "The runtimes know nothing of Hugging Face, torchtitan" in res.stdout
+    assert "matrixfsdp._fully_shard.state -> matrixfsdp.integrations.titan" in res.stdout
+
+
+def test_no_caller_frame_inspection_outside_the_compat_module():
+    hits = []
+    for f in (SRC / "matrixfsdp").rglob("*.py"):
+        text = f.read_text()
+        if re.search(r"sys\._getframe|inspect\.(stack|currentframe)", text) and f.name != "_compat.py":
+            hits.append(str(f.relative_to(SRC)))
+    assert hits == []
+
+
+def test_the_compat_module_pins_the_torch_versions_it_was_verified_on():
+    """A torch upgrade fails here until tests/test_full_state_load.py has been rerun on it and
+    the version added (see [Note: torch's full state-dict loaders and owned tensors])."""
+    from matrixfsdp.placement import _compat
+
+    assert _compat.SUPPORTED_TORCH == ("2.13",)
+    assert ".".join(torch.__version__.split(".")[:2]) in _compat.SUPPORTED_TORCH
+    assert _compat.enabled()
