@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["MeshInfo", "mesh_info", "default_mesh", "mesh_device", "backend_devices"]
+__all__ = ["MeshInfo", "mesh_info", "default_mesh", "mesh_device", "backend_map", "backend_devices"]
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -36,18 +36,23 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type, torch.accelerator.current_device_index())
 
 
-def backend_devices(group: Any = None) -> set[str]:
-    """The device types the group's backend(s) communicate on (``"cpu:gloo,cuda:nccl"`` gives
-    both; a bare backend name, the devices torch maps to it by default)."""
-    devices: set[str] = set()
+def backend_map(group: Any = None) -> dict[str, str]:
+    """``{device type: backend}`` of the group (``"cpu:gloo,cuda:nccl"`` maps both; a bare
+    backend name maps the devices torch assigns it by default; ``"undefined"`` maps none)."""
+    out: dict[str, str] = {}
     for entry in dist.get_backend_config(group).split(","):
         dev, sep, backend = entry.partition(":")
         if sep:
-            devices.add(dev.strip())
+            out[dev.strip()] = backend.strip().lower()
         else:
-            devices |= {d for d, b in dist.Backend.default_device_backend_map.items()
-                        if b == entry.strip().lower()}
-    return devices
+            name = entry.strip().lower()
+            out.update({d: b for d, b in dist.Backend.default_device_backend_map.items() if b == name})
+    return out
+
+
+def backend_devices(group: Any = None) -> set[str]:
+    """The device types the group's backend(s) communicate on."""
+    return set(backend_map(group))
 
 
 def default_mesh(api: str = "matrixfsdp") -> DeviceMesh:

@@ -33,19 +33,12 @@ materialization the only other temporary is the send buffer: this rank's chunk, 
 when the chunk is a single tensor in the compute dtype (no ``W``-fold copy on any backend, see
 ``_collectives.py``); ``temp_bytes`` reports the peak.
 
-[Note: unused parameters]
-Gradient usage may differ across ranks (data-dependent branches), so a rank cannot decide alone to
-skip a parameter. Every reduction carries one usage flag per reduced parameter in each
-destination's chunk (1 if this rank produced a gradient, summed by the same reduce-scatter); a
-missing gradient contributes zeros. A parameter this rank used has a gradient for sure, so
-``finish`` writes its ``.grad`` (``sum / W``) without looking at the flags: the common case, every
-parameter used, never reads them and the host never waits for the device. Only a parameter this
-rank did *not* use needs the summed flag: the root reads those flags once, at the end of the
-backward (a host read, only in a step where some parameter went unused on this rank, as DDP's
-``find_unused_parameters`` does), and writes ``.grad`` if any rank used it, else leaves it
-untouched (``None`` stays ``None``, exactly like a single-process run). The decision is identical on
-all ranks. Post-accumulate-grad hooks run right after ``.grad`` is written, once per parameter that
-got a gradient.
+[Note: usage flags in a block]
+The engine's [Note: unused parameters] rule, in a block's wire format: every destination's chunk
+ends with one flag per reduced parameter of the block (evenly sharded parameters have rows on
+every rank). ``finish`` writes the ``.grad`` of each parameter this rank used without reading a
+flag; the root resolves the rest once at the end of backward. Post-accumulate-grad hooks run right
+after ``.grad`` is written, once per parameter that got a gradient.
 """
 
 from __future__ import annotations
@@ -60,10 +53,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..comm.collectives import Handle, SegmentCollectives
 from ..engine.layout import BlockLayout
+from ..engine.reduce import divide_factors
 from ..placement.owned import make_sharded_grad
 from .param import ManagedParam
 
-__all__ = ["CommContext", "ParamGroup", "PendingReduce", "divide_factors", "accumulate_grad"]
+__all__ = ["CommContext", "ParamGroup", "PendingReduce", "accumulate_grad"]
 
 
 def _free(t: torch.Tensor | None) -> None:
@@ -103,22 +97,6 @@ class CommContext:
             return contextlib.nullcontext()
         stream.wait_stream(torch.accelerator.current_stream(self.device))
         return torch.get_device_module(self.device.type).stream(stream)
-
-
-def divide_factors(world_size: int, factor: float | None, dtype: torch.dtype) -> tuple[float, float]:
-    """``(pre, post)``: a reduced gradient is ``sum(g / pre) / post`` with ``pre * post = factor``.
-
-    fp32 and bf16 have the range to sum first (``pre = 1``; exact DDP parity); narrower types
-    (fp16) pre-divide by a power of two near ``sqrt(factor)`` so the sum cannot overflow at large
-    ``W``, as FSDP2 does.
-    """
-    f = float(factor) if factor is not None else float(world_size)
-    if dtype in (torch.float32, torch.float64, torch.bfloat16) or f != int(f):
-        return 1.0, f
-    pre = 1
-    while f % (pre * 2) == 0 and f / (pre * 2) >= pre * 2:
-        pre *= 2
-    return float(pre), f / pre
 
 
 @dataclass(eq=False)
@@ -353,7 +331,7 @@ class ParamGroup:
                divide_factor: float | None) -> PendingReduce | None:
         """Copy the gradients rank-major into one buffer and issue its reduce-scatter (``sync``),
         or add it to the no-sync accumulation. No host sync: the usage flags are built on the
-        device from constant ones and zeros (see [Note: unused parameters])."""
+        device from constant ones and zeros (see [Note: usage flags in a block])."""
         rl, W = self.reduce_layout, self.world_size
         F = len(rl.params)
         dt = self.reduce_dtype

@@ -69,6 +69,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
+from ..engine.reduce import resolve_unused
 
 from ..comm.collectives import SegmentCollectives
 from .param import ManagedParam
@@ -201,13 +202,8 @@ class RootContext:
     def resolve_unused(self) -> None:
         """Write the gradients of parameters this rank did not use but another rank did (one
         host read of their summed flags; see [Note: unused parameters])."""
-        if not self.undecided:
-            return
         entries, self.undecided = self.undecided, []
-        used = torch.cat([f for _, _, f in entries]).tolist()
-        for (param, grad, _), n in zip(entries, used):
-            if n > 0:
-                accumulate_grad(param, grad)
+        resolve_unused(entries, accumulate_grad)
 
 
 class BlockState:

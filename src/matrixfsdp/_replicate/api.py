@@ -15,7 +15,7 @@ from ..comm.agree import agree
 from ..comm.collectives import CommCounter, collectives_for
 from ..engine.plan_check import verify_plan_digest
 from ..mesh import MeshInfo, default_mesh, mesh_info
-from ..placement.owner import Owned, owner_of, set_owner
+from ..placement.owner import Owned, keeps_state, set_owner
 from ..engine.swap import front_end_of, swap_class
 from ..planner.record import OwnerPlan
 from .layout import build_layout
@@ -222,8 +222,7 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
         return
     for g in optimizer.param_groups:
         for p in g["params"]:
-            info = owner_of(p)
-            if info is not None and not info.is_local:
+            if not keeps_state(p):
                 optimizer.state.pop(p, None)
 
 

@@ -21,13 +21,11 @@ DDP), whenever the next bucket becomes complete; a bucket waiting for a paramete
 already reduced simply launches later, so timing differences never reorder collectives. The
 gathers are issued at the root's pre-forward (one program point on every rank), in forward order.
 
-[Note: unused parameters under replicate]
-DDP leaves ``.grad`` undefined for a parameter no rank used and averages (with zeros) one some rank
-used. Here each bucket's gradient carries one usage flag per parameter, reduced with the
-gradients: an owner that used the parameter itself knows it is used (no host read); an owner
-that did not reads the summed flags once at the end of backward (one ``tolist``, only in steps
-where that happens). Parameters the engine will not reach are marked unused at backward start
-(``torch._C._will_engine_execute_node``), so their buckets launch on time.
+[Note: usage flags in a bucket]
+The engine's [Note: unused parameters] rule, in a bucket's wire format: rank ``r``'s interval of
+the gradient buffer is its parameters' gradients followed by one flag per parameter it owns, so
+only owners receive flags. Parameters the engine will not reach are marked unused at backward
+start (``torch._C._will_engine_execute_node``), so their buckets launch on time.
 
 [Note: stale parameters]
 After ``step()`` only owners hold the new values until the next forward's gathers complete.
@@ -50,6 +48,7 @@ import torch.nn as nn
 
 from ..comm.collectives import Handle, SegmentCollectives
 from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
+from ..engine.reduce import divide_factors, resolve_unused
 from .layout import BucketLayout
 
 __all__ = ["Bucket", "ReplicateState"]
@@ -62,6 +61,8 @@ class Bucket:
         self.layout = layout
         self.params = params  # slot order
         self.rank, self.W, self.coll = rank, world_size, coll
+        # DDP's pre-divide (every contribution times 1/W before the sum): bitwise DDP parity
+        self.pre, _ = divide_factors(world_size, None, reduce_dtype or params[0].dtype, predivide=True)
         p0 = params[0]
         self.device = p0.device
         self.param_dtype = p0.dtype
@@ -121,7 +122,7 @@ class Bucket:
         if grad is None:
             dst.zero_()
         else:
-            torch.mul(grad.reshape(-1), 1.0 / self.W, out=dst)
+            torch.mul(grad.reshape(-1), 1.0 / self.pre, out=dst)
         self.grad_buf[self.flag[i]:self.flag[i] + 1].fill_(0.0 if grad is None else 1.0)
         self.used[i] = grad is not None
         self.ready[i] = True
@@ -388,17 +389,16 @@ class ReplicateState:
                         self._assign(p, g)
                     else:
                         undecided.append((p, g, flag))
-            if undecided:  # one host read, only in steps where this rank left a parameter unused
-                counts = torch.cat([f for _, _, f in undecided]).tolist()
-                for (p, g, _), n in zip(undecided, counts):
-                    if n > 0:
-                        self._assign(p, g)
-                    elif id(p) in self.stash:
-                        p.grad = self.stash.pop(id(p))
+            resolve_unused(undecided, self._assign, self._restore_stashed)
             self.dirty = True
         finally:
             self.active = False
             self.backward.finished()
+
+    def _restore_stashed(self, p: nn.Parameter) -> None:
+        """No rank used ``p`` in this backward: it keeps the reduced gradient it held before."""
+        if id(p) in self.stash:
+            p.grad = self.stash.pop(id(p))
 
     def _assign(self, p: nn.Parameter, g: torch.Tensor) -> None:
         prev = self.stash.pop(id(p), None)

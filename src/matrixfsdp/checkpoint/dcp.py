@@ -70,7 +70,7 @@ from torch.distributed.tensor import DTensor
 
 from ..comm.agree import agree, encode_error, is_distributed
 from ..placement.owned import local_tensor, owned_of, wrap_dtensor
-from ..placement.owner import owner_of
+from ..placement.owner import keeps_state
 
 __all__ = ["save", "load", "model_state_dict", "optimizer_state_dict", "MODEL_KEY", "OPTIM_KEY"]
 
@@ -331,13 +331,12 @@ def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: Tenso
     shape, dtype = tuple(tmeta.size), tmeta.properties.dtype
     local = local_tensor(p)
     if not isinstance(p, DTensor):
-        info = owner_of(p)
-        if info is not None and not info.is_local:
+        if not keeps_state(p):
             return None  # matrixfsdp.replicate: the owner keeps (and loads) this state
         return torch.empty(shape, dtype=dtype, device=p.device)
     info = owned_of(p)
     if info is not None:
-        if info.mesh is None or info.mesh.get_local_rank() != info.owner:
+        if not keeps_state(p):
             return None
         buf = torch.empty(shape, dtype=dtype, device=local.device)
         if name == "step" or shape != tuple(p.shape):

@@ -1,7 +1,8 @@
 """The two collectives the runtime needs, behind one small interface, with byte counting.
 
-The runtime (``_block.py``) never calls ``torch.distributed`` directly: it calls a
-:class:`SegmentCollectives` obtained from :func:`collectives_for` for its process group.
+The front-ends never call ``torch.distributed`` for their reductions and gathers: they call a
+:class:`SegmentCollectives` obtained from :func:`collectives_for` for their process group. Which
+primitive carries a call is chosen by the tensor's device (see [Note: collectives by device]).
 
 * ``all_gather_segments``: every rank contributes its chunk (its concatenated local row segments,
   uneven across ranks, possibly empty) and receives every peer's chunk. Only non-empty pieces
@@ -33,7 +34,7 @@ gloo (like NCCL) matches collectives by issue order within a process group, so e
 issue the same collectives in the same order. The runtime guarantees it by construction: all
 collectives are issued from forward pre-hooks (program order), backward pre-hooks and the
 materialization ``autograd.Function``'s backward, which are ordered by autograd's data
-dependencies, not by timing (see [Note: backward ordering] in ``_block.py``). Nothing here issues
+dependencies, not by timing (see [Note: backward ordering] in ``_fully_shard/state.py``). Nothing here issues
 a collective on its own initiative.
 """
 
@@ -45,6 +46,8 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
+
+from ..mesh import backend_map
 
 __all__ = [
     "CommCounter",
@@ -157,6 +160,15 @@ class _Base:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.counter = CommCounter()
+        self._backends = backend_map(group)
+
+    def _uneven_lists(self, t: torch.Tensor) -> bool:
+        """[Note: collectives by device] Whether the backend serving ``t``'s device takes uneven
+        list collectives (list ``all_to_all`` and ``reduce_scatter``: NCCL); gloo, which refuses
+        them, gets the P2P forms. Decided per tensor: a ``"cpu:gloo,cuda:nccl"`` group serves CUDA
+        tensors with NCCL and CPU tensors with gloo, and a group reporting ``"undefined"`` or a
+        composite string still gets the right path."""
+        return self._backends.get(t.device.type) == "nccl"
 
     def reduce_scatter_segments(
         self, out: torch.Tensor, inp: torch.Tensor, splits: Sequence[int], *, async_op: bool
@@ -171,7 +183,7 @@ class _Base:
         if self.world_size == 1:
             out.copy_(inp)
             return Handle()
-        if dist.get_backend(self.group) != "nccl":
+        if not self._uneven_lists(inp):
             return self._p2p_reduce_scatter(out, inp, splits, async_op)
         if len(set(splits)) == 1:
             # equal chunks: one ring reduce-scatter (a list becomes W coalesced reduces on NCCL)
@@ -201,7 +213,7 @@ class _Base:
             return Handle()
         views = list(torch.split(buf, splits))
         mine = views[r]
-        if dist.get_backend(self.group) == "nccl":
+        if self._uneven_lists(buf):
             outs = [v if s != r else mine[:0] for s, v in enumerate(views)]
             ins = [mine if d != r else mine[:0] for d in range(W)]
             work = dist.all_to_all(outs, ins, group=self.group, async_op=async_op)
@@ -303,7 +315,7 @@ class AllToAllCollectives(_Base):
     def all_gather_segments(
         self, send: torch.Tensor, recv: torch.Tensor, recv_splits: Sequence[int], *, async_op: bool
     ) -> Handle:
-        if dist.get_backend(self.group) != "nccl":
+        if not self._uneven_lists(send):
             return P2PCollectives.all_gather_segments(self, send, recv, recv_splits,  # type: ignore[arg-type]
                                                       async_op=async_op)
         self._check_gather(send, recv, recv_splits)

@@ -49,7 +49,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..placement.owned import local_tensor, owned_of  # one local-tensor helper for the package
-from ..placement.owner import owner_of
+from ..placement.owner import keeps_state
 from ._adamw import adamw_step, new_step_counter
 
 try:  # torch builds without distributed have no DTensor; then nothing is one.
@@ -67,12 +67,6 @@ ADAMW_DEFAULTS: dict[str, Any] = {
     "adamw_weight_decay": None,
 }
 
-
-
-def _remote_replica(p: Tensor) -> bool:
-    """A parameter of a ``matrixfsdp.replicate`` model that another rank owns (and updates)."""
-    info = owner_of(p)
-    return info is not None and info.storage == "replicated" and not info.is_local
 
 
 def wide_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -255,12 +249,13 @@ class MatrixOptimizer(Optimizer):
             self._init_states()
             return loss
         for index, group, p, route in self._routed():
-            if p.grad is None or _remote_replica(p):
+            if not keeps_state(p):  # another rank owns it: no state, no compute here
+                if p.grad is not None:
+                    self._note_remote(p)
                 continue
             param = local_tensor(p)
-            if param.numel() == 0:
-                self._note_remote(p)
-                continue  # non-owner of a matrix (or an empty shard): no state, no compute
+            if p.grad is None or param.numel() == 0:
+                continue  # no gradient, or an empty even shard
             grad = local_tensor(p.grad)
             if grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
@@ -293,11 +288,11 @@ class MatrixOptimizer(Optimizer):
 
     def _init_states(self) -> None:
         for _, group, p, route in self._routed():
-            if _remote_replica(p):
-                continue  # matrixfsdp.replicate: another rank updates it and keeps its state
+            if not keeps_state(p):
+                if p.grad is not None:
+                    self._note_remote(p)
+                continue
             param = local_tensor(p)
-            if p.grad is not None and param.numel() == 0:
-                self._note_remote(p)
             if p.grad is None or param.numel() == 0:
                 continue
             if route == "adamw":

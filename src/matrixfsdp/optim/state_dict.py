@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from ..placement.owned import empty_local, local_tensor, owned_of, wrap_dtensor
-from ..placement.owner import owner_of
+from ..placement.owner import keeps_state, owner_of
 
 if TYPE_CHECKING:
     from ._base import MatrixOptimizer
@@ -178,13 +178,13 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         replica = _replicated(p)
         if replica is not None:  # matrixfsdp.replicate: only the owner keeps state
-            if replica.is_local:
+            if keeps_state(p):
                 state[key] = {k: local_tensor(v) if isinstance(v, Tensor) else v for k, v in st.items()
                               if not (k in placeholders and isinstance(v, Tensor) and not bool(torch.any(v)))}
             continue
         is_dt = DTensor is not None and isinstance(p, DTensor)
         info = owned_of(p)
-        if is_dt and info is not None and info.mesh is not None and info.mesh.get_local_rank() != info.owner:
+        if is_dt and info is not None and not keeps_state(p):
             if st:  # non-owners keep no state for an owned parameter, only that its owner has some
                 opt._remote_state.add(id(p))
             continue

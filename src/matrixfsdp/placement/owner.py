@@ -23,7 +23,7 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Owned", "owner_of", "owned_of", "is_owned", "set_owner", "owner_meshes", "STORAGES"]
+__all__ = ["Owned", "owner_of", "owned_of", "is_owned", "keeps_state", "set_owner", "owner_meshes", "STORAGES"]
 
 _ATTR = "_matrixfsdp_owned"
 #: set by fully_shard on each sharded parameter (owned or even): its fqn, for messages
@@ -80,6 +80,18 @@ def owned_of(t: Any) -> Owned | None:
 def is_owned(t: Any) -> bool:
     """Whether ``t`` is a ``fully_shard``-owned parameter."""
     return owned_of(t) is not None
+
+
+def keeps_state(t: Any) -> bool:
+    """Whether this rank steps ``t`` and keeps its optimizer state: every rank for a parameter
+    without an owner (plain, or evenly sharded), only the owner otherwise, whichever front-end
+    placed it. The one rule optimizers, checkpoint loaders and ``replicate`` apply."""
+    info = owner_of(t)
+    if info is None:
+        return True
+    if info.mesh is None:  # a descriptor built without its mesh: the local tensor tells
+        return getattr(t, "_local_tensor", t).numel() != 0
+    return info.is_local
 
 
 def set_owner(t: Any, info: Owned) -> None:

@@ -1,0 +1,172 @@
+"""The engine pieces both front-ends share, tested from the outside: the class swap (one naming
+policy), the agreement ("every rank agrees or every rank raises"), device choice by what a
+backend serves (never by its name), and the mesh-info object."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from _harness import get_pool
+
+import matrixfsdp
+from matrixfsdp import mesh as mesh_mod
+from matrixfsdp.comm import agree as agree_mod
+from matrixfsdp.engine.swap import front_end_of, user_class
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8, bias=False)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _swapped(front: str) -> dict:
+    torch.manual_seed(0)
+    model = Net()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if front == "fully_shard":
+        matrixfsdp.fully_shard(model, mesh=mesh)
+        mixin = matrixfsdp.MatrixFSDPModule
+    else:
+        matrixfsdp.replicate(model, mesh=mesh)
+        mixin = matrixfsdp.MatrixReplicateModule
+    try:
+        copy.deepcopy(model)
+        err = "no error"
+    except Exception as e:  # noqa: BLE001 - the type is part of what is checked
+        err = f"{type(e).__name__}: {e}"
+    return {"name": type(model).__name__, "qualname": type(model).__qualname__,
+            "isinstance": isinstance(model, mixin) and isinstance(model, Net),
+            "user_class": user_class(model) is Net, "front_end": front_end_of(model) is mixin,
+            "deepcopy": err}
+
+
+@pytest.mark.parametrize("front", ["fully_shard", "replicate"])
+def test_class_swap_keeps_the_user_class_name_and_refuses_deepcopy(front):
+    api = f"matrixfsdp.{front}"
+    for r in get_pool(2).run(_swapped, front):
+        assert r["name"] == "Net" and r["qualname"] == Net.__qualname__, r
+        assert r["isinstance"] and r["user_class"] and r["front_end"], r
+        assert r["deepcopy"] == (f"TypeError: {api}: deepcopy of a managed module is not supported; copy "
+                                 "the model before sharding it, or build a new one and load a state dict"), r
+
+
+def _agree_error_on_one_rank() -> str:
+    err = agree_mod.encode_error(FileNotFoundError("no such checkpoint")) if dist.get_rank() == 1 else None
+    try:
+        agree_mod.agree(err, fingerprint="same")
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_agreement_raises_one_ranks_error_on_every_rank():
+    out = get_pool(2).run(_agree_error_on_one_rank)
+    assert out == ["FileNotFoundError: no such checkpoint (reported by rank 1)",
+                   "FileNotFoundError: no such checkpoint"]
+
+
+def _agree_fingerprints() -> list:
+    return agree_mod.agree(None, fingerprint=f"rank{dist.get_rank()}")
+
+
+def test_agreement_returns_every_ranks_fingerprint_in_rank_order():
+    assert get_pool(3).run(_agree_fingerprints) == [["rank0", "rank1", "rank2"]] * 3
+
+
+@pytest.mark.parametrize("config,devices", [
+    ("gloo", {"cpu", "mps"}),  # torch's default device map
+    ("nccl", {"cuda"}),
+    ("cpu:gloo,cuda:nccl", {"cpu", "cuda"}),
+    ("undefined", set()),
+])
+def test_backend_devices_come_from_the_backend_config(monkeypatch, config, devices):
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    assert mesh_mod.backend_devices() == devices
+
+
+@pytest.mark.parametrize("config,expected", [
+    ("gloo", "cpu"),                 # small agreement tensors on the CPU
+    ("cpu:gloo,cuda:nccl", "cpu"),   # torchtitan's mixed group: gloo serves the CPU
+    ("undefined", "cpu"),
+])
+def test_agreement_device_needs_no_accelerator_when_the_cpu_is_served(monkeypatch, config, expected):
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    assert agree_mod.agreement_device().type == expected
+
+
+def test_agreement_device_is_the_accelerator_for_an_nccl_only_group(monkeypatch):
+    class Acc:
+        type = "cuda"
+
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: Acc())
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 3)
+    assert agree_mod.agreement_device() == torch.device("cuda", 3)
+
+
+def test_mesh_info_refuses_what_it_cannot_run_with_the_api_named():
+    with pytest.raises(TypeError, match=r"^matrixfsdp\.replicate: mesh must be a DeviceMesh, got int$"):
+        mesh_mod.mesh_info(4, api="matrixfsdp.replicate")
+
+
+def _mesh_info_2d() -> str:
+    m = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp_replicate", "dp_shard"))
+    info = mesh_mod.mesh_info(m["dp_shard"], api="x")
+    out = f"{info.shard_size} {info.shard_rank} {info.replicate_size} {info.tp_size} {info.device}"
+    try:
+        matrixfsdp.replicate(Net(), mesh=m)
+    except ValueError as e:
+        return out + " | " + str(e)
+    return out + " | no error"
+
+
+def test_mesh_info_roles_and_the_2d_refusal_of_replicate():
+    for r, out in enumerate(get_pool(2).run(_mesh_info_2d)):
+        assert out == (f"2 {r} 1 1 cpu | matrixfsdp.replicate: mesh must be 1-D (the data-parallel shard "
+                       "dimension), got a 2-D mesh of shape (1, 2); pass mesh['dp_shard'] or a 1-D mesh")
+
+
+def _paths_under(config: str) -> dict:
+    """Collectives chosen for CPU and CUDA tensors when the group reports ``config``; then one
+    uneven reduce-scatter and in-place gather really run on the CPU tensors."""
+    from types import SimpleNamespace
+
+    from matrixfsdp.comm.collectives import AllToAllCollectives
+
+    real = dist.get_backend_config
+    dist.get_backend_config = lambda group=None: config  # what torchtitan's or a bare init reports
+    try:
+        coll = AllToAllCollectives(dist.group.WORLD)
+    finally:
+        dist.get_backend_config = real
+    cuda_like = SimpleNamespace(device=torch.device("cuda"))
+    r, W = dist.get_rank(), dist.get_world_size()
+    splits = [3, 1][:W]
+    inp = torch.arange(sum(splits), dtype=torch.float32) + 10 * r
+    out = torch.empty(splits[r])
+    coll.reduce_scatter_segments(out, inp, splits, async_op=False).wait()
+    buf = torch.full((sum(splits),), float(r))
+    coll.all_gather_inplace(buf, splits, async_op=False).wait()
+    return {"cpu": coll._uneven_lists(inp), "cuda": coll._uneven_lists(cuda_like),
+            "reduced": out.tolist(), "gathered": buf.tolist()}
+
+
+@pytest.mark.parametrize("config,cuda_native", [("cpu:gloo,cuda:nccl", True), ("undefined", False),
+                                                 ("gloo", False), ("nccl", True)])
+def test_collectives_are_chosen_by_the_tensor_device(config, cuda_native):
+    out = get_pool(2).run(_paths_under, config)
+    for r, o in enumerate(out):
+        assert o["cpu"] is False and o["cuda"] is cuda_native, o  # CPU tensors: gloo's P2P forms
+        assert o["reduced"] == ([10.0, 12.0, 14.0] if r == 0 else [16.0]), o
+        assert o["gathered"] == [0.0, 0.0, 0.0, 1.0], o
