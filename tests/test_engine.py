@@ -170,3 +170,50 @@ def test_collectives_are_chosen_by_the_tensor_device(config, cuda_native):
         assert o["cpu"] is False and o["cuda"] is cuda_native, o  # CPU tensors: gloo's P2P forms
         assert o["reduced"] == ([10.0, 12.0, 14.0] if r == 0 else [16.0]), o
         assert o["gathered"] == [0.0, 0.0, 0.0, 1.0], o
+
+
+def _replicate_collectives(kind: str) -> dict:
+    """replicate with each collectives implementation: two steps of SGD on the same data."""
+    torch.manual_seed(0)
+    model = Net()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    matrixfsdp.replicate(model, mesh=mesh, collectives=kind, bucket_numel=40)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    r = dist.get_rank()
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + r))
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    model.sync_params()
+    calls = model.comm_counter().snapshot()["calls"]
+    return {"params": [p.detach().clone() for p in model.parameters()], "calls": calls}
+
+
+def test_replicate_takes_every_collectives_implementation():
+    """collectives= reaches replicate's reduce-scatter and in-place gather: p2p gives all_to_all's
+    bits on gloo (the same P2P primitives), two_phase (ring phases, other summation order) agrees
+    to float rounding, and its own phases are what ran."""
+    runs = {k: get_pool(3).run(_replicate_collectives, k) for k in ("all_to_all", "p2p", "two_phase")}
+    for r in range(3):
+        base = runs["all_to_all"][r]["params"]
+        assert all(torch.equal(a, b) for a, b in zip(base, runs["p2p"][r]["params"]))
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(base, runs["two_phase"][r]["params"]))
+        assert all(torch.equal(a, b) for a, b in zip(base, runs["all_to_all"][0]["params"]))  # ranks agree
+    phases = runs["two_phase"][0]["calls"]
+    assert phases.get("two_phase_scatter", 0) > 0 and phases.get("two_phase_reduce_scatter", 0) > 0, phases
+    assert "reduce_scatter" not in phases and "all_gather" not in phases, phases
+
+
+def _replicate_bad_collectives() -> str:
+    try:
+        matrixfsdp.replicate(Net(), mesh=init_device_mesh("cpu", (dist.get_world_size(),)), collectives="ring")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_replicate_refuses_an_unknown_collectives_kind():
+    assert get_pool(2).run(_replicate_bad_collectives) == [
+        "matrixfsdp.replicate: collectives must be one of ('all_to_all', 'p2p', 'two_phase'), "
+        "got collectives='ring'"] * 2

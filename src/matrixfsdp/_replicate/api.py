@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm.agree import agree
-from ..comm.collectives import CommCounter, collectives_for
+from ..comm.agree import agree, encode_error
+from ..comm.collectives import KINDS, CommCounter, collectives_for
 from ..engine.plan_check import verify_plan_digest
 from ..mesh import MeshInfo, default_mesh, mesh_info
 from ..placement.owner import Owned, keeps_state, set_owner
@@ -36,6 +36,7 @@ def replicate(
     reduce_dtype: torch.dtype | None = None,
     bucket_numel: int | None = None,
     broadcast_from_rank0: bool = True,
+    collectives: str = "all_to_all",
 ) -> nn.Module:
     """Data parallelism with full parameters on every rank and a sharded optimizer step (ZeRO-1/2).
 
@@ -59,6 +60,9 @@ def replicate(
         stage: 1 or 2.
         reduce_dtype: dtype of the gradient reduction (default: the parameter dtype).
         bucket_numel: bucket size for plans without recorded buckets (owner policies).
+        collectives: the reduce-scatter and all-gather implementation, as ``fully_shard``'s
+            (``"all_to_all"``, ``"p2p"`` or ``"two_phase"``: bandwidth-bounded at large W, with
+            a staging buffer of the bucket's size for the gather).
 
     Example::
 
@@ -75,6 +79,8 @@ def replicate(
         raise ValueError(f"{API}: the module is already managed by matrixfsdp.replicate")
     if stage not in (1, 2) or isinstance(stage, bool):
         raise ValueError(f"{API}: stage must be 1 or 2, got stage={stage!r}")
+    if collectives not in KINDS:
+        raise ValueError(f"{API}: collectives must be one of {KINDS}, got collectives={collectives!r}")
     if reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype):
         raise TypeError(f"{API}: reduce_dtype must be a torch.dtype or None, got {reduce_dtype!r}")
     _check_not_sharded(module)
@@ -97,7 +103,7 @@ def replicate(
     if missing:
         raise ValueError(f"{API}: the plan has no entry for {missing[:3]} (plan the same model)")
     _check_whole(plan, named)
-    coll = collectives_for(info.shard_group)
+    coll = collectives_for(info.shard_group, collectives)
     verify_plan_digest(plan, info, api=API)  # before anything depends on the plan's content
     rank, W = info.shard_rank, info.shard_size
     trainable = [f for f, p in named.items() if p.requires_grad]
@@ -106,7 +112,7 @@ def replicate(
     if len(devices) > 1 or any(d.type == "meta" for d in devices):
         error = f"{API}: parameters must be materialized on one device, got {sorted(map(str, devices))}"
     layouts = build_layout(plan, trainable, bucket_numel=bucket_numel)
-    _agree_on_layout(layouts, stage, reduce_dtype, error, info)
+    _agree_on_layout(layouts, stage, reduce_dtype, collectives, error, info)
     buckets = [
         Bucket(lay, [named[s.fqn] for s in lay.slots], rank=rank, world_size=W, coll=coll,
                reduce_dtype=reduce_dtype, persistent=stage == 1)
@@ -138,20 +144,22 @@ def replicate(
     return module
 
 
-def _agree_on_layout(layouts: Any, stage: int, reduce_dtype: Any, error: str | None, info: MeshInfo) -> None:
-    """One exchange: every rank must run the same buckets (the plan digest does not cover
-    ``bucket_numel``, which parameters are trainable, ``stage`` or ``reduce_dtype``), and a local
-    check that failed on one rank fails on all of them instead of leaving the rest hanging."""
+def _agree_on_layout(layouts: Any, stage: int, reduce_dtype: Any, collectives: str, error: str | None,
+                     info: MeshInfo) -> None:
+    """One exchange: every rank must run the same buckets and collectives (the plan digest does not
+    cover ``bucket_numel``, which parameters are trainable, ``stage``, ``reduce_dtype`` or
+    ``collectives``), and a local check that failed on one rank fails on all of them (first)."""
     import hashlib
 
-    what = repr(([(lay.dtype, lay.slots, lay.param_splits) for lay in layouts], stage, str(reduce_dtype)))
-    fingerprints = agree(None if error is None else f"ValueError|{error}", hashlib.sha256(what.encode()).hexdigest(),
-                         group=info.shard_group, device=info.device)
+    what = repr(([(lay.dtype, lay.slots, lay.param_splits) for lay in layouts], stage, str(reduce_dtype),
+                 collectives))
+    fingerprints = agree(None if error is None else encode_error(ValueError(error)),
+                         hashlib.sha256(what.encode()).hexdigest(), group=info.shard_group, device=info.device)
     if len(set(fingerprints)) != 1:
         raise ValueError(
-            f"{API}: the ranks disagree on the bucket layout (bucket_numel, stage, reduce_dtype or "
-            "which parameters require grad differ), or a check failed on another rank; call "
-            "replicate with the same model and arguments on every rank"
+            f"{API}: the ranks disagree on the bucket layout (bucket_numel, stage, reduce_dtype, "
+            "collectives or which parameters require grad differ); call replicate with the same "
+            "model and arguments on every rank"
         )
 
 

@@ -57,6 +57,7 @@ __all__ = [
     "P2PCollectives",
     "TwoPhaseCollectives",
     "collectives_for",
+    "KINDS",
 ]
 
 
@@ -145,6 +146,11 @@ class SegmentCollectives(Protocol):
         over ranks of chunk ``rank`` (``splits[rank]`` elements)."""
         ...
 
+    def all_gather_inplace(self, buf: torch.Tensor, splits: Sequence[int], *, async_op: bool) -> Handle:
+        """``buf`` (1-D) is ``W`` intervals of sizes ``splits`` in rank order, this rank's holding
+        its values; fill every peer's interval from its rank, in place (``replicate``'s buckets)."""
+        ...
+
     def all_gather_fixed(self, t: torch.Tensor) -> torch.Tensor:
         """All-gather a small tensor of identical shape on every rank -> ``[W, *t.shape]``."""
         ...
@@ -201,12 +207,8 @@ class _Base:
         interval from its owner, in place (this rank's interval is the send buffer). NCCL: one list
         ``all_to_all`` over views of ``buf``; gloo: one ``batch_isend_irecv`` fan-out. Nothing is
         copied or padded."""
-        splits = list(splits)
+        splits = self._check_inplace(buf, splits)
         W, r = self.world_size, self.rank
-        if len(splits) != W or sum(splits) != buf.numel():
-            raise ValueError(
-                f"all_gather_inplace: splits {splits} do not match W={W} and buffer numel {buf.numel()}"
-            )
         es = buf.element_size()
         self.counter.record("all_gather", splits[r] * (W - 1) * es, (buf.numel() - splits[r]) * es)
         if W == 1:
@@ -228,6 +230,13 @@ class _Base:
         if not async_op:
             h.wait()
         return h
+
+    def _check_inplace(self, buf: torch.Tensor, splits: Sequence[int]) -> list[int]:
+        splits = list(splits)
+        if len(splits) != self.world_size or sum(splits) != buf.numel():
+            raise ValueError(f"all_gather_inplace: splits {splits} do not match W={self.world_size} "
+                             f"and buffer numel {buf.numel()}")
+        return splits
 
     def _p2p_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, splits: list[int],
                             async_op: bool) -> Handle:
@@ -442,6 +451,30 @@ class TwoPhaseCollectives(_Base):
             h.wait()
         return h
 
+    def all_gather_inplace(self, buf: torch.Tensor, splits: Sequence[int], *, async_op: bool) -> Handle:
+        """The in-place gather in two phases: :meth:`all_gather_segments` of this rank's interval
+        into a staging buffer of the peers' intervals (its one temporary: the bucket less this
+        rank's interval), unpacked into ``buf`` when the second phase completes."""
+        splits = self._check_inplace(buf, splits)
+        W, r = self.world_size, self.rank
+        if W == 1:
+            return Handle()
+        off = sum(splits[:r])
+        recv_splits = [n if s != r else 0 for s, n in enumerate(splits)]
+        staging = buf.new_empty(sum(recv_splits))
+        inner = self.all_gather_segments(buf[off: off + splits[r]], staging, recv_splits, async_op=True)
+
+        def unpack() -> None:
+            inner.wait()
+            with torch.no_grad():
+                buf[:off].copy_(staging[:off])
+                buf[off + splits[r]:].copy_(staging[off:])
+
+        h = Handle(then=unpack)
+        if not async_op:
+            h.wait()
+        return h
+
     def reduce_scatter_segments(
         self, out: torch.Tensor, inp: torch.Tensor, splits: Sequence[int], *, async_op: bool
     ) -> Handle:
@@ -483,6 +516,8 @@ class TwoPhaseCollectives(_Base):
 
 
 _IMPLS = {"all_to_all": AllToAllCollectives, "p2p": P2PCollectives, "two_phase": TwoPhaseCollectives}
+#: the implementations ``collectives=`` selects (both front-ends)
+KINDS = tuple(_IMPLS)
 # Process groups are not weak-referenceable; they live as long as the process group does anyway.
 _CACHE: dict[Any, dict[str, SegmentCollectives]] = {}
 
