@@ -14,15 +14,17 @@ layer-wise baseline) the sort makes any owner assignment one collective per buck
 
 The gradient buffer of a bucket carries one usage flag per parameter after each rank's
 gradients (``grad_splits = param_splits + counts``): the reduce-scatter sums them, so an owner
-learns how many ranks used a parameter without another collective (see [Note: unused
-parameters under replicate] in ``_replicate.py``).
+learns how many ranks used a parameter without another collective (see [Note: usage flags in a
+bucket] in ``buckets.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
+from ..engine.layout import BlockLayout
 from ..planner.buckets import make_buckets
 from ..planner.record import OwnerPlan
 
@@ -43,17 +45,40 @@ class Slot:
 
 @dataclass(frozen=True)
 class BucketLayout:
-    """One bucket: its slots in buffer order and every rank's interval."""
+    """One bucket: the engine's segment layout of its parameters, each owned whole (one piece).
+
+    ``block`` is the :class:`~..engine.layout.BlockLayout` of the bucket's parameters in owner
+    order (rank-major, registration order within a rank): its chunks are the ranks' intervals of
+    the flat buffer, so a slot's offset is its piece's offset plus the chunks before it.
+    """
 
     index: int
     dtype: str
-    slots: tuple[Slot, ...]
-    param_splits: tuple[int, ...]  # elements of each rank's interval, rank order
-    counts: tuple[int, ...]  # parameters each rank owns in this bucket
+    block: BlockLayout
+
+    @functools.cached_property
+    def slots(self) -> tuple[Slot, ...]:
+        """The parameters in buffer order (zero-size ones too, which have no piece)."""
+        out, offset = [], 0
+        for p in self.block.params:
+            out.append(Slot(p.fqn, int(p.owner), p.shape, offset))
+            offset += p.numel
+        return tuple(out)
+
+    @property
+    def param_splits(self) -> tuple[int, ...]:
+        """Elements of each rank's interval, rank order (the block's chunk sizes)."""
+        return self.block.chunk_numel
+
+    @functools.cached_property
+    def counts(self) -> tuple[int, ...]:
+        """Parameters each rank owns in this bucket (its usage flags)."""
+        W = self.block.world_size
+        return tuple(sum(1 for p in self.block.params if p.owner == r) for r in range(W))
 
     @property
     def numel(self) -> int:
-        return sum(self.param_splits)
+        return self.block.numel
 
     @property
     def grad_splits(self) -> tuple[int, ...]:
@@ -94,13 +119,6 @@ def build_layout(plan: OwnerPlan, fqns: list[str], *, bucket_numel: int | None =
                 runs.append([f])
         for run in runs:
             order = sorted(range(len(run)), key=lambda i: (plan[run[i]].owner, i))
-            slots, offset = [], 0
-            splits, counts = [0] * W, [0] * W
-            for i in order:
-                p = plan[run[i]]
-                slots.append(Slot(p.fqn, p.owner, p.shape, offset))
-                offset += p.numel
-                splits[p.owner] += p.numel
-                counts[p.owner] += 1
-            layouts.append(BucketLayout(len(layouts), plan[run[0]].dtype, tuple(slots), tuple(splits), tuple(counts)))
+            block = BlockLayout.from_plans([plan[run[i]] for i in order], W)
+            layouts.append(BucketLayout(len(layouts), plan[run[0]].dtype, block))
     return tuple(layouts)

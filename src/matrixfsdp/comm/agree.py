@@ -47,7 +47,9 @@ def encode_error(e: BaseException | None) -> str | None:
     """``"ExcName|message"`` (the form :func:`agree` exchanges), or None."""
     if e is None:
         return None
-    name = type(e).__name__ if type(e).__name__ in _EXC else "RuntimeError"
+    # the nearest exception type every rank can re-raise (a ValueError subclass stays a ValueError)
+    name = next((c.__name__ for c in type(e).__mro__ if c.__name__ in _EXC and _EXC[c.__name__] is c),
+                "RuntimeError")
     return f"{name}|{e}"
 
 
