@@ -44,7 +44,8 @@ when overwriting) is never touched.
 :func:`load` first builds *fresh* buffers in the current layout (never the live parameters or
 optimizer state), checks every key, shape, dtype and data file against the checkpoint metadata
 on every rank and agrees on the first error across ranks (so all ranks raise the same error and
-none hangs), then reads with ``dcp.load`` into the buffers, checks the optimizer's param groups,
+none hangs), then reads with ``dcp.load`` into the buffers (``.metadata`` allow-listed, non-tensor
+values with ``weights_only=True``: see ``safe_pickle.py``), checks the optimizer's param groups,
 and only then applies: ``optimizer.load_state_dict`` and a copy into each parameter's local
 tensor. Any error before the apply leaves the model and optimizer untouched. The buffers cost
 one extra copy of this rank's shards while loading.
@@ -224,6 +225,28 @@ def _commit(tmp: str, path: str, token: str) -> None:
 
 
 # ==================================================================================== load
+def _encode(e: Exception) -> str | None:
+    """``encode_error`` that keeps the kind of a subclass (``UntrustedCheckpointError`` is a
+    ``ValueError`` on every rank, not a RuntimeError)."""
+    for kind in (FileNotFoundError, ValueError):
+        if isinstance(e, kind) and type(e) is not kind:
+            return encode_error(kind(str(e)))
+    return encode_error(e)
+
+
+def _read_failure(e: CheckpointException, api: str, path: str) -> str:
+    """The error (``encode_error`` form) for a failed ``dcp.load``: a refused untrusted value (the
+    lowest rank's) as a ``ValueError`` with its own message, anything else as a RuntimeError."""
+    from .safe_pickle import UntrustedCheckpointError
+
+    for rank in sorted(e.failures):
+        exc = e.failures[rank][0]
+        if isinstance(exc, UntrustedCheckpointError):
+            return _encode(exc)
+    return encode_error(RuntimeError(f"{api}: reading checkpoint {path!r} failed; the model and optimizer "
+                                     f"are unchanged:\n{e}"))
+
+
 def _fresh_like(v: Any) -> Any:
     """A new, uninitialized tensor with ``v``'s layout (never aliasing ``v``)."""
     if isinstance(v, DTensor):
@@ -499,7 +522,7 @@ def load(
             sd_keys += list(_flat_keys(f"{OPTIM_KEY}.param_groups", groups_tpl))
         check_files(path, md, sd_keys, api)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
-        error = encode_error(e)
+        error = _encode(e)
     agree(error, group=process_group)
 
     # Non-tensor optimizer state needs a placeholder DCP can replace.
@@ -510,23 +533,21 @@ def load(
     sd: dict[str, Any] = {MODEL_KEY: model_tpl}
     if optimizer is not None:
         sd[OPTIM_KEY] = optim_tpl
+    from .safe_pickle import SafeFileSystemReader, SafeLoadPlanner
+
+    error = None
     try:
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-        from .safe_pickle import SafeFileSystemReader
-
+        # SafeLoadPlanner: non-tensor values (param groups ...) are read with weights_only=True
         dcp.load(sd, storage_reader=SafeFileSystemReader(path), process_group=process_group,
-                 planner=DefaultLoadPlanner(allow_partial_load=not strict))
-    except CheckpointException as e:
-        raise RuntimeError(f"{api}: reading checkpoint {path!r} failed; the model and optimizer "
-                           f"are unchanged:\n{e}") from None
+                 planner=SafeLoadPlanner(path, allow_partial_load=not strict, api=api))
+    except CheckpointException as e:  # DCP raises it on every rank, with every rank's failure
+        error = _read_failure(e, api, path)
     except Exception as e:  # noqa: BLE001
         raise RuntimeError(f"{api}: reading checkpoint {path!r} failed ({type(e).__name__}: {e}); "
                            "the model and optimizer are unchanged") from e
     model_tpl = sd[MODEL_KEY]
 
-    error = None
-    if optimizer is not None:
+    if optimizer is not None and error is None:
         loaded_groups = sd[OPTIM_KEY]["param_groups"]
         live_groups = optimizer_state_dict(model, optimizer)["param_groups"]
         for i, (g, live) in enumerate(zip(loaded_groups, live_groups)):
