@@ -225,15 +225,6 @@ def _commit(tmp: str, path: str, token: str) -> None:
 
 
 # ==================================================================================== load
-def _encode(e: Exception) -> str | None:
-    """``encode_error`` that keeps the kind of a subclass (``UntrustedCheckpointError`` is a
-    ``ValueError`` on every rank, not a RuntimeError)."""
-    for kind in (FileNotFoundError, ValueError):
-        if isinstance(e, kind) and type(e) is not kind:
-            return encode_error(kind(str(e)))
-    return encode_error(e)
-
-
 def _read_failure(e: CheckpointException, api: str, path: str) -> str:
     """The error (``encode_error`` form) for a failed ``dcp.load``: a refused untrusted value (the
     lowest rank's) as a ``ValueError`` with its own message, anything else as a RuntimeError."""
@@ -242,7 +233,7 @@ def _read_failure(e: CheckpointException, api: str, path: str) -> str:
     for rank in sorted(e.failures):
         exc = e.failures[rank][0]
         if isinstance(exc, UntrustedCheckpointError):
-            return _encode(exc)
+            return encode_error(exc)
     return encode_error(RuntimeError(f"{api}: reading checkpoint {path!r} failed; the model and optimizer "
                                      f"are unchanged:\n{e}"))
 
@@ -522,7 +513,7 @@ def load(
             sd_keys += list(_flat_keys(f"{OPTIM_KEY}.param_groups", groups_tpl))
         check_files(path, md, sd_keys, api)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
-        error = _encode(e)
+        error = encode_error(e)
     agree(error, group=process_group)
 
     # Non-tensor optimizer state needs a placeholder DCP can replace.
