@@ -1,10 +1,10 @@
 """The owner-placement runtime behind ``matrixfsdp.fully_shard``, split along FSDP2's lines.
 
-* ``_api.py``: ``fully_shard``, ``MatrixFSDPModule`` (FSDP2's controls), hook installation;
-* ``_init.py``: registration, resolution against the plan, argument and plan checks;
-* ``_state.py``: hooks and ordering (forward, backward, final callback, stale state);
-* ``_param_group.py``: a block's buffers, collectives and streams;
-* ``_param.py``: one parameter's sharded DTensor and unsharded leaf.
+* ``api.py``: ``fully_shard``, ``MatrixFSDPModule`` (FSDP2's controls), hook installation;
+* ``init.py``: registration, resolution against the plan, argument and plan checks;
+* ``state.py``: hooks and ordering (forward, backward, final callback, stale state);
+* ``param_group.py``: a block's buffers, collectives and streams;
+* ``param.py``: one parameter's sharded DTensor and unsharded leaf.
 """
 
 from torch.distributed.fsdp import MixedPrecisionPolicy

@@ -1,9 +1,9 @@
 """``matrixfsdp.fully_shard``: ZeRO-3 with owner placement, applied like torch's FSDP2.
 
 The public surface: ``fully_shard``, the class swap (``engine/swap.py``) with FSDP2's controls,
-hook installation. Resolution and checks live in ``_init.py``, the hooks' logic in ``_state.py``,
-a block's buffers and collectives in ``_param_group.py``, one parameter's two forms in
-``_param.py``.
+hook installation. Resolution and checks live in ``init.py``, the hooks' logic in ``state.py``,
+a block's buffers and collectives in ``param_group.py``, one parameter's two forms in
+``param.py``; what both front-ends share in ``engine/``.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def comm_counter(module: nn.Module) -> CommCounter:
 
 def drop_stale_state(module: nn.Module) -> None:
     """Reshard leftovers of unfinished iterations under ``module``'s root (see [Note: stale
-    state] in ``_state.py``) and check the parameter layout (meta parameters raise, layouts
+    state] in ``state.py``) and check the parameter layout (meta parameters raise, layouts
     swapped by torch code are repaired); a no-op for modules matrixfsdp does not manage. Call on
     every rank."""
     for m in module.modules():

@@ -5,8 +5,8 @@ As in FSDP2, every managed parameter has two representations that take turns in 
 slots (``module._parameters[name]``, every slot of a tied parameter):
 
 * the *sharded* parameter, a DTensor whose local tensor is this rank's row segment (see
-  [Note: row segments] in ``_plan.py`` and [Note: owned parameter representation] in
-  ``_owned.py``): what optimizers, state dicts and checkpoints see, outside forward and backward;
+  [Note: row segments] in ``planner/record.py`` and [Note: owned parameter representation] in
+  ``placement/owned.py``): what optimizers, state dicts and checkpoints see, outside forward and backward;
 * the *unsharded* parameter, a plain ``nn.Parameter`` *leaf* with the full shape, created once per
   storage: a view of the block's receive buffer (peers' rows, or a mixed-precision cast of the
   owner's), of its assembly buffer (evenly sharded parameters with several pieces), or of the
@@ -18,7 +18,7 @@ slots (``module._parameters[name]``, every slot of a tied parameter):
 
 Reshard frees the buffers' storage (``untyped_storage().resize_(0)``) and unshard refills the same
 storage, so the unsharded leaves, and every view autograd saved of them, keep their identity
-across a reshard-after-forward (see [Note: buffer lifetime] in ``_param_group.py``).
+across a reshard-after-forward (see [Note: buffer lifetime] in ``param_group.py``).
 """
 
 from __future__ import annotations

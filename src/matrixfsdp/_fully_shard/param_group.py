@@ -2,7 +2,7 @@
 
 One :class:`ParamGroup` per ``fully_shard``-ed module. It knows the block's
 :class:`~matrixfsdp._layout.BlockLayout` and moves data; *when* it does so is decided by the hooks
-in ``_state.py``. Per step (``W`` ranks, this rank ``r``)::
+in ``state.py``. Per step (``W`` ranks, this rank ``r``)::
 
     unshard       copy-in (this rank's chunk) -> all_gather_segments of the block's chunks
     wait          copy-out (pieces of evenly sharded params into the assembly buffer)
@@ -31,7 +31,7 @@ saved in forward stay valid after a reshard-after-forward. Writes are wrapped in
 ``_unsafe_preserve_version_counter`` so a refill does not look like an in-place modification. Per
 materialization the only other temporary is the send buffer: this rank's chunk, and not even that
 when the chunk is a single tensor in the compute dtype (no ``W``-fold copy on any backend, see
-``_collectives.py``); ``temp_bytes`` reports the peak.
+``comm/collectives.py``); ``temp_bytes`` reports the peak.
 
 [Note: usage flags in a block]
 The engine's [Note: unused parameters] rule, in a block's wire format: every destination's chunk

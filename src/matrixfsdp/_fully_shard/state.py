@@ -14,7 +14,7 @@ A :class:`BlockState` is created by every ``matrixfsdp.fully_shard`` call and ow
     final callback post-backward of what is left, finish every reduction, reshard everything
 
 [Note: gradient path]
-The unsharded parameters are leaves (see ``_param.py``), so autograd's ``AccumulateGrad`` writes
+The unsharded parameters are leaves (see ``param.py``), so autograd's ``AccumulateGrad`` writes
 their ``.grad`` exactly as for an unsharded model; nothing else produces gradients. A backward that
 does not accumulate into leaves (``torch.autograd.grad``, ``backward(inputs=...)``) leaves every
 ``.grad`` alone and issues no reduction: the root's :class:`~..engine.backward.BackwardTracker`
@@ -369,7 +369,7 @@ class BlockState:
 
     def move_to(self, device: torch.device) -> None:
         """Give every parameter fresh, uninitialized storage on ``device`` (``to_empty``; see
-        [Note: meta-device initialization] in ``_init.py``); unreduced accumulation is dropped."""
+        [Note: meta-device initialization] in ``init.py``); unreduced accumulation is dropped."""
         for mp in self.params:
             local = mp.local
             mp.swap_local(torch.empty(local.shape, dtype=local.dtype, device=device), self.config.mesh)

@@ -24,7 +24,7 @@ the whole tensor as one chunk at offset 0 (the other ranks are outside that mesh
 items are dropped by DCP's planning), so it is written once, by its owner, with no gather.
 Evenly sharded parameters are ``Shard(0)`` DTensors: every rank writes its ``torch.chunk`` rows,
 exactly as stock FSDP2. Optimizer state follows the same layout, see
-[Note: optimizer state in state dicts] in ``_ckpt_state.py``: the owner writes the full momentum /
+[Note: optimizer state in state dicts] in ``optim/state_dict.py``: the owner writes the full momentum /
 moments / factors / eigenbases of its matrices; ``Shard(0)`` state is written as row shards;
 scalar step counters are plain tensors (de-duplicated by DCP). Loading reads, for each tensor the
 *loading* side presents, the overlapping parts of the saved chunks, so any layout can be loaded

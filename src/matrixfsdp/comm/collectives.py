@@ -67,7 +67,7 @@ class CommCounter:
 
     Example::
 
-        c = comm_counter(model)        # from matrixfsdp._runtime
+        c = comm_counter(model)        # from matrixfsdp._fully_shard
         c.reset(); train_step(); print(c.calls, c.bytes_sent)
     """
 

@@ -1,12 +1,12 @@
 """Segment math for one wrapped block: who stores which rows, and where they travel.
 
 Pure functions of an :class:`~matrixfsdp._plan.OwnerPlan`'s parameters and the world size: no
-process group, no tensor. The runtime (``_block.py``) turns these numbers into buffer views and
+process group, no tensor. The front-ends (``_fully_shard/param_group.py``, ``_replicate/layout.py``) turn these numbers into buffer views and
 collective split sizes; the property tests in ``tests/test_layout.py`` pin the invariants.
 
 [Note: chunks and pieces]
 Every parameter is partitioned along dim 0 into ``W`` contiguous row ranges in rank order (see
-[Note: row segments] in ``_plan.py``). A *piece* is one non-empty row range of one parameter on
+[Note: row segments] in ``planner/record.py``). A *piece* is one non-empty row range of one parameter on
 one rank; since rows are contiguous in a row-major tensor, a piece is also a contiguous range
 ``[flat_start, flat_start + numel)`` of the flattened parameter. Rank ``r``'s *chunk* is the
 concatenation of its pieces in parameter order: ``chunk_numel[r]`` elements, piece ``p`` at
@@ -14,7 +14,7 @@ concatenation of its pieces in parameter order: ``chunk_numel[r]`` elements, pie
 
 * materialization (``all_gather_segments``): rank ``r`` sends its chunk to every peer and receives
   every peer's chunk; its receive buffer holds the peers' chunks in rank order, *without* its own
-  (the owner computes on its own storage, see [Note: owner buffer lifetime] in ``_block.py``);
+  (the owner computes on its own storage, see [Note: buffer lifetime] in ``_fully_shard/param_group.py``);
 * reduction (``reduce_scatter_segments``): every rank lays its full gradients out as all ``W``
   chunks in rank order (chunk ``d`` = the rows rank ``d`` stores, followed by ``extra`` scalars,
   the usage flags); the reduce-scatter leaves chunk ``r`` summed on rank ``r``.

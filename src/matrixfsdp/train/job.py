@@ -14,7 +14,7 @@ Files under ``out`` (rank 0 writes the logs; every rank writes its checkpoint sh
 [Note: bitwise resume]
 Everything a step depends on is in the checkpoint or is a function of the step: parameters and
 optimizer state (DCP), the learning rate (a closed-form schedule of the step, written into the
-param groups before each step), the batch (a function of ``(seed, step)``, see ``_train_data``)
+param groups before each step), the batch (a function of ``(seed, step)``, see ``data.py``)
 and the torch RNG state (saved, restored; the loop itself draws nothing from it). Per-rank thread
 count is fixed by the command. So a run resumed at the same world size computes bit for bit what
 the uninterrupted run computes. At another world size the global batch is the same, but the
