@@ -100,7 +100,7 @@ def fully_shard(
     owner_meshes(mesh)
 
     params = _collect_managed(module, set(ignored_params or ()))
-    config = ShardConfig(mesh=mesh, reshard_after_forward=reshard_after_forward,
+    config = ShardConfig(info=info, reshard_after_forward=reshard_after_forward,
                          mp_policy=mp_policy, collectives=collectives)
     state = BlockState(module, config, params)
     for mp in params:
@@ -120,12 +120,12 @@ def fully_shard(
     ]
     swap_class(module, MatrixFSDPModule, API)
     if plan is None:  # drop-in: shard this call's parameters now (see [Note: drop-in planning])
-        call_plan = plan_call(params, mesh) if params else None
+        call_plan = plan_call(params, info) if params else None
         if call_plan is not None:
             verify_plan_digest(call_plan, info, api=API)
-        resolve_call(module, state, call_plan, mesh, coll)
+        resolve_call(module, state, call_plan, info, coll)
     elif _is_planned_model(module, plan):
-        _resolve(module, plan, mesh)
+        _resolve(module, plan, info)
     return module
 
 
@@ -138,7 +138,7 @@ def comm_counter(module: nn.Module) -> CommCounter:
         loss.backward(); print(c.calls["reduce_scatter"], c.bytes_sent)
     """
     state = _state_of(module, "matrixfsdp.comm_counter")
-    return collectives_for(state.config.mesh.get_group(), state.config.collectives).counter
+    return collectives_for(state.config.info.shard_group, state.config.collectives).counter
 
 
 def drop_stale_state(module: nn.Module) -> None:

@@ -36,12 +36,12 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..comm.collectives import SegmentCollectives, collectives_for
 from ..planner.record import OwnerPlan, ParamPlan
-from ..mesh import mesh_device
+from ..mesh import MeshInfo
 from .param import ManagedParam, shard_param
 from .param_group import CommContext
 from .state import BlockState, RootContext
@@ -111,13 +111,13 @@ def _collect_managed(module: nn.Module, ignored: set[nn.Parameter]) -> list[Mana
 _LOADS: dict[Any, list[float]] = {}
 
 
-def plan_call(params: list[ManagedParam], mesh: DeviceMesh) -> OwnerPlan:
+def plan_call(params: list[ManagedParam], info: MeshInfo) -> OwnerPlan:
     """The plan of one plan-less ``fully_shard`` call (see [Note: drop-in planning])."""
     import dataclasses
 
     from ..planner.planner import plan_owners
 
-    W = mesh.size()
+    mesh, W = info.mesh, info.shard_size
     holder = nn.Module()  # the call's own parameters, by their names in the call's module
     for mp in params:
         *path, attr = mp.fqn.split(".")
@@ -145,11 +145,11 @@ def plan_call(params: list[ManagedParam], mesh: DeviceMesh) -> OwnerPlan:
         dataclasses.replace(pp, owner=None if pp.owner is None else perm[pp.owner]) for pp in plan.params))
 
 
-def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, mesh: DeviceMesh,
+def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, info: MeshInfo,
                  coll: SegmentCollectives) -> None:
     """Shard one plan-less call's parameters and make its module the root of every wrapped module
     under it (see [Note: drop-in planning])."""
-    rank = mesh.get_local_rank()
+    mesh, rank = info.mesh, info.shard_rank
     dtypes = sorted({str(mp.orig.dtype).removeprefix("torch.") for mp in state.params})  # type: ignore[union-attr]
     if state.config.mp_policy.param_dtype is None and len(dtypes) > 1:
         raise ValueError(f"{API}: {type(module).__name__} mixes parameter dtypes {dtypes}; set "
@@ -159,7 +159,7 @@ def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, m
         state.params.sort(key=lambda mp: order[mp.fqn])
         for mp in state.params:
             mp.plan = plan[mp.fqn]
-            shard_param(mp, mesh, rank)
+            shard_param(mp, info)
     entries = [(name, s) for name, m in module.named_modules() if (s := get_state(m)) is not None]
     for name, s in entries:
         if s.ctx is not None and s.ctx.forward_order:
@@ -170,7 +170,7 @@ def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, m
         if s.config.mesh != mesh:
             raise ValueError(f"{API}: {name!r} was wrapped with mesh {s.config.mesh} but its root "
                              f"{type(module).__name__} with {mesh}; use one data-parallel mesh")
-    comm = CommContext(mesh_device(mesh))
+    comm = CommContext(info.device)
     state.resolve(fqn="", rank=rank, coll=coll, comm=comm)
     ctx = RootContext(root=state, states=[s for _, s in entries], comm=comm)
     for name, s in entries:
@@ -190,8 +190,9 @@ def _is_planned_model(module: nn.Module, plan: OwnerPlan) -> bool:
     return all(b in names for b in plan.blocks)
 
 
-def _resolve(root: nn.Module, plan: OwnerPlan, mesh: DeviceMesh) -> None:
+def _resolve(root: nn.Module, plan: OwnerPlan, info: MeshInfo) -> None:
     """Check the whole model against the plan, then shard every parameter (root call only)."""
+    mesh = info.mesh
     entries = [(name, m, s) for name, m in root.named_modules() if (s := get_state(m)) is not None]
     wrapped = {name for name, _, _ in entries}
     for b in plan.blocks:
@@ -242,16 +243,16 @@ def _resolve(root: nn.Module, plan: OwnerPlan, mesh: DeviceMesh) -> None:
             )
 
     order = {p.fqn: i for i, p in enumerate(plan.params)}
-    rank = mesh.get_local_rank()
+    rank = info.shard_rank
     for name, _, s in entries:
         s.params.sort(key=lambda mp: order[mp.fqn])  # plan order: identical on every rank
         for mp in s.params:
-            shard_param(mp, mesh, rank)
+            shard_param(mp, info)
     # The planned model is the root of every state under it (FSDP2 picks its root lazily, at the
     # first forward; here resolution already knows it, so running one block alone is fine too).
-    comm = CommContext(mesh_device(mesh))
+    comm = CommContext(info.device)
     for name, _, s in entries:
-        s.resolve(fqn=name, rank=rank, coll=collectives_for(mesh.get_group(), s.config.collectives),
+        s.resolve(fqn=name, rank=rank, coll=collectives_for(info.shard_group, s.config.collectives),
                   comm=comm)
     root_state = entries[0][2]
     ctx = RootContext(root=root_state, states=[s for _, _, s in entries], comm=comm)

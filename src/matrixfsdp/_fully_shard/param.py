@@ -32,7 +32,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..mesh import mesh_device
+from ..mesh import MeshInfo
 from ..placement.owner import FQN_ATTR
 from ..placement.owned import local_tensor, make_sharded_param, owned_of
 
@@ -95,14 +95,15 @@ class ManagedParam:
         torch.utils.swap_tensors(old, new)
         self.to_sharded()
 
-    def check_layout(self, rank: int, world_size: int, mesh: DeviceMesh, block: str) -> bool:
+    def check_layout(self, info: MeshInfo, block: str) -> bool:
         """Restore the layout if torch code replaced our DTensor (see ``BlockState.repair_layout``).
 
         Returns whether anything was swapped (the block then rebuilds its views).
         """
         p, pp = self.sharded, self.plan
         local = local_tensor(p)
-        expected = pp.local_shape(rank, world_size)
+        rank = info.shard_rank
+        expected = pp.local_shape(rank, info.shard_size)
         good_meta = (owned_of(p) is not None) == (pp.owner is not None) and isinstance(p, DTensor)
         if tuple(local.shape) == expected and good_meta:
             return False
@@ -115,21 +116,21 @@ class ManagedParam:
                     "checkpoint load instead)"
                 )
             local = torch.empty(expected, dtype=local.dtype, device=local.device)
-        self.swap_local(local, mesh)
+        self.swap_local(local, info.mesh)
         return True
 
 
-def shard_param(mp: ManagedParam, mesh: DeviceMesh, rank: int) -> None:
+def shard_param(mp: ManagedParam, info: MeshInfo) -> None:
     """Replace the original parameter by its row segment (see [Note: row segments])."""
     pp, orig = mp.plan, mp.orig
     if pp is None or orig is None:
         raise RuntimeError(f"matrixfsdp.fully_shard: {mp.fqn!r} is not planned or was already sharded")
-    W = mesh.size()
+    mesh, rank, W = info.mesh, info.shard_rank, info.shard_size
     data = orig.detach()
     if data.is_meta:  # meta-device init: shapes only; model.to_empty(device=...) allocates
         local = torch.empty(pp.local_shape(rank, W), dtype=data.dtype, device="meta")
     else:
-        device = mesh_device(mesh)
+        device = info.device
         if data.device != device:
             data = data.to(device)
         if pp.owner is None:

@@ -70,6 +70,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
 from ..engine.reduce import resolve_unused
+from ..mesh import MeshInfo
 
 from ..comm.collectives import SegmentCollectives
 from .param import ManagedParam
@@ -85,10 +86,14 @@ MAX_REDUCES_IN_FLIGHT = 2
 class ShardConfig:
     """What a ``fully_shard`` call asked for (replaced, never mutated, by the setters)."""
 
-    mesh: DeviceMesh
+    info: MeshInfo  #: the mesh's roles (see [Note: mesh roles])
     reshard_after_forward: bool | None  # None: True, except for the root (like FSDP2's default)
     mp_policy: MixedPrecisionPolicy
     collectives: str = "all_to_all"
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self.info.mesh
 
 
 class TrainingState(enum.Enum):
@@ -355,7 +360,7 @@ class BlockState:
         dtype (``model.to(torch.float64)`` after sharding).
         """
         g = self.group
-        swapped = [mp.check_layout(g.rank, g.world_size, self.config.mesh, str(self.fqn))
+        swapped = [mp.check_layout(self.config.info, str(self.fqn))
                    for mp in self.params]
         devices = {mp.local.device for mp in self.params}
         if len(devices) > 1:
