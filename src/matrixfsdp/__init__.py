@@ -25,8 +25,8 @@ from ._zero import MatrixReplicateModule, replicate
 __version__ = "0.1.0"
 
 #: Submodules loaded on first attribute access (``matrixfsdp.titan`` imports torchtitan, ``train``
-#: tqdm and matplotlib; ``import matrixfsdp`` stays light and works without them).
-_LAZY_SUBMODULES = ("titan", "train", "plan")
+#: tqdm and matplotlib, ``hf_trainer`` transformers; ``import matrixfsdp`` stays light and works without them).
+_LAZY_SUBMODULES = ("titan", "train", "plan", "hf_trainer")
 
 
 def __getattr__(name: str):
