@@ -99,6 +99,11 @@ class MatrixFSDPTrainer(transformers.Trainer):
                                f"({type(prepared).__name__}); the model must stay unwrapped")
         self._in_checkpoint = False
 
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        # Placement was checked in __init__. Trainer's model.to("cpu:0") is not a no-op on a
+        # fully_shard model: it rebinds evenly sharded parameters away from the runtime's buffers.
+        return None
+
     # ------------------------------------------------------------------ training
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         # Trainer marks the last micro-batch of each accumulation window with sync_gradients
