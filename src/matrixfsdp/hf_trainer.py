@@ -220,7 +220,8 @@ def _check_args(args: transformers.TrainingArguments, model: nn.Module) -> None:
         "fp16": "fp16 needs a GradScaler over owner-placed gradients, which this trainer does not run; use bf16=True",
         "fp16_full_eval": "it casts the sharded model; evaluate under bf16=True autocast instead",
         "bf16_full_eval": "it casts the sharded model; evaluate under bf16=True autocast instead",
-        "torch_compile": "accelerate would wrap the sharded model; compile the blocks before sharding instead",
+        "torch_compile": "accelerate would return torch.compile's wrapper of the model, which this trainer "
+                         "does not handle",
         "deepspeed": "the model is already sharded by matrixfsdp",
     }
     for name, why in refused.items():
