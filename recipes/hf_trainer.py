@@ -21,16 +21,20 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import TrainingArguments
 
 import matrixfsdp
-from matrixfsdp.hf_trainer import MatrixFSDPTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_finetune import batches, build, exit_now, stdlib_text  # noqa: E402 - the same model and data
 
 
 def main(args: argparse.Namespace) -> None:
+    # imported here, on the ranks only: the launching process then skips transformers' import
+    from hf_finetune import batches, build, stdlib_text  # the same model and data
+    from transformers import TrainingArguments
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from matrixfsdp.hf_trainer import MatrixFSDPTrainer
+
     world = dist.get_world_size()
     per_device, rest = divmod(args.batch, world * args.grad_accum)
     if rest or not per_device:
@@ -68,21 +72,37 @@ def main(args: argparse.Namespace) -> None:
         use_cpu=args.device == "cpu", report_to="none", disable_tqdm=True, seed=0)
     trainer = MatrixFSDPTrainer(model=model, args=targs, train_dataset=train, eval_dataset=held,
                                 optimizers=(opt, None))
+    resume = get_last_checkpoint(args.out) if args.resume else None
+    if args.resume and resume is None:
+        raise FileNotFoundError(f"--resume: no checkpoint-<step> folder in {args.out}")
     before = trainer.evaluate()["eval_loss"]
-    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    if resume and dist.get_rank() == 0:
+        print(f"resuming from {resume}", flush=True)
+    trainer.train(resume_from_checkpoint=resume)
     after = trainer.evaluate()["eval_loss"]
     final = os.path.join(args.out, "final")
     trainer.save_model(final)  # every rank: gathered from the owners, written by rank 0
     if dist.get_rank() == 0:
-        print(f"held-out loss after: {after:.4f} (before {before:.4f}); checkpoints in {args.out}/checkpoint-*/dcp; "
+        print(f"held-out loss after: {after:.4f} (initial model {before:.4f}); checkpoints in {args.out}/checkpoint-*/dcp; "
               f"model in {final} (AutoModelForCausalLM.from_pretrained({final!r}))", flush=True)
+
+
+def exit_now() -> None:
+    # as hf_finetune.py: skip the interpreter shutdown, which gloo's worker threads can abort (SIGABRT)
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
+
+
+def _store(args: argparse.Namespace) -> str:
+    # absolute: "file://runs/x.store" would name /x.store (host "runs"), "file://x.store" nothing
+    return os.path.abspath(args.out) + ".store"
 
 
 def _spawned(rank: int, world: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     # what torchrun would set: accelerate (inside TrainingArguments) reads these
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{args.out}.store")
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{_store(args)}")
     try:
         main(args)
     finally:
@@ -121,5 +141,5 @@ if __name__ == "__main__":
         try:
             torch.multiprocessing.spawn(_spawned, args=(args.world, args), nprocs=args.world)
         finally:
-            if os.path.exists(f"{args.out}.store"):
-                os.remove(f"{args.out}.store")
+            if os.path.exists(_store(args)):
+                os.remove(_store(args))

@@ -345,3 +345,48 @@ def test_trainer_misuse(tmp_path):
             assert msg is not None, f"{name}: no error raised"
             assert msg.startswith(api) and fragment in msg, (name, msg)
     assert "got Qwen3ForCausalLM" in res[0]["unsharded"]
+
+
+# ================================================================================ the recipe
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "hf_trainer.py")
+SMOKE = ["--seq-len", "32", "--batch", "8", "--save-steps", "2"]
+
+
+def _run_recipe(cmd: list[str], cwd: str) -> str:
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    return res.stdout + res.stderr
+
+
+def test_recipe_readme_row():
+    table = open(os.path.join(ROOT, "recipes", "README.md")).read()
+    assert "[hf_trainer.py](hf_trainer.py)" in table and "torchrun --nproc-per-node 2 recipes/hf_trainer.py" in table
+
+
+def test_recipe_torchrun_then_own_ranks_resume(tmp_path):
+    """Both launchers, as recipes/README.md gives them, at smoke size: torchrun writes
+    checkpoint-2, then `python recipes/hf_trainer.py --resume` (ranks it starts) continues to 4."""
+    import json
+    import shutil
+    import sys
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    _run_recipe([torchrun, "--standalone", "--nproc-per-node", "2", RECIPE, "--steps", "2", *SMOKE, "--out", "run"],
+                cwd=str(tmp_path))
+    run = tmp_path / "run"
+    assert (run / "checkpoint-2" / "dcp" / ".metadata").is_file()
+    out = _run_recipe([sys.executable, RECIPE, "--steps", "4", "--resume", "--bf16", *SMOKE, "--out", "run"],
+                      cwd=str(tmp_path))
+    assert f"resuming from {os.path.join('run', 'checkpoint-2')}" in out, out[-2000:]
+    assert "held-out loss after" in out and "'eval_loss'" in out, out[-2000:]
+    assert json.load(open(run / "checkpoint-4" / "trainer_state.json"))["global_step"] == 4
+    assert not (tmp_path / "run.store").exists()  # the launcher's rendezvous file is removed
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(str(run / "final"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
