@@ -110,7 +110,7 @@ def _spawned(rank: int, world: int, args: argparse.Namespace) -> None:
     exit_now()
 
 
-if __name__ == "__main__":
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pretrained", default=None, help="a local Hugging Face model folder (default: tiny Qwen3 in code)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps")
@@ -126,7 +126,11 @@ if __name__ == "__main__":
     p.add_argument("--world", type=int, default=2, help="ranks to start when not under torchrun")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: nccl, under torchrun")
     p.add_argument("--out", default="runs/hf_trainer", help="output folder")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    args = parse()
     os.makedirs(args.out, exist_ok=True)
     if "RANK" in os.environ:  # torchrun
         if args.device == "cuda":

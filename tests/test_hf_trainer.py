@@ -368,25 +368,44 @@ def test_recipe_readme_row():
     assert "[hf_trainer.py](hf_trainer.py)" in table and "torchrun --nproc-per-node 2 recipes/hf_trainer.py" in table
 
 
-def test_recipe_torchrun_then_own_ranks_resume(tmp_path):
-    """Both launchers, as recipes/README.md gives them, at smoke size: torchrun writes
-    checkpoint-2, then `python recipes/hf_trainer.py --resume` (ranks it starts) continues to 4."""
-    import json
-    import shutil
+def test_recipe_starts_its_own_ranks(tmp_path):
+    """`python recipes/hf_trainer.py`, as recipes/README.md gives it, at smoke size."""
     import sys
 
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
-    _run_recipe([torchrun, "--standalone", "--nproc-per-node", "2", RECIPE, "--steps", "2", *SMOKE, "--out", "run"],
-                cwd=str(tmp_path))
+    out = _run_recipe([sys.executable, RECIPE, "--steps", "2", *SMOKE, "--out", "run"], cwd=str(tmp_path))
+    assert "held-out loss after" in out and "'eval_loss'" in out, out[-2000:]
     run = tmp_path / "run"
     assert (run / "checkpoint-2" / "dcp" / ".metadata").is_file()
-    out = _run_recipe([sys.executable, RECIPE, "--steps", "4", "--resume", "--bf16", *SMOKE, "--out", "run"],
-                      cwd=str(tmp_path))
-    assert f"resuming from {os.path.join('run', 'checkpoint-2')}" in out, out[-2000:]
-    assert "held-out loss after" in out and "'eval_loss'" in out, out[-2000:]
-    assert json.load(open(run / "checkpoint-4" / "trainer_state.json"))["global_step"] == 4
     assert not (tmp_path / "run.store").exists()  # the launcher's rendezvous file is removed
     from transformers import AutoModelForCausalLM
 
     _, info = AutoModelForCausalLM.from_pretrained(str(run / "final"), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def recipe_main(argv: list[str]) -> None:
+    import importlib.util
+
+    _env()
+    spec = importlib.util.spec_from_file_location("hf_trainer_recipe", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    recipe.main(recipe.parse(argv))
+
+
+def test_recipe_torchrun_resume(tmp_path):
+    """`torchrun ... recipes/hf_trainer.py --resume --bf16` continues a run of the recipe's main
+    (run here on the harness ranks, to save a launch) from its checkpoint-2 to step 4."""
+    import json
+    import shutil
+    import sys
+
+    run = tmp_path / "run"
+    get_pool(W).run(recipe_main, ["--steps", "2", *SMOKE, "--out", str(run)], timeout=300)
+    assert (run / "checkpoint-2" / "dcp" / ".metadata").is_file()
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    out = _run_recipe([torchrun, "--standalone", "--nproc-per-node", "2", RECIPE, "--steps", "4", "--resume", "--bf16",
+                       *SMOKE, "--out", "run"], cwd=str(tmp_path))
+    assert f"resuming from {os.path.join('run', 'checkpoint-2')}" in out, out[-2000:]
+    assert "held-out loss after" in out, out[-2000:]
+    assert json.load(open(run / "checkpoint-4" / "trainer_state.json"))["global_step"] == 4
