@@ -116,6 +116,12 @@ def logs_of(trainer) -> dict[str, list[float]]:
     return {k: [e[k] for e in rec.logs if k in e] for k in ("loss", "grad_norm", "learning_rate", "eval_loss", "step")}
 
 
+def counter(model):
+    from matrixfsdp._runtime import comm_counter
+
+    return model.comm_counter() if isinstance(model, matrixfsdp.MatrixReplicateModule) else comm_counter(model)
+
+
 def _autocast(bf16: bool):
     import contextlib
 
@@ -132,6 +138,7 @@ def reference_loop(kind: str, bf16: bool, formula: str) -> dict:
     data, held = rows(STEPS * GA * world * BATCH, seed=1), rows(EVAL_ROWS, seed=2)
     n_items = torch.tensor(float(GA * world * BATCH * (SEQ - 1)))  # shifted labels, whole window
     out: dict[str, list[float]] = {"loss": [], "grad_norm": [], "learning_rate": [], "eval_loss": []}
+    counter(model).reset()
     for step in range(STEPS):
         model.train()
         total = torch.tensor(0.0)
@@ -169,6 +176,7 @@ def reference_loop(kind: str, bf16: bool, formula: str) -> dict:
             every = [torch.zeros_like(mine) for _ in range(world)]
             dist.all_gather(every, mine)
             out["eval_loss"].append(torch.stack(every).mean().item())
+    out["calls"] = dict(counter(model).calls)
     out["state"] = full_state(model)
     return out
 
@@ -187,8 +195,10 @@ def trainer_run(kind: str, bf16: bool, out: str) -> dict:
         optimizers=(opt, None), callbacks=[Recorder()])
     seen: list[torch.Tensor] = []
     model.model.embed_tokens.register_forward_hook(lambda m, a, o: seen.append(a[0].clone()) if m.training else None)
+    counter(model).reset()
     trainer.train()
     res = logs_of(trainer)
+    res["calls"] = dict(counter(model).calls)
     res["state"] = full_state(model)
     res["unwrapped"] = trainer.model_wrapped is model and trainer.model is model
     res["autocast"] = sorted(map(str, autocast_dtypes))
@@ -216,6 +226,7 @@ def parity_check(kind: str, bf16: bool, out: str) -> dict:
     res["got"] = {k: got[k] for k in ("loss", "grad_norm", "learning_rate", "eval_loss")}
     res["ref"] = {k: ref[k] for k in ("loss", "grad_norm", "learning_rate", "eval_loss")}
     res["weight_diff"] = max_diff(got["state"], ref["state"])
+    res["calls"], res["ref_calls"] = got["calls"], ref["calls"]
     if not bf16:
         mean = reference_loop(kind, bf16, "mean")
         res["mean_loss"] = mean["loss"]
@@ -240,6 +251,8 @@ def test_trainer_matches_plain_loop(kind, bf16, tmp_path):
         # bitwise: same micro-batches, loss formula, reductions, clipping norm and optimizer
         assert got["loss"] == ref["loss"] and got["grad_norm"] == ref["grad_norm"], (got, ref)
         assert r["weight_diff"] == 0.0, r["weight_diff"]
+        # the same collectives: one gradient reduction per optimizer step (GA deferred), as the loop
+        assert r["calls"] == r["ref_calls"], (r["calls"], r["ref_calls"])
         assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-6, abs=0)
         if not bf16:
             # the two formulas differ by the scaling W / (GA * W) = 1 / GA, exact for GA = 2
@@ -288,6 +301,34 @@ def test_trainer_resume_is_exact(kind, tmp_path):
         assert r["weight_diff"] == 0.0, r["weight_diff"]
         assert r["dcp"] and {"scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"} <= set(r["files"])
         assert "optimizer.pt" not in r["files"]  # the optimizer state is in the DCP checkpoint
+
+
+def best_check(out: str) -> dict:
+    from matrixfsdp.hf_trainer import DCP_DIR, MatrixFSDPTrainer
+
+    _env()
+    model, opt = build("fully_shard")
+    trainer = MatrixFSDPTrainer(
+        model=model, args=args(out, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                               save_only_model=True),
+        train_dataset=dataset(STEPS * GA * W * BATCH, seed=1), eval_dataset=dataset(EVAL_ROWS, seed=2),
+        optimizers=(opt, None), callbacks=[Recorder()])
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    fresh, _ = build("fully_shard")
+    matrixfsdp.checkpoint.load(os.path.join(best, DCP_DIR), fresh)
+    keys = matrixfsdp.checkpoint.read_metadata(os.path.join(best, DCP_DIR)).state_dict_metadata
+    evals = logs_of(trainer)["eval_loss"]
+    return {"best": os.path.basename(best), "evals": evals, "diff": max_diff(full_state(model), full_state(fresh)),
+            "optim_keys": sum(k.startswith("optim.") for k in keys), "model_keys": sum(k.startswith("model.") for k in keys)}
+
+
+def test_trainer_load_best_model_at_end(tmp_path):
+    """save_only_model checkpoints hold the model only; load_best_model_at_end reads the best back."""
+    for r in get_pool(W).run(best_check, str(tmp_path), timeout=300):
+        assert r["best"] == f"checkpoint-{2 * (1 + r['evals'].index(min(r['evals'])))}", r
+        assert r["best"] != f"checkpoint-{STEPS}", r  # else loading it back would change nothing
+        assert r["diff"] == 0.0 and r["optim_keys"] == 0 and r["model_keys"] > 0, r
 
 
 # ================================================================================ misuse
