@@ -3,9 +3,11 @@
 A model sharded with :func:`matrixfsdp.fully_shard` (ZeRO-3 owners) or :func:`matrixfsdp.replicate`
 (ZeRO-1/2) already owns its placement and gradient reduction, so accelerate must neither wrap it
 in DDP (whose initial broadcast refuses matrixfsdp's per-owner meshes) nor shard it again. Stock
-``Trainer`` only skips the DDP wrap for accelerate's own FSDP plugin, which would re-shard the
-model, so the integration point is a ``Trainer`` subclass (transformers' own advice for sharded
-setups: "subclass Trainer and override ..."); it changes only what sharding changes::
+``Trainer`` skips the DDP wrap only for accelerate's own FSDP plugin (which would re-shard the
+model) and for models transformers sharded at load time; clipping, checkpointing and saving also
+have to change, which neither ``optimizers=`` nor a callback can do. So the integration point is
+a ``Trainer`` subclass (transformers' advice for sharded setups: "subclass Trainer and override
+..."), changing only what sharding changes::
 
     model = ...                                          # a transformers PreTrainedModel
     plan = matrixfsdp.plan_owners(model, mesh, block_types=(type(model.model.layers[0]),))
@@ -27,11 +29,13 @@ What differs from ``Trainer``:
   (``set_requires_gradient_sync(False)``), one reduction per optimizer step, as accelerate does
   for FSDP2;
 * ``max_grad_norm`` and the logged ``grad_norm``: :func:`matrixfsdp.clip_grad_norm_`, the norm
-  over every rank's gradients (torch's and Trainer's mixed-mesh norm would miss other owners');
+  over every rank's gradients (torch's ``clip_grad_norm_``, which Trainer calls, cannot combine
+  gradients on different owner meshes);
 * checkpoints (``save_strategy``): ``<checkpoint>/dcp``, one :func:`matrixfsdp.checkpoint.save`
   of model and optimizer (every rank writes what it owns), plus Trainer's own scheduler, RNG and
   trainer-state files; ``resume_from_checkpoint`` and ``load_best_model_at_end`` read it back
-  with :func:`matrixfsdp.checkpoint.load` (any world size). ``python -m matrixfsdp.checkpoint
+  with :func:`matrixfsdp.checkpoint.load` (a resume continues bitwise at the same world size;
+  Trainer's data skipping and per-rank RNG files assume it). ``python -m matrixfsdp.checkpoint
   export --src <checkpoint>/dcp --dst model.safetensors`` turns one into weights offline;
 * ``save_model``: :func:`matrixfsdp.checkpoint.save_pretrained` (gathered on rank 0), loadable
   by ``from_pretrained``. Call it on every rank.
