@@ -74,6 +74,10 @@ def disturbed_training(kind: str) -> float:
     ref_opt = LocalMatrixOpt(opt_groups(ref, plan), elementwise="sgd")
     per = BATCH // W
     mine = slice(rank * per, (rank + 1) * per)
+    if kind == "same_device_move":
+        # transformers' Trainer moves the model to args.device ("cpu:0" on a CPU box): a conversion
+        # that changes no dtype or device still hands every parameter a new local tensor
+        model.to("cpu:0")
     for step in range(3):
         x, y = make_batch(cfg, step, BATCH)
         model.loss(x[mine], y[mine]).backward()
@@ -126,6 +130,12 @@ def test_exception_in_backward_then_normal_step(W):
 def test_leftover_forwards_do_not_leave_stale_weights(kind):
     diffs = get_pool(2).run(disturbed_training, kind)
     assert max(diffs) == 0.0, diffs  # W=2: bitwise, as without the disturbance
+
+
+def test_a_conversion_that_changes_nothing_keeps_training_exact():
+    """model.to("cpu:0") after fully_shard (what Trainer does on a CPU box): bitwise as without it."""
+    diffs = get_pool(2).run(disturbed_training, "same_device_move")
+    assert max(diffs) == 0.0, diffs
 
 
 def test_checkpoint_helpers_after_leftovers_and_trailing_slash():

@@ -23,8 +23,8 @@ from .planner import OwnerPlan, ParamPlan, plan_owners
 __version__ = "0.1.0"
 
 #: Submodules loaded on first attribute access (``matrixfsdp.titan`` imports torchtitan, ``train``
-#: tqdm and matplotlib; ``import matrixfsdp`` stays light and works without them).
-_LAZY_SUBMODULES = ("titan", "train", "plan")
+#: tqdm and matplotlib, ``hf_trainer`` transformers; ``import matrixfsdp`` stays light and works without them).
+_LAZY_SUBMODULES = ("titan", "train", "plan", "hf_trainer")
 
 
 def __getattr__(name: str):
