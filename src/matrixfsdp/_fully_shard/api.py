@@ -247,6 +247,21 @@ class MatrixFSDPModule:
             _state_of(m, "set_modules_to_backward_prefetch") for m in modules  # type: ignore[arg-type]
         ]
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``to()``, ``float()``, ...: a conversion that keeps every managed parameter's dtype and
+        device is a no-op. torch would still hand each parameter a copy (``.to("cpu:0")`` copies
+        CPU tensors, DTensor's ``.to(its own dtype)`` too; Trainer moves the model to
+        ``args.device``), and the copies are not the storage the blocks' buffers and the owners'
+        leaves were built on: the owners would go on computing with the old values."""
+        params = [mp.sharded for s in self._states(recurse) for mp in s.params if mp.sharded is not None]
+        if params and all(_keeps_dtype_and_device(fn, local_tensor(p)) for p in params):
+            return self
+        return super()._apply(fn, recurse)  # type: ignore[misc]
+
+    def share_memory(self) -> "MatrixFSDPModule":
+        raise TypeError(f"{API}: share_memory() is not supported: each rank holds its own shards "
+                        "(share the unsharded model before fully_shard)")
+
     def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> "MatrixFSDPModule":
         """Allocate uninitialized storage on ``device`` (meta-device init, as with FSDP2).
 
@@ -306,6 +321,12 @@ class MatrixFSDPModule:
 
 
 # ================================================================================ hooks
+def _keeps_dtype_and_device(fn: Any, t: torch.Tensor) -> bool:
+    """Whether ``fn`` maps a tensor of ``t``'s dtype and device to the same dtype and device."""
+    probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+    return isinstance(probe, torch.Tensor) and probe.dtype == t.dtype and probe.device == t.device
+
+
 def _pre_forward_hook(state: BlockState, module: nn.Module, args: tuple, kwargs: dict) -> Any:
     _lazy_init(state)
     return state.pre_forward(args, kwargs)
