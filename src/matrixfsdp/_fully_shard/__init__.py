@@ -10,7 +10,7 @@
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .api import (MatrixFSDPModule, UnshardHandle, check_layout, comm_counter, drop_stale_state,
-                   fully_shard, get_state)
+                   fully_shard, get_state, materialized_modules)
 from .state import BlockState, RootContext, ShardConfig, TrainingState
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "comm_counter",
     "get_state",
     "drop_stale_state",
+    "materialized_modules",
     "check_layout",
     "MixedPrecisionPolicy",
     "BlockState",

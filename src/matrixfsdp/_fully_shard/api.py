@@ -155,6 +155,18 @@ def drop_stale_state(module: nn.Module) -> None:
             return
 
 
+def materialized_modules(module: nn.Module) -> list[str]:
+    """Names of the ``fully_shard`` modules under ``module`` that hold materialized (unsharded)
+    parameters, or whose root awaits a backward: state dicts and checkpoints taken now would not
+    see what the pending backward will read. Local, no collective."""
+    out = []
+    for name, m in module.named_modules():
+        st = get_state(m)
+        if st is not None and st.resolved and (st.root_ctx.awaiting_backward or not st.group.is_resharded):
+            out.append(name or "<root>")
+    return out
+
+
 class UnshardHandle:
     """Returned by ``unshard(async_op=True)``; ``wait()`` completes it (like FSDP2's)."""
 

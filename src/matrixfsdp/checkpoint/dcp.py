@@ -140,16 +140,15 @@ def drop_stale_state(model: nn.Module) -> None:
 
 
 def _check_sharded(model: nn.Module, api: str) -> None:
-    from .._fully_shard import get_state
+    from .._fully_shard import materialized_modules
 
-    for name, m in model.named_modules():
-        st = get_state(m)
-        if st is not None and st.resolved and (st.root_ctx.awaiting_backward or not st.group.is_resharded):
-            raise RuntimeError(
-                f"{api}: module {name or '<root>'!r} holds materialized (unsharded) parameters; "
-                "a forward is still awaiting its backward: run the backward first (run forwards whose "
-                "outputs you discard under torch.no_grad())"
-            )
+    busy = materialized_modules(model)
+    if busy:
+        raise RuntimeError(
+            f"{api}: module {busy[0]!r} holds materialized (unsharded) parameters; "
+            "a forward is still awaiting its backward: run the backward first (run forwards whose "
+            "outputs you discard under torch.no_grad())"
+        )
 
 
 def save(

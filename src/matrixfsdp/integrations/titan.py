@@ -60,7 +60,7 @@ from .. import optim as _optim
 from ..placement.clip import clip_grad_norm_ as _mfsdp_clip
 from ..placement.owned import owned_of, set_full_
 from ..planner.planner import plan_owners
-from .._fully_shard import MixedPrecisionPolicy, fully_shard, get_state
+from .._fully_shard import MatrixFSDPModule, MixedPrecisionPolicy, fully_shard
 
 try:
     import torchtitan  # noqa: F401
@@ -277,7 +277,7 @@ class MatrixOptimizersContainer(OptimizersContainer):
                 continue
             split_groups, split_patterns = [], []
             for g, pat in zip(groups[name], patterns[name]):
-                sharded = any(get_state(m) is not None for m in model.modules())
+                sharded = any(isinstance(m, MatrixFSDPModule) for m in model.modules())
                 is_matrix = [(owned_of(p) is not None and owned_of(p).kind == "matrix") if sharded
                              else p.ndim == 2 for p in g["params"]]
                 for want, algo in ((True, "auto"), (False, "adamw")):
