@@ -11,12 +11,9 @@ locally with zero communication.
     opt = matrixfsdp.optim.Muon(model, lr=0.02)
 """
 
-from torch.distributed.fsdp import MixedPrecisionPolicy
-
 from . import checkpoint, optim
 from ._fully_shard import MatrixFSDPModule, fully_shard
 from ._replicate import MatrixReplicateModule, replicate
-from .models import PRESETS, Decoder, DecoderConfig, DecoderLayer
 from .placement import Owned, clip_grad_norm_, full_tensor, owned_of, set_full_
 from .planner import OwnerPlan, ParamPlan, plan_owners
 
@@ -26,17 +23,25 @@ __version__ = "0.1.0"
 #: tqdm and matplotlib, ``hf_trainer`` transformers; ``import matrixfsdp`` stays light and works without them).
 _LAZY_SUBMODULES = ("titan", "train", "plan", "hf_trainer")
 
+#: Names kept at the top level for code written against earlier versions: the demo decoder (now
+#: ``matrixfsdp.models``) and torch's ``MixedPrecisionPolicy`` (import it from torch).
+_ALIASES = {"Decoder": "matrixfsdp.models", "DecoderConfig": "matrixfsdp.models",
+            "DecoderLayer": "matrixfsdp.models", "PRESETS": "matrixfsdp.models",
+            "MixedPrecisionPolicy": "torch.distributed.fsdp"}
+
 
 def __getattr__(name: str):
-    if name in _LAZY_SUBMODULES:
-        import importlib
+    import importlib
 
+    if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
+    if name in _ALIASES:
+        return getattr(importlib.import_module(_ALIASES[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES) | set(_ALIASES))
 
 __all__ = [
     "plan_owners",
@@ -46,7 +51,6 @@ __all__ = [
     "MatrixFSDPModule",
     "replicate",
     "MatrixReplicateModule",
-    "MixedPrecisionPolicy",
     "clip_grad_norm_",
     "Owned",
     "owned_of",
@@ -54,8 +58,4 @@ __all__ = [
     "full_tensor",
     "optim",
     "checkpoint",
-    "Decoder",
-    "DecoderConfig",
-    "DecoderLayer",
-    "PRESETS",
 ]
