@@ -298,7 +298,12 @@ def bytes_and_state() -> dict:
     largest = max(nbytes({0: ref_opt.state[q]}) for q in ref.module.parameters() if q in ref_opt.state)
     return {"sent": sent, "calls": dict(counter.calls), "numel": sum(p.numel() for p in trainable),
             "n_params": len(trainable), "state": nbytes(opt.state), "ddp_state": nbytes(ref_opt.state),
-            "largest_state": largest, "buckets": len(dict(model.owner_plan.meta)["buckets"])}
+            "largest_state": largest, "buckets": len(dict(model.owner_plan.meta)["buckets"]),
+            # rank r's gradient interval of a bucket: its gradients and flags, then zeros up to a
+            # multiple of 4 fp32 elements ([Note: aligned reduce chunks]), derived from the layout
+            "pad": sum((-(n + c)) % 4 for b in model._matrixfsdp_replicate_state.buckets
+                       for n, c in zip(b.layout.param_splits, b.layout.counts)),
+            "dtypes": sorted({str(b.reduce_dtype) for b in model._matrixfsdp_replicate_state.buckets})}
 
 
 @pytest.mark.parametrize("W", [2, 4])
@@ -307,9 +312,14 @@ def test_bytes_equal_ddp_allreduce_and_state_is_sharded(W):
     r0 = res[0]
     # a ring all-reduce moves 2 (W-1)/W N elements per rank; reduce-scatter + all-gather move the
     # same in total (uneven intervals shift bytes between ranks), plus one usage flag per parameter
+    # and the alignment padding after each rank's flags, exactly
     total = sum(r["sent"] for r in res)
-    ddp_total = W * 2 * (W - 1) / W * r0["numel"] * 4
-    assert ddp_total <= total <= ddp_total + (W - 1) * r0["n_params"] * 4, (total, ddp_total)
+    assert r0["dtypes"] == ["torch.float32"], r0
+    ddp_total = W * 2 * (W - 1) // W * r0["numel"] * 4
+    assert total == ddp_total + (W - 1) * (r0["n_params"] + r0["pad"]) * 4, (total, ddp_total, r0["pad"])
+    assert 0 <= r0["pad"] < 4 * W * r0["buckets"]
+    print(f"\n[replicate W={W}] sent {total} B = DDP {ddp_total} + flags {(W - 1) * r0['n_params'] * 4}"
+          f" + alignment {(W - 1) * r0['pad'] * 4}")
     for r in res:
         assert r["calls"] == {"all_gather": r["buckets"], "reduce_scatter": r["buckets"]}, r
         # alpha=0: even split of every bucket; state <= DDP's / W + the largest parameter's state

@@ -457,8 +457,8 @@ def buffers_check() -> dict:
     states = [get_state(model), *(get_state(b) for b in model.blocks)]
     # gathers send this rank's chunk; gloo's reduce-scatter sends each destination its own chunk
     # (``_p2p_reduce_scatter``): nothing sent is larger than the largest rank's chunk plus its
-    # usage flags (one per parameter)
-    chunk_max = max(max(s.group.layout.chunk_numel) + len(s.params) for s in states)
+    # usage flags (one per parameter) and the padding to 16 bytes (< 4 fp32 elements)
+    chunk_max = max(max(s.group.layout.chunk_numel) + len(s.params) + 3 for s in states)
     es = 4
     return {
         "max_sent": max(sent), "chunk_max": chunk_max, "groups_created": groups_created,
