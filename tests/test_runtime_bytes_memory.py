@@ -187,3 +187,72 @@ def test_memory_per_rank_w4(planner):
         assert d["matrixfsdp"]["grads"] <= d["matrixfsdp"]["params"] + 4 * 64
     # ZeRO-3 scale: the busiest rank within the plan's imbalance of FSDP2's per-rank memory
     assert max(ours) <= 1.5 * max(theirs)
+
+
+# ==================================================================================== held buffers
+def check_root_receive_freed() -> dict:
+    """[Note: receive buffer after copy-out]: a root whose evenly sharded matrices dominate its
+    receive buffer frees it after the copy-out, so through backward it holds the assembled
+    parameters (plus the compact copy of peers' single-piece ones) once, not twice."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    cfg = TinyConfig()
+    model = TinyDecoder(cfg, seed=0)
+    ref = TinyDecoder(cfg, seed=0)
+    plan = make_plan(model, W)  # root matrices "even", the root's other tensors owned
+    mesh = init_device_mesh("cpu", (W,))
+    shard_model(model, mesh, plan)
+    root = get_state(model).group
+    seen = {}
+
+    def in_backward(mod, grad_out):  # the last block's backward: the root is still unsharded
+        seen["recv_storage"] = root._recv.untyped_storage().nbytes()
+        seen["held"] = root.held_bytes
+
+    h = model.blocks[-1].register_full_backward_pre_hook(in_backward)
+    x, y = make_batch(cfg, 0, 4 * W)
+    sl = slice(4 * rank, 4 * rank + 4)
+    model.loss(x[sl], y[sl]).backward()
+    h.remove()
+    ref.loss(x, y).backward()  # the average of the ranks' equal-sized batches
+    es = 4
+    grads_equal = True
+    refp = dict(ref.named_parameters())
+    for fqn, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        s, e = plan[fqn].local_rows(rank, W)
+        mine = local_of(p.grad)
+        if mine.numel():
+            grads_equal &= torch.allclose(mine, refp[fqn].grad[s:e] if refp[fqn].grad.ndim else refp[fqn].grad,
+                                          rtol=1e-5, atol=1e-6)
+    return {
+        "free_recv": root._free_recv,
+        "recv_bytes": root._recv.numel() * es,
+        "assembled_bytes": root._assembled.numel() * es,
+        "kept_bytes": root._kept.numel() * es,
+        "cast_bytes": root._cast_buf.numel() * es,
+        "seen": seen,
+        "held_peak": root.held_bytes_peak,
+        "temp_peak": root.temp_bytes_peak,
+        "grads_equal": bool(grads_equal),
+        # blocks (owned matrices, evenly sharded norms): the copy would cost more than it saves
+        "blocks_keep_recv": [not get_state(b).group._free_recv for b in model.blocks],
+    }
+
+
+@pytest.mark.parametrize("W", [2, 4])
+def test_root_receive_buffer_freed_after_copy_out(W):
+    res = get_pool(W).run(check_root_receive_freed)
+    for r, d in enumerate(res):
+        print(f"\n[root buffers W={W} rank {r}] recv {d['recv_bytes']} B, assembled {d['assembled_bytes']} B, "
+              f"kept {d['kept_bytes']} B; held through backward {d['seen']['held']} B "
+              f"(was recv + assembled = {d['recv_bytes'] + d['assembled_bytes']} B); temp peak {d['temp_peak']} B")
+        assert d["free_recv"], d
+        assert d["seen"]["recv_storage"] == 0, d  # freed right after the copy-out
+        held = d["assembled_bytes"] + d["kept_bytes"] + d["cast_bytes"]
+        assert d["seen"]["held"] == held == d["held_peak"], d
+        assert d["kept_bytes"] <= d["recv_bytes"] - d["kept_bytes"]  # singles <= multis
+        # the receive side existed once, at the copy-out: the temp peak counts it with the rest
+        assert d["temp_peak"] >= d["recv_bytes"] + held
+        assert d["grads_equal"], d
+        assert all(d["blocks_keep_recv"]), d

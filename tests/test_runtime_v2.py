@@ -462,8 +462,8 @@ def buffers_check() -> dict:
     es = 4
     return {
         "max_sent": max(sent), "chunk_max": chunk_max, "groups_created": groups_created,
-        # receive + assembly buffers + at most one send copy of this rank's own chunk
-        "temp_ok": [s.group.temp_bytes_peak <= (s.group._recv.numel() + s.group.layout.assembled_numel
+        # receive + cast + assembly + compact buffers + at most one send copy of this rank's chunk
+        "temp_ok": [s.group.temp_bytes_peak <= (sum(t.numel() for t in s.group._buffers)
                                                 + s.group.layout.chunk_numel[rank]) * es
                     for s in states],
         "temp_peaks": [s.group.temp_bytes_peak for s in states],

@@ -37,16 +37,31 @@ compute stream, which reads them from then on. On the CPU both are one host-orde
 the same kernels in the same order, so the bits are those of an unstreamed reduction.
 
 [Note: buffer lifetime]
-Everything that is not the owner's own storage lives in two per-block buffers, ``recv`` (peers'
-chunks in rank order, plus a self region used only for mixed-precision casts) and ``assembled``
-(evenly sharded params with several pieces). They are allocated once and keep their identity for
+Everything that is not the owner's own storage lives in per-block buffers: ``recv`` (peers'
+chunks in rank order), ``cast`` (this rank's chunk in the compute dtype, for mixed precision
+only), ``assembled`` (evenly sharded params with several pieces) and ``kept`` (see [Note: receive
+buffer after copy-out]). They are allocated once and keep their identity for
 the life of the block: reshard shrinks their storage to 0 bytes and unshard grows it back and
 refills it *in the same storage*, so the unsharded leaves (views of them) and every tensor autograd
 saved in forward stay valid after a reshard-after-forward. Writes are wrapped in
 ``_unsafe_preserve_version_counter`` so a refill does not look like an in-place modification. Per
 materialization the only other temporary is the send buffer: this rank's chunk, and not even that
 when the chunk is a single tensor in the compute dtype (no ``W``-fold copy on any backend, see
-``_collectives.py``); ``temp_bytes`` reports the peak.
+``comm/collectives.py``); ``temp_bytes_peak`` reports the peak (send + every buffer, at copy-out)
+and ``held_bytes_peak`` what stays allocated after the copy-out.
+
+[Note: receive buffer after copy-out]
+The copy-out moves peers' pieces of evenly sharded parameters from ``recv`` into ``assembled``;
+kept after that, they would be held twice until reshard (for a root with Qwen3-8B's embedding
+and head at W=8 that is the whole receive buffer, as large as the assembled one, through the
+whole backward). FSDP2 frees its all-gather output after the copy-out; here ``recv`` may also
+hold peers' *single-piece* parameters, which are leaves viewing it. So, per block, from the
+layout: when peers' single-piece elements are no more than their multi-piece ones, the copy-out
+also moves the single-piece ones into the compact ``kept`` buffer (their leaves view it) and
+``recv`` is freed right after the copy-out; otherwise (a transformer block whose evenly sharded
+tensors are its norms) the copy would cost more than the duplicate it saves, and ``recv``
+stays until reshard. Either way the duplicate held is at most ``min(single, multi)`` peer
+elements, and only when ``recv`` is kept.
 
 [Note: usage flags in a block]
 The engine's [Note: unused parameters] rule, in a block's wire format: every destination's chunk
@@ -143,7 +158,8 @@ class ParamGroup:
         self.accum: torch.Tensor | None = None  #: no-sync accumulated reduction input
         self.accum_used: tuple[bool, ...] = ()  #: params this rank used while accumulating
         self.trainable: tuple[int, ...] = ()
-        self.temp_bytes_peak = 0  #: largest send + receive + assembly bytes of one unshard
+        self.temp_bytes_peak = 0  #: largest send + buffer bytes of one unshard (at copy-out)
+        self.held_bytes_peak = 0  #: largest buffer bytes held after a copy-out (until reshard)
 
     # ============================================================================ resolution
     def resolve(self, *, fqn: str, rank: int, coll: SegmentCollectives, comm: CommContext) -> None:
@@ -179,17 +195,41 @@ class ParamGroup:
         """(Re)create the buffers and unsharded leaves on ``device`` (resolution, ``to_empty``,
         a repaired layout). Views are built while the storage exists, then it is freed."""
         self.unsharded = False
-        self._recv = torch.empty(self._splits.recv_numel + (self.layout.chunk_numel[self.rank] if self._cast else 0),
-                                 dtype=self.compute_dtype, device=device)
-        self._assembled = torch.empty(self.layout.assembled_numel, dtype=self.compute_dtype, device=device)
+        kw = dict(dtype=self.compute_dtype, device=device)
+        self._recv = torch.empty(self._splits.recv_numel, **kw)
+        self._cast_buf = torch.empty(self.layout.chunk_numel[self.rank] if self._cast else 0, **kw)
+        self._assembled = torch.empty(self.layout.assembled_numel, **kw)
+        self._kept = torch.empty(self._kept_numel(), **kw)
         self._build_views()
-        _free(self._recv)
-        _free(self._assembled)
+        for t in self._buffers:
+            _free(t)
+
+    @property
+    def _buffers(self) -> tuple[torch.Tensor, ...]:
+        return (self._recv, self._cast_buf, self._assembled, self._kept)
+
+    def _kept_numel(self) -> int:
+        """Elements of the compact buffer peers' single-piece parameters are copied into when the
+        receive buffer is freed after copy-out (see [Note: receive buffer after copy-out]); 0 when
+        it is kept."""
+        lay, r = self.layout, self.rank
+        single = multi = 0
+        for i, p in enumerate(lay.params):
+            for q in lay.pieces_of_param(i):
+                if q.rank == r:
+                    continue
+                if lay.assembled_offset(i) is None:
+                    single += q.numel
+                else:
+                    multi += q.numel
+        self._free_recv = multi > 0 and single <= multi
+        return single if self._free_recv else 0
 
     def _build_views(self) -> None:
         """Unsharded leaves and the copy lists of copy-in / copy-out (storage must exist)."""
-        lay, offs, base = self.layout, self._splits.recv_offsets, self._splits.recv_numel
+        lay, offs = self.layout, self._splits.recv_offsets
         r = self.rank
+        kept = 0  # next free element of the compact buffer
         own_dst: list[torch.Tensor] = []  # copy-in: own pieces into assembled / the cast region
         own_src: list[torch.Tensor] = []
         out_dst: list[torch.Tensor] = []  # copy-out: peers' pieces of multi-piece params
@@ -213,9 +253,15 @@ class ParamGroup:
             if q is None:  # no elements at all
                 data = torch.empty(p.shape, dtype=self.compute_dtype, device=self._recv.device)
             elif q.rank != r:
-                data = self._recv[offs[q.rank] + q.offset: offs[q.rank] + q.offset + q.numel].view(p.shape)
+                data = self._recv[offs[q.rank] + q.offset: offs[q.rank] + q.offset + q.numel]
+                if self._free_recv:  # copied out with the pieces, so the receive side can go
+                    out_dst.append(self._kept[kept: kept + q.numel])
+                    out_src.append(data)
+                    data = out_dst[-1]
+                    kept += q.numel
+                data = data.view(p.shape)
             elif self._cast:  # the owner computes on a low-precision copy; its master stays
-                data = self._recv[base + q.offset: base + q.offset + q.numel]
+                data = self._cast_buf[q.offset: q.offset + q.numel]
                 own_dst.append(data)
                 own_src.append(local)
                 data = data.view(p.shape)
@@ -263,8 +309,8 @@ class ParamGroup:
         if self.layout.numel == 0 or self.world_size == 1 and not self._own_copy[0]:
             self._pending_gather = (Handle(), None)
             return
-        _alloc(self._recv)  # on the compute stream, see [Note: streams]
-        _alloc(self._assembled)
+        for t in self._buffers:  # on the compute stream, see [Note: streams]
+            _alloc(t)
         comm, lay = self.comm, self.layout
         with torch.no_grad(), comm.use(comm.copy_in):
             pieces = lay.pieces_of_rank(self.rank)
@@ -278,10 +324,10 @@ class ParamGroup:
                     torch.cat([locals_[q.param].reshape(-1) for q in pieces], out=send)
             dst, src = self._own_copy
             if dst:
-                with _preserve(self._recv, self._assembled):
+                with _preserve(self._cast_buf, self._assembled):
                     torch._foreach_copy_(dst, src)
         self._note_temp_bytes(send)
-        recv = self._recv[: self._splits.recv_numel]
+        recv = self._recv
         with torch.no_grad(), comm.use(comm.gather), _preserve(self._recv):
             if comm.on_device:
                 comm.gather.wait_stream(comm.copy_in)
@@ -294,8 +340,14 @@ class ParamGroup:
     def _note_temp_bytes(self, send: torch.Tensor) -> None:
         own = any(send.untyped_storage().data_ptr() == mp.local.untyped_storage().data_ptr()
                   for mp in self.params if mp.local.numel())
-        n = (0 if own else send.nbytes) + self._recv.nbytes + self._assembled.nbytes
+        n = (0 if own else send.nbytes) + sum(t.nbytes for t in self._buffers)
         self.temp_bytes_peak = max(self.temp_bytes_peak, n)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the block's buffers allocated now (what an unsharded block holds between
+        materializations; see [Note: receive buffer after copy-out])."""
+        return sum(t.untyped_storage().nbytes() for t in self._buffers)
 
     def wait_for_unshard(self) -> None:
         """Complete an in-flight materialization; afterwards the unsharded leaves are valid."""
@@ -308,8 +360,11 @@ class ParamGroup:
         handle.wait()
         dst, src = self._out_copy
         if dst:
-            with torch.no_grad(), _preserve(self._assembled):
+            with torch.no_grad(), _preserve(self._assembled, self._kept):
                 torch._foreach_copy_(dst, src)  # one fused copy-out for all peers' pieces
+        if self._free_recv:
+            _free(self._recv)  # on the compute stream, after it waited for the gather
+        self.held_bytes_peak = max(self.held_bytes_peak, self.held_bytes)
         self.unsharded = True
 
     def reshard(self) -> None:
@@ -320,8 +375,8 @@ class ParamGroup:
             handle.wait()  # never free a buffer a collective is writing into
         for mp in self.params:
             mp.to_sharded()
-        _free(self._recv)
-        _free(self._assembled)
+        for t in self._buffers:
+            _free(t)
         self.unsharded = False
 
     def to_unsharded(self) -> None:
