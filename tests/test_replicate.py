@@ -761,3 +761,63 @@ def test_shampoo_and_soap_match_ddp(name):
     for r in get_pool(2).run(shampoo_soap_parity, name):
         assert not r["bad"] and r["grad_diff"] == 0.0 and r["state_owned"], r
         assert r["param_diff"] == 0.0 and r["moved"] > 1e-4, r
+
+
+# ==================================================================================== clip devices
+def clip_on_rank_without_grads() -> dict:
+    """[Note: clip device and group]: under replicate at W=2 with one parameter, rank 1 owns
+    nothing and has no gradient; its all-reduce must still use the mesh's device and group."""
+    from matrixfsdp.mesh import mesh_device
+    import matrixfsdp.placement.clip as clip_mod
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False))
+    ref = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (W,))
+    matrixfsdp.replicate(model, mesh=mesh)
+    x = torch.randn(4 * W, 8, generator=torch.Generator().manual_seed(1))
+    model(x[4 * rank: 4 * rank + 4]).square().mean().backward()
+    seen = []
+    orig = clip_mod.dist.all_reduce
+
+    def spy(t, *a, group=None, **k):
+        seen.append((str(t.device), group is mesh.get_group()))
+        return orig(t, *a, group=group, **k)
+
+    clip_mod.dist.all_reduce = spy
+    try:
+        norm = matrixfsdp.clip_grad_norm_(model.parameters(), 1e-3)
+    finally:
+        clip_mod.dist.all_reduce = orig
+    for r in range(W):  # the reference: the mean over all ranks' batches
+        ref(x[4 * r: 4 * r + 4]).square().mean().div(W).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
+    return {"has_grad": [p.grad is not None for p in model.parameters()], "seen": seen,
+            "mesh_device": str(mesh_device(mesh)), "norm": norm.item(), "ref_norm": ref_norm.item()}
+
+
+def test_clip_on_a_rank_without_gradients_uses_the_mesh():
+    res = get_pool(2).run(clip_on_rank_without_grads)
+    assert [r["has_grad"] for r in res] == [[True], [False]], res  # rank 1 owns nothing
+    for r in res:
+        assert r["seen"] == [(r["mesh_device"], True)], r  # one all-reduce, mesh device and group
+        assert r["norm"] == pytest.approx(r["ref_norm"], rel=1e-6), r
+
+
+def test_clip_device_comes_from_the_mesh_not_the_gradients(monkeypatch):
+    """No gradient anywhere on this rank, parameters on the CPU, a (simulated) CUDA mesh: the
+    norm's device is the mesh's (the old rule fell back to the CPU)."""
+    import types
+
+    import matrixfsdp.placement.clip as clip_mod
+    from matrixfsdp.placement.owner import Owned, set_owner
+
+    mesh = types.SimpleNamespace(device_type="cuda", size=lambda: 1)
+    monkeypatch.setattr(clip_mod, "mesh_device", lambda m: torch.device(m.device_type, 0))
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    set_owner(p, Owned(owner=1, kind="matrix", mesh=mesh, storage="replicated"))
+    plain = torch.nn.Parameter(torch.zeros(3))
+    device, group = clip_mod.reduction_device_and_group([plain, p])
+    assert device == torch.device("cuda", 0) and group is None
+    assert clip_mod.reduction_device_and_group([plain])[0] == torch.device("cpu")
