@@ -259,24 +259,42 @@ def autograd_grad_and_host_syncs() -> dict:
             return orig(self, *a, **k)
         return f
 
+    from matrixfsdp.engine import reduce as engine_reduce
+
     opt = matrixfsdp.optim.Muon(model, **KW)
-    for step in range(2):
+    # steps 0, 1: everything used; 2: the gated projection unused everywhere (its owner reads the
+    # summed flags once); 3: the same with set_find_unused_parameters(False): no read
+    owns_extra = any(owner_of(p).is_local for n, p in model.named_parameters() if ".extra." in n)
+    per_step, reads = [], []
+    for step, use_extra in enumerate((True, True, False, False)):
+        if step == 3:
+            model.set_find_unused_parameters(False)
+        calls.clear()
+        before = engine_reduce.host_reads[0]
         for n in originals:
             setattr(torch.Tensor, n, spy(n))
         try:
-            model.loss(x, y, use_extra=True).backward()
+            model.loss(x, y, use_extra=use_extra).backward()
         finally:
             for n, f in originals.items():
                 setattr(torch.Tensor, n, f)
+        per_step.append(list(calls))
+        reads.append(engine_reduce.host_reads[0] - before)
         opt.step(); opt.zero_grad()
-    out["host_syncs"] = calls
+    model.set_find_unused_parameters(True)
+    out["host_syncs"] = per_step
+    out["reads"] = reads
+    out["owns_extra"] = owns_extra
     return out
 
 
 def test_autograd_grad_untouched_and_no_host_sync():
     for r in get_pool(2).run(autograd_grad_and_host_syncs):
         assert r["grad_calls"] == 0 and r["grads_none"] and r["gx_norm"] > 0, r
-        assert r["host_syncs"] == [], r["host_syncs"]
+        syncs, reads = r["host_syncs"], r["reads"]
+        assert syncs[0] == syncs[1] == syncs[3] == [] and reads[0] == reads[1] == reads[3] == 0, r
+        # the owner of the unused parameter reads the flags once ([Note: usage-flag host read])
+        assert (syncs[2], reads[2]) == ((["tolist"], 1) if r["owns_extra"] else ([], 0)), r
 
 
 def bytes_and_state() -> dict:

@@ -403,9 +403,17 @@ def host_sync_check() -> dict:
             calls.append("torch.tensor")
         return orig_tensor(*a, **k)
 
+    from matrixfsdp.engine import reduce as engine_reduce
+
     out = {}
-    for step, use_extra in enumerate((True, True, False)):
-        x, y = make_batch(cfg, step, BATCH)
+    grads = {}
+    # steps 0, 1: every parameter used; 2: one unused (the default reads the flags); 3: the same
+    # batch with set_find_unused_parameters(False): no read at all
+    for step, use_extra in enumerate((True, True, False, False)):
+        if step == 3:
+            model.set_find_unused_parameters(False)
+        x, y = make_batch(cfg, min(step, 2), BATCH)
+        reads = engine_reduce.host_reads[0]
         for n in names:
             setattr(torch.Tensor, n, patched(n))
         torch.tensor = patched_tensor
@@ -417,8 +425,18 @@ def host_sync_check() -> dict:
                 setattr(torch.Tensor, n, orig[n])
             torch.tensor = orig_tensor
         out[f"calls_{step}"] = list(calls)
+        out[f"reads_{step}"] = engine_reduce.host_reads[0] - reads
+        grads[step] = {n: None if p.grad is None else local_of(p.grad).clone()
+                       for n, p in model.named_parameters()}
         for p in model.parameters():
             p.grad = None
+    model.set_find_unused_parameters(True)
+    # opted out, a parameter no rank used gets zeros instead of None; every other one the same bits
+    out["opt_out_same"] = all(
+        (torch.equal(grads[3][n], g) if g is not None else not grads[3][n].any())
+        for n, g in grads[2].items() if grads[3][n] is not None or g is not None)
+    out["unused_none_2"] = sorted(n for n, g in grads[2].items() if g is None)
+    out["unused_none_3"] = sorted(n for n, g in grads[3].items() if g is None)
     return out
 
 
@@ -427,8 +445,12 @@ def test_no_host_sync_in_forward_and_backward(W):
     for r in get_pool(W).run(host_sync_check):
         assert r["calls_0"] == [] and r["calls_1"] == [], r
         # a step where a parameter went unused reads the summed usage flags once, at the end of
-        # backward ([Note: unused parameters])
-        assert r["calls_2"] == ["tolist"], r
+        # backward, for all blocks together ([Note: usage-flag host read])
+        assert r["calls_2"] == ["tolist"] and r["reads_2"] == 1, r
+        assert r["reads_0"] == r["reads_1"] == 0, r
+        # set_find_unused_parameters(False): no read, no host sync, with the parameter unused
+        assert r["calls_3"] == [] and r["reads_3"] == 0, r
+        assert r["unused_none_2"] and r["opt_out_same"], r
 
 
 # ================================================================================ buffers, groups

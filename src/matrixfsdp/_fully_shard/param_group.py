@@ -160,6 +160,9 @@ class ParamGroup:
         self.trainable: tuple[int, ...] = ()
         self.temp_bytes_peak = 0  #: largest send + buffer bytes of one unshard (at copy-out)
         self.held_bytes_peak = 0  #: largest buffer bytes held after a copy-out (until reshard)
+        #: read the summed usage flags of parameters this rank did not use (see [Note: usage-flag
+        #: host read] in ``engine/reduce.py``); ``set_find_unused_parameters(False)`` clears it
+        self.find_unused = True
 
     # ============================================================================ resolution
     def resolve(self, *, fqn: str, rank: int, coll: SegmentCollectives, comm: CommContext) -> None:

@@ -50,7 +50,7 @@ import torch.nn as nn
 from ..comm.collectives import Handle, SegmentCollectives
 from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
 from ..engine.layout import aligned_numel
-from ..engine.reduce import divide_factors, resolve_unused
+from ..engine.reduce import divide_factors, read_flags
 from .layout import BucketLayout
 
 __all__ = ["Bucket", "ReplicateState"]
@@ -201,6 +201,7 @@ class ReplicateState:
             for i, p in enumerate(b.params):
                 self.where[id(p)] = (b, i)
         self.requires_gradient_sync = True
+        self.find_unused = True  # set_find_unused_parameters (see [Note: usage-flag host read])
         self.dirty = False  # parameters changed on owners since the last gather
         self.active = False  # the running backward reduces
         self.next_launch = 0  # index into the reduction order
@@ -403,8 +404,9 @@ class ReplicateState:
                         self._assign(p, g)
                     else:
                         undecided.append((p, g, flag))
-            resolve_unused(undecided, self._assign, self._restore_stashed)
+            read = read_flags(undecided, find_unused=self.find_unused)  # [Note: usage-flag host read]
             self.dirty = True
+            read.resolve(self._assign, self._restore_stashed)
         finally:
             self.active = False
             self.backward.finished()
