@@ -170,3 +170,23 @@ def test_collectives_are_chosen_by_the_tensor_device(config, cuda_native):
         assert o["cpu"] is False and o["cuda"] is cuda_native, o  # CPU tensors: gloo's P2P forms
         assert o["reduced"] == ([10.0, 12.0, 14.0] if r == 0 else [16.0]), o
         assert o["gathered"] == [0.0, 0.0, 0.0, 1.0], o
+
+
+def test_set_find_unused_parameters_checks_its_argument():
+    from matrixfsdp.engine.reduce import FlagRead, check_find_unused, read_flags
+
+    assert check_find_unused(False, "matrixfsdp.replicate") is False
+    for bad in ("no", 0, None):
+        with pytest.raises(TypeError, match=r"matrixfsdp.replicate.set_find_unused_parameters: "
+                                            r"find_unused_parameters must be a bool"):
+            check_find_unused(bad, "matrixfsdp.replicate")
+    # opted out: no read is started, every entry takes the reduced gradient
+    entries = [("a", torch.zeros(2), torch.zeros(1)), ("b", torch.ones(2), torch.ones(1))]
+    got = []
+    read = read_flags(entries, find_unused=False)
+    assert isinstance(read, FlagRead) and read.host is None
+    read.resolve(lambda p, g: got.append(p), lambda p: got.append("unused:" + p))
+    assert got == ["a", "b"]
+    got.clear()
+    read_flags(entries).resolve(lambda p, g: got.append(p), lambda p: got.append("unused:" + p))
+    assert got == ["unused:a", "b"]

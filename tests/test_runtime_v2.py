@@ -564,3 +564,63 @@ def test_inplace_on_outputs_and_model_to_dtype(W):
     for r in get_pool(W).run(inplace_and_retype_check):
         assert r["inplace_grad_diff"] <= TOL and r["float64_loss_diff"] <= 1e-12, r
         assert r["dtypes"] == ["torch.float64"]
+
+
+# ================================================================================ reduce streams
+def reduce_copy_in_stream_check() -> dict:
+    """[Note: reduce streams]: the reduction's copy-in (``torch.cat`` of autograd's gradients) is
+    issued outside ``CommContext.use`` (on the compute stream), and the reduce-scatter inside it.
+    On the CPU both contexts are no-ops, so the order is checked on the calls themselves."""
+    import sys
+
+    from matrixfsdp._fully_shard import param_group
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    cfg, model, ref, plan = _setup(W)
+    depth = [0]
+    seen: list[tuple[str, int]] = []
+    orig_use, orig_cat = param_group.CommContext.use, torch.cat
+
+    def use(self, stream):
+        cm = orig_use(self, stream)
+
+        class Tracked:
+            def __enter__(self_):
+                depth[0] += 1
+                return cm.__enter__()
+
+            def __exit__(self_, *exc):
+                depth[0] -= 1
+                return cm.__exit__(*exc)
+        return Tracked()
+
+    def cat(*a, **k):
+        if sys._getframe(1).f_code.co_name == "reduce":
+            seen.append(("copy-in", depth[0]))
+        return orig_cat(*a, **k)
+
+    orig_rs = {}
+    for s in [get_state(model), *(get_state(b) for b in model.blocks)]:
+        coll = s.group.coll
+        if id(coll) not in orig_rs:
+            orig_rs[id(coll)] = (coll, coll.reduce_scatter_segments)
+
+            def rs(*a, _f=coll.reduce_scatter_segments, **k):
+                seen.append(("reduce-scatter", depth[0]))
+                return _f(*a, **k)
+            coll.reduce_scatter_segments = rs
+    param_group.CommContext.use, torch.cat = use, cat
+    try:
+        x, y = make_batch(cfg, 0, BATCH)
+        model.loss(x[_slices(W)[rank]], y[_slices(W)[rank]], use_extra=True).backward()
+    finally:
+        param_group.CommContext.use, torch.cat = orig_use, orig_cat
+        for coll, f in orig_rs.values():
+            coll.reduce_scatter_segments = f
+    return {"seen": seen, "n_blocks": 1 + len(model.blocks)}
+
+
+def test_reduce_copy_in_runs_outside_the_reduce_stream():
+    for r in get_pool(2).run(reduce_copy_in_stream_check):
+        n = r["n_blocks"]
+        assert r["seen"] == [("copy-in", 0), ("reduce-scatter", 1)] * n, r
