@@ -217,3 +217,23 @@ def test_replicate_refuses_an_unknown_collectives_kind():
     assert get_pool(2).run(_replicate_bad_collectives) == [
         "matrixfsdp.replicate: collectives must be one of ('all_to_all', 'p2p', 'two_phase'), "
         "got collectives='ring'"] * 2
+
+
+def test_set_find_unused_parameters_checks_its_argument():
+    from matrixfsdp.engine.reduce import FlagRead, check_find_unused, read_flags
+
+    assert check_find_unused(False, "matrixfsdp.replicate") is False
+    for bad in ("no", 0, None):
+        with pytest.raises(TypeError, match=r"matrixfsdp.replicate.set_find_unused_parameters: "
+                                            r"find_unused_parameters must be a bool"):
+            check_find_unused(bad, "matrixfsdp.replicate")
+    # opted out: no read is started, every entry takes the reduced gradient
+    entries = [("a", torch.zeros(2), torch.zeros(1)), ("b", torch.ones(2), torch.ones(1))]
+    got = []
+    read = read_flags(entries, find_unused=False)
+    assert isinstance(read, FlagRead) and read.host is None
+    read.resolve(lambda p, g: got.append(p), lambda p: got.append("unused:" + p))
+    assert got == ["a", "b"]
+    got.clear()
+    read_flags(entries).resolve(lambda p, g: got.append(p), lambda p: got.append("unused:" + p))
+    assert got == ["unused:a", "b"]

@@ -112,6 +112,51 @@ def test_reduce_splits_and_bytes(case, extra):
     assert sum(sent) == sum(recv) == 4 * (W - 1) * total
 
 
+@given(block_params(), st.integers(0, 9), st.sampled_from([1, 2, 4, 8, 16, 32]))
+@settings(max_examples=200, deadline=None)
+def test_aligned_reduce_splits(case, extra, itemsize):
+    """[Note: aligned reduce chunks]: every destination chunk starts at a multiple of 16 bytes;
+    the padding after the flags is the least that does it (< 16 bytes per destination)."""
+    from matrixfsdp.engine.layout import ALIGN_BYTES
+
+    W, params = case
+    lay = BlockLayout.from_plans(params, W)
+    splits = lay.reduce_splits(extra, itemsize=itemsize)
+    step = max(1, ALIGN_BYTES // itemsize)
+    for d, (s, n) in enumerate(zip(splits, lay.chunk_numel)):
+        assert s >= n + extra and s - (n + extra) < step
+        assert (s * itemsize) % ALIGN_BYTES == 0 or itemsize > ALIGN_BYTES
+    for off in lay.reduce_offsets(extra, itemsize=itemsize):
+        assert (off * itemsize) % ALIGN_BYTES == 0
+    sent = [lay.reduce_bytes(r, itemsize, extra, aligned=True)[0] for r in range(W)]
+    assert sum(sent) == itemsize * (W - 1) * sum(splits)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-8b", "qwen3-32b"])
+@pytest.mark.parametrize("W", [8, 16])
+def test_qwen3_reduce_chunks_aligned(preset, W):
+    """Every chunk start of every block of a Qwen3 preset's plan is 16-byte aligned in bf16 and
+    fp32 (pure layout math); unpadded, most of them would not be (the flag block shifts them)."""
+    from matrixfsdp import plan_owners
+    from matrixfsdp.models.decoder import PRESETS, Decoder, DecoderLayer
+
+    with torch.device("meta"):
+        model = Decoder(PRESETS[preset]).to(torch.bfloat16)
+    plan = plan_owners(model, W, block_types=(DecoderLayer,))
+    blocks = sorted({p.block for p in plan.params})
+    starts = misaligned_bare = 0
+    for b in blocks:
+        lay = BlockLayout.from_plans([p for p in plan.params if p.block == b], W)
+        F = len(lay.params)
+        for isz in (2, 4):
+            for off in lay.reduce_offsets(F, itemsize=isz):
+                starts += 1
+                assert (off * isz) % 16 == 0, (b, isz, off)
+            misaligned_bare += sum((off * isz) % 16 != 0 for off in lay.reduce_offsets(F))
+    assert starts == 2 * len(blocks) * W
+    assert misaligned_bare > starts // 4  # what the padding fixes (the issue's finding)
+
+
 @given(block_params())
 @settings(max_examples=150, deadline=None)
 def test_simulated_gather_and_reduce_roundtrip(case):
@@ -161,13 +206,16 @@ def test_simulated_gather_and_reduce_roundtrip(case):
             for q in lay.pieces_of_rank(d):
                 parts.append(grads[r][q.param].reshape(-1)[q.flat_start: q.flat_start + q.numel])
             parts.append(torch.ones(F))
+            parts.append(torch.zeros(lay.reduce_splits(F, itemsize=4)[d] - lay.chunk_numel[d] - F))
         bufs.append(torch.cat(parts) if parts else torch.empty(0))
-    splits = lay.reduce_splits(F)
+    splits = lay.reduce_splits(F, itemsize=4)
     summed = torch.stack(bufs).sum(0) if W else None
     for d in range(W):
-        off = lay.reduce_offsets(F)[d]
+        off = lay.reduce_offsets(F, itemsize=4)[d]
         out = summed[off: off + splits[d]]
-        assert torch.equal(out[lay.chunk_numel[d]:], torch.full((F,), float(W)))
+        n = lay.chunk_numel[d]
+        assert torch.equal(out[n: n + F], torch.full((F,), float(W)))
+        assert not out[n + F:].any()
         for q in lay.pieces_of_rank(d):
             exp = sum(grads[r][q.param] for r in range(W)).reshape(-1)[q.flat_start: q.flat_start + q.numel]
             torch.testing.assert_close(out[q.offset: q.offset + q.numel], exp)

@@ -259,24 +259,42 @@ def autograd_grad_and_host_syncs() -> dict:
             return orig(self, *a, **k)
         return f
 
+    from matrixfsdp.engine import reduce as engine_reduce
+
     opt = matrixfsdp.optim.Muon(model, **KW)
-    for step in range(2):
+    # steps 0, 1: everything used; 2: the gated projection unused everywhere (its owner reads the
+    # summed flags once); 3: the same with set_find_unused_parameters(False): no read
+    owns_extra = any(owner_of(p).is_local for n, p in model.named_parameters() if ".extra." in n)
+    per_step, reads = [], []
+    for step, use_extra in enumerate((True, True, False, False)):
+        if step == 3:
+            model.set_find_unused_parameters(False)
+        calls.clear()
+        before = engine_reduce.host_reads[0]
         for n in originals:
             setattr(torch.Tensor, n, spy(n))
         try:
-            model.loss(x, y, use_extra=True).backward()
+            model.loss(x, y, use_extra=use_extra).backward()
         finally:
             for n, f in originals.items():
                 setattr(torch.Tensor, n, f)
+        per_step.append(list(calls))
+        reads.append(engine_reduce.host_reads[0] - before)
         opt.step(); opt.zero_grad()
-    out["host_syncs"] = calls
+    model.set_find_unused_parameters(True)
+    out["host_syncs"] = per_step
+    out["reads"] = reads
+    out["owns_extra"] = owns_extra
     return out
 
 
 def test_autograd_grad_untouched_and_no_host_sync():
     for r in get_pool(2).run(autograd_grad_and_host_syncs):
         assert r["grad_calls"] == 0 and r["grads_none"] and r["gx_norm"] > 0, r
-        assert r["host_syncs"] == [], r["host_syncs"]
+        syncs, reads = r["host_syncs"], r["reads"]
+        assert syncs[0] == syncs[1] == syncs[3] == [] and reads[0] == reads[1] == reads[3] == 0, r
+        # the owner of the unused parameter reads the flags once ([Note: usage-flag host read])
+        assert (syncs[2], reads[2]) == ((["tolist"], 1) if r["owns_extra"] else ([], 0)), r
 
 
 def bytes_and_state() -> dict:
@@ -298,7 +316,12 @@ def bytes_and_state() -> dict:
     largest = max(nbytes({0: ref_opt.state[q]}) for q in ref.module.parameters() if q in ref_opt.state)
     return {"sent": sent, "calls": dict(counter.calls), "numel": sum(p.numel() for p in trainable),
             "n_params": len(trainable), "state": nbytes(opt.state), "ddp_state": nbytes(ref_opt.state),
-            "largest_state": largest, "buckets": len(dict(model.owner_plan.meta)["buckets"])}
+            "largest_state": largest, "buckets": len(dict(model.owner_plan.meta)["buckets"]),
+            # rank r's gradient interval of a bucket: its gradients and flags, then zeros up to a
+            # multiple of 4 fp32 elements ([Note: aligned reduce chunks]), derived from the layout
+            "pad": sum((-(n + c)) % 4 for b in model._matrixfsdp_replicate_state.buckets
+                       for n, c in zip(b.layout.param_splits, b.layout.counts)),
+            "dtypes": sorted({str(b.reduce_dtype) for b in model._matrixfsdp_replicate_state.buckets})}
 
 
 @pytest.mark.parametrize("W", [2, 4])
@@ -307,9 +330,14 @@ def test_bytes_equal_ddp_allreduce_and_state_is_sharded(W):
     r0 = res[0]
     # a ring all-reduce moves 2 (W-1)/W N elements per rank; reduce-scatter + all-gather move the
     # same in total (uneven intervals shift bytes between ranks), plus one usage flag per parameter
+    # and the alignment padding after each rank's flags, exactly
     total = sum(r["sent"] for r in res)
-    ddp_total = W * 2 * (W - 1) / W * r0["numel"] * 4
-    assert ddp_total <= total <= ddp_total + (W - 1) * r0["n_params"] * 4, (total, ddp_total)
+    assert r0["dtypes"] == ["torch.float32"], r0
+    ddp_total = W * 2 * (W - 1) // W * r0["numel"] * 4
+    assert total == ddp_total + (W - 1) * (r0["n_params"] + r0["pad"]) * 4, (total, ddp_total, r0["pad"])
+    assert 0 <= r0["pad"] < 4 * W * r0["buckets"]
+    print(f"\n[replicate W={W}] sent {total} B = DDP {ddp_total} + flags {(W - 1) * r0['n_params'] * 4}"
+          f" + alignment {(W - 1) * r0['pad'] * 4}")
     for r in res:
         assert r["calls"] == {"all_gather": r["buckets"], "reduce_scatter": r["buckets"]}, r
         # alpha=0: even split of every bucket; state <= DDP's / W + the largest parameter's state
@@ -751,3 +779,63 @@ def test_shampoo_and_soap_match_ddp(name):
     for r in get_pool(2).run(shampoo_soap_parity, name):
         assert not r["bad"] and r["grad_diff"] == 0.0 and r["state_owned"], r
         assert r["param_diff"] == 0.0 and r["moved"] > 1e-4, r
+
+
+# ==================================================================================== clip devices
+def clip_on_rank_without_grads() -> dict:
+    """[Note: clip device and group]: under replicate at W=2 with one parameter, rank 1 owns
+    nothing and has no gradient; its all-reduce must still use the mesh's device and group."""
+    from matrixfsdp.mesh import mesh_device
+    import matrixfsdp.placement.clip as clip_mod
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False))
+    ref = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (W,))
+    matrixfsdp.replicate(model, mesh=mesh)
+    x = torch.randn(4 * W, 8, generator=torch.Generator().manual_seed(1))
+    model(x[4 * rank: 4 * rank + 4]).square().mean().backward()
+    seen = []
+    orig = clip_mod.dist.all_reduce
+
+    def spy(t, *a, group=None, **k):
+        seen.append((str(t.device), group is mesh.get_group()))
+        return orig(t, *a, group=group, **k)
+
+    clip_mod.dist.all_reduce = spy
+    try:
+        norm = matrixfsdp.clip_grad_norm_(model.parameters(), 1e-3)
+    finally:
+        clip_mod.dist.all_reduce = orig
+    for r in range(W):  # the reference: the mean over all ranks' batches
+        ref(x[4 * r: 4 * r + 4]).square().mean().div(W).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
+    return {"has_grad": [p.grad is not None for p in model.parameters()], "seen": seen,
+            "mesh_device": str(mesh_device(mesh)), "norm": norm.item(), "ref_norm": ref_norm.item()}
+
+
+def test_clip_on_a_rank_without_gradients_uses_the_mesh():
+    res = get_pool(2).run(clip_on_rank_without_grads)
+    assert [r["has_grad"] for r in res] == [[True], [False]], res  # rank 1 owns nothing
+    for r in res:
+        assert r["seen"] == [(r["mesh_device"], True)], r  # one all-reduce, mesh device and group
+        assert r["norm"] == pytest.approx(r["ref_norm"], rel=1e-6), r
+
+
+def test_clip_device_comes_from_the_mesh_not_the_gradients(monkeypatch):
+    """No gradient anywhere on this rank, parameters on the CPU, a (simulated) CUDA mesh: the
+    norm's device is the mesh's (the old rule fell back to the CPU)."""
+    import types
+
+    import matrixfsdp.placement.clip as clip_mod
+    from matrixfsdp.placement.owner import Owned, set_owner
+
+    mesh = types.SimpleNamespace(device_type="cuda", size=lambda: 1)
+    monkeypatch.setattr(clip_mod, "mesh_device", lambda m: torch.device(m.device_type, 0))
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    set_owner(p, Owned(owner=1, kind="matrix", mesh=mesh, storage="replicated"))
+    plain = torch.nn.Parameter(torch.zeros(3))
+    device, group = clip_mod.reduction_device_and_group([plain, p])
+    assert device == torch.device("cuda", 0) and group is None
+    assert clip_mod.reduction_device_and_group([plain])[0] == torch.device("cpu")

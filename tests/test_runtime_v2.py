@@ -403,9 +403,17 @@ def host_sync_check() -> dict:
             calls.append("torch.tensor")
         return orig_tensor(*a, **k)
 
+    from matrixfsdp.engine import reduce as engine_reduce
+
     out = {}
-    for step, use_extra in enumerate((True, True, False)):
-        x, y = make_batch(cfg, step, BATCH)
+    grads = {}
+    # steps 0, 1: every parameter used; 2: one unused (the default reads the flags); 3: the same
+    # batch with set_find_unused_parameters(False): no read at all
+    for step, use_extra in enumerate((True, True, False, False)):
+        if step == 3:
+            model.set_find_unused_parameters(False)
+        x, y = make_batch(cfg, min(step, 2), BATCH)
+        reads = engine_reduce.host_reads[0]
         for n in names:
             setattr(torch.Tensor, n, patched(n))
         torch.tensor = patched_tensor
@@ -417,8 +425,18 @@ def host_sync_check() -> dict:
                 setattr(torch.Tensor, n, orig[n])
             torch.tensor = orig_tensor
         out[f"calls_{step}"] = list(calls)
+        out[f"reads_{step}"] = engine_reduce.host_reads[0] - reads
+        grads[step] = {n: None if p.grad is None else local_of(p.grad).clone()
+                       for n, p in model.named_parameters()}
         for p in model.parameters():
             p.grad = None
+    model.set_find_unused_parameters(True)
+    # opted out, a parameter no rank used gets zeros instead of None; every other one the same bits
+    out["opt_out_same"] = all(
+        (torch.equal(grads[3][n], g) if g is not None else not grads[3][n].any())
+        for n, g in grads[2].items() if grads[3][n] is not None or g is not None)
+    out["unused_none_2"] = sorted(n for n, g in grads[2].items() if g is None)
+    out["unused_none_3"] = sorted(n for n, g in grads[3].items() if g is None)
     return out
 
 
@@ -427,8 +445,12 @@ def test_no_host_sync_in_forward_and_backward(W):
     for r in get_pool(W).run(host_sync_check):
         assert r["calls_0"] == [] and r["calls_1"] == [], r
         # a step where a parameter went unused reads the summed usage flags once, at the end of
-        # backward ([Note: unused parameters])
-        assert r["calls_2"] == ["tolist"], r
+        # backward, for all blocks together ([Note: usage-flag host read])
+        assert r["calls_2"] == ["tolist"] and r["reads_2"] == 1, r
+        assert r["reads_0"] == r["reads_1"] == 0, r
+        # set_find_unused_parameters(False): no read, no host sync, with the parameter unused
+        assert r["calls_3"] == [] and r["reads_3"] == 0, r
+        assert r["unused_none_2"] and r["opt_out_same"], r
 
 
 # ================================================================================ buffers, groups
@@ -457,13 +479,13 @@ def buffers_check() -> dict:
     states = [get_state(model), *(get_state(b) for b in model.blocks)]
     # gathers send this rank's chunk; gloo's reduce-scatter sends each destination its own chunk
     # (``_p2p_reduce_scatter``): nothing sent is larger than the largest rank's chunk plus its
-    # usage flags (one per parameter)
-    chunk_max = max(max(s.group.layout.chunk_numel) + len(s.params) for s in states)
+    # usage flags (one per parameter) and the padding to 16 bytes (< 4 fp32 elements)
+    chunk_max = max(max(s.group.layout.chunk_numel) + len(s.params) + 3 for s in states)
     es = 4
     return {
         "max_sent": max(sent), "chunk_max": chunk_max, "groups_created": groups_created,
-        # receive + assembly buffers + at most one send copy of this rank's own chunk
-        "temp_ok": [s.group.temp_bytes_peak <= (s.group._recv.numel() + s.group.layout.assembled_numel
+        # receive + cast + assembly + compact buffers + at most one send copy of this rank's chunk
+        "temp_ok": [s.group.temp_bytes_peak <= (sum(t.numel() for t in s.group._buffers)
                                                 + s.group.layout.chunk_numel[rank]) * es
                     for s in states],
         "temp_peaks": [s.group.temp_bytes_peak for s in states],
@@ -542,3 +564,63 @@ def test_inplace_on_outputs_and_model_to_dtype(W):
     for r in get_pool(W).run(inplace_and_retype_check):
         assert r["inplace_grad_diff"] <= TOL and r["float64_loss_diff"] <= 1e-12, r
         assert r["dtypes"] == ["torch.float64"]
+
+
+# ================================================================================ reduce streams
+def reduce_copy_in_stream_check() -> dict:
+    """[Note: reduce streams]: the reduction's copy-in (``torch.cat`` of autograd's gradients) is
+    issued outside ``CommContext.use`` (on the compute stream), and the reduce-scatter inside it.
+    On the CPU both contexts are no-ops, so the order is checked on the calls themselves."""
+    import sys
+
+    from matrixfsdp._fully_shard import param_group
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    cfg, model, ref, plan = _setup(W)
+    depth = [0]
+    seen: list[tuple[str, int]] = []
+    orig_use, orig_cat = param_group.CommContext.use, torch.cat
+
+    def use(self, stream):
+        cm = orig_use(self, stream)
+
+        class Tracked:
+            def __enter__(self_):
+                depth[0] += 1
+                return cm.__enter__()
+
+            def __exit__(self_, *exc):
+                depth[0] -= 1
+                return cm.__exit__(*exc)
+        return Tracked()
+
+    def cat(*a, **k):
+        if sys._getframe(1).f_code.co_name == "reduce":
+            seen.append(("copy-in", depth[0]))
+        return orig_cat(*a, **k)
+
+    orig_rs = {}
+    for s in [get_state(model), *(get_state(b) for b in model.blocks)]:
+        coll = s.group.coll
+        if id(coll) not in orig_rs:
+            orig_rs[id(coll)] = (coll, coll.reduce_scatter_segments)
+
+            def rs(*a, _f=coll.reduce_scatter_segments, **k):
+                seen.append(("reduce-scatter", depth[0]))
+                return _f(*a, **k)
+            coll.reduce_scatter_segments = rs
+    param_group.CommContext.use, torch.cat = use, cat
+    try:
+        x, y = make_batch(cfg, 0, BATCH)
+        model.loss(x[_slices(W)[rank]], y[_slices(W)[rank]], use_extra=True).backward()
+    finally:
+        param_group.CommContext.use, torch.cat = orig_use, orig_cat
+        for coll, f in orig_rs.values():
+            coll.reduce_scatter_segments = f
+    return {"seen": seen, "n_blocks": 1 + len(model.blocks)}
+
+
+def test_reduce_copy_in_runs_outside_the_reduce_stream():
+    for r in get_pool(2).run(reduce_copy_in_stream_check):
+        n = r["n_blocks"]
+        assert r["seen"] == [("copy-in", 0), ("reduce-scatter", 1)] * n, r

@@ -24,6 +24,7 @@ from ..engine.swap import swap_class
 from ..placement.owned import local_tensor, owner_meshes
 from ..planner.record import OwnerPlan
 from ..engine.plan_check import verify_plan_digest
+from ..engine.reduce import check_find_unused
 from ..mesh import default_mesh, mesh_info
 from .init import (API, CLAIM_ATTR, STATE_ATTR, _check_call, _check_not_torch_fsdp,
                     _check_world_size, _collect_managed, _is_planned_model, _resolve,
@@ -231,6 +232,17 @@ class MatrixFSDPModule:
         """
         for state in self._states(recurse):
             state.requires_gradient_sync = bool(requires_gradient_sync)
+
+    def set_find_unused_parameters(self, find_unused_parameters: bool, *, recurse: bool = True) -> None:
+        """``False`` promises that every parameter gets a gradient on some rank in every step
+        (DDP's ``find_unused_parameters=False``): a rank that did not use a parameter then takes
+        the reduced gradient without reading the usage flags, so backward has no host sync at all
+        (if the promise is broken, a parameter no rank used gets a zero gradient instead of
+        ``None``). Default ``True``: one small asynchronous flag read per step, only where this
+        rank left a parameter unused (see [Note: usage-flag host read] in ``engine/reduce.py``)."""
+        find = check_find_unused(find_unused_parameters, "matrixfsdp.fully_shard")
+        for state in self._states(recurse):
+            state.group.find_unused = find
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduced gradients are ``sum / factor`` instead of ``sum / W`` (torch's FSDP2 method;

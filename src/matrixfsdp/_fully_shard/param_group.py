@@ -7,13 +7,15 @@ in ``state.py``. Per step (``W`` ranks, this rank ``r``)::
     unshard       copy-in (this rank's chunk) -> all_gather_segments of the block's chunks
     wait          copy-out (pieces of evenly sharded params into the assembly buffer)
     reshard       free the receive and assembly buffers (owners keep their own storage)
-    reduce        copy-in of the unsharded grads (+ usage flags) -> reduce_scatter_segments
-    finish        divide, write the sharded ``.grad``, run post-accumulate-grad hooks
+    reduce        copy-in of the unsharded grads (+ usage flags, padding) -> reduce_scatter_segments,
+                  then (accelerator) divide and cast on the reduce stream
+    finish        (CPU: divide and cast), write the sharded ``.grad``, run post-accumulate-grad hooks
 
 [Note: streams]
-As in FSDP2, on an accelerator copy-in runs on a copy-in stream, the gather on a gather stream and
-the reduction (with its copy-in and division) on a reduce stream; events order them against the
-compute stream, so the host never waits for the device in forward or backward. The compute stream
+As in FSDP2, on an accelerator the gather's copy-in runs on a copy-in stream, the gather on a
+gather stream and the reduction (its pre-division, the reduce-scatter, the post-division and the
+one cast to the parameters' dtype) on a reduce stream; events order them against the compute
+stream, so the host never waits for the device in forward or backward. The compute stream
 waits for a gather only when the block's parameters are about to be used, and for a reduction only
 when its gradients are written to ``.grad``. Buffers are resized (allocated) on the compute stream
 before the gather stream writes them and freed on the compute stream after it waited, so the
@@ -21,22 +23,51 @@ caching allocator never hands memory to another user while a collective still wr
 CPU (gloo) there are no streams: collectives are asynchronous ``Work`` objects waited for by the
 host, which is what gloo offers.
 
+[Note: reduce streams]
+The reduction's copy-in (``torch.cat`` of the unsharded gradients into the reduce-scatter input)
+runs on the *compute* stream, and the reduce stream waits for it (FSDP2's ``foreach_reduce``
+order). The gradients are autograd's tensors: their last references die when ``post_backward``
+returns, and the caching allocator hands their memory to the next block's backward kernels on
+the compute stream. Read on the compute stream, that reuse is ordered after the copy; read on the
+reduce stream (queued behind the previous reduce-scatter), the next block's kernels could
+overwrite them first. The input buffer is allocated on the compute stream and kept by
+:class:`PendingReduce` until the compute stream waited for the reduction (``finish``); tensors
+the reduce stream allocates (its output, the cast gradients) are ``record_stream``-ed to the
+compute stream, which reads them from then on. On the CPU both are one host-ordered sequence:
+the same kernels in the same order, so the bits are those of an unstreamed reduction.
+
 [Note: buffer lifetime]
-Everything that is not the owner's own storage lives in two per-block buffers, ``recv`` (peers'
-chunks in rank order, plus a self region used only for mixed-precision casts) and ``assembled``
-(evenly sharded params with several pieces). They are allocated once and keep their identity for
+Everything that is not the owner's own storage lives in per-block buffers: ``recv`` (peers'
+chunks in rank order), ``cast`` (this rank's chunk in the compute dtype, for mixed precision
+only), ``assembled`` (evenly sharded params with several pieces) and ``kept`` (see [Note: receive
+buffer after copy-out]). They are allocated once and keep their identity for
 the life of the block: reshard shrinks their storage to 0 bytes and unshard grows it back and
 refills it *in the same storage*, so the unsharded leaves (views of them) and every tensor autograd
 saved in forward stay valid after a reshard-after-forward. Writes are wrapped in
 ``_unsafe_preserve_version_counter`` so a refill does not look like an in-place modification. Per
 materialization the only other temporary is the send buffer: this rank's chunk, and not even that
 when the chunk is a single tensor in the compute dtype (no ``W``-fold copy on any backend, see
-``comm/collectives.py``); ``temp_bytes`` reports the peak.
+``comm/collectives.py``); ``temp_bytes_peak`` reports the peak (send + every buffer, at copy-out)
+and ``held_bytes_peak`` what stays allocated after the copy-out.
+
+[Note: receive buffer after copy-out]
+The copy-out moves peers' pieces of evenly sharded parameters from ``recv`` into ``assembled``;
+kept after that, they would be held twice until reshard (for a root with Qwen3-8B's embedding
+and head at W=8 that is the whole receive buffer, as large as the assembled one, through the
+whole backward). FSDP2 frees its all-gather output after the copy-out; here ``recv`` may also
+hold peers' *single-piece* parameters, which are leaves viewing it. So, per block, from the
+layout: when peers' single-piece elements are no more than their multi-piece ones, the copy-out
+also moves the single-piece ones into the compact ``kept`` buffer (their leaves view it) and
+``recv`` is freed right after the copy-out; otherwise (a transformer block whose evenly sharded
+tensors are its norms) the copy would cost more than the duplicate it saves, and ``recv``
+stays until reshard. Either way the duplicate held is at most ``min(single, multi)`` peer
+elements, and only when ``recv`` is kept.
 
 [Note: usage flags in a block]
 The engine's [Note: unused parameters] rule, in a block's wire format: every destination's chunk
 ends with one flag per reduced parameter of the block (evenly sharded parameters have rows on
-every rank). ``finish`` writes the ``.grad`` of each parameter this rank used without reading a
+every rank), then zeros up to a 16-byte boundary (see [Note: aligned reduce chunks] in
+``engine/layout.py``). ``finish`` writes the ``.grad`` of each parameter this rank used without reading a
 flag; the root resolves the rest once at the end of backward. Post-accumulate-grad hooks run right
 after ``.grad`` is written, once per parameter that got a gradient.
 """
@@ -111,6 +142,9 @@ class PendingReduce:
     trainable: tuple[int, ...]
     layout: BlockLayout
     local_used: tuple[bool, ...]  #: per reduced param: this rank contributed a gradient
+    #: on an accelerator: the sharded gradients (and the tensors behind them) the reduce stream
+    #: produced after the collective; ``None`` on the CPU (made by ``finish``)
+    reduced: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
 
 class ParamGroup:
@@ -124,7 +158,11 @@ class ParamGroup:
         self.accum: torch.Tensor | None = None  #: no-sync accumulated reduction input
         self.accum_used: tuple[bool, ...] = ()  #: params this rank used while accumulating
         self.trainable: tuple[int, ...] = ()
-        self.temp_bytes_peak = 0  #: largest send + receive + assembly bytes of one unshard
+        self.temp_bytes_peak = 0  #: largest send + buffer bytes of one unshard (at copy-out)
+        self.held_bytes_peak = 0  #: largest buffer bytes held after a copy-out (until reshard)
+        #: read the summed usage flags of parameters this rank did not use (see [Note: usage-flag
+        #: host read] in ``engine/reduce.py``); ``set_find_unused_parameters(False)`` clears it
+        self.find_unused = True
 
     # ============================================================================ resolution
     def resolve(self, *, fqn: str, rank: int, coll: SegmentCollectives, comm: CommContext) -> None:
@@ -160,17 +198,41 @@ class ParamGroup:
         """(Re)create the buffers and unsharded leaves on ``device`` (resolution, ``to_empty``,
         a repaired layout). Views are built while the storage exists, then it is freed."""
         self.unsharded = False
-        self._recv = torch.empty(self._splits.recv_numel + (self.layout.chunk_numel[self.rank] if self._cast else 0),
-                                 dtype=self.compute_dtype, device=device)
-        self._assembled = torch.empty(self.layout.assembled_numel, dtype=self.compute_dtype, device=device)
+        kw = dict(dtype=self.compute_dtype, device=device)
+        self._recv = torch.empty(self._splits.recv_numel, **kw)
+        self._cast_buf = torch.empty(self.layout.chunk_numel[self.rank] if self._cast else 0, **kw)
+        self._assembled = torch.empty(self.layout.assembled_numel, **kw)
+        self._kept = torch.empty(self._kept_numel(), **kw)
         self._build_views()
-        _free(self._recv)
-        _free(self._assembled)
+        for t in self._buffers:
+            _free(t)
+
+    @property
+    def _buffers(self) -> tuple[torch.Tensor, ...]:
+        return (self._recv, self._cast_buf, self._assembled, self._kept)
+
+    def _kept_numel(self) -> int:
+        """Elements of the compact buffer peers' single-piece parameters are copied into when the
+        receive buffer is freed after copy-out (see [Note: receive buffer after copy-out]); 0 when
+        it is kept."""
+        lay, r = self.layout, self.rank
+        single = multi = 0
+        for i, p in enumerate(lay.params):
+            for q in lay.pieces_of_param(i):
+                if q.rank == r:
+                    continue
+                if lay.assembled_offset(i) is None:
+                    single += q.numel
+                else:
+                    multi += q.numel
+        self._free_recv = multi > 0 and single <= multi
+        return single if self._free_recv else 0
 
     def _build_views(self) -> None:
         """Unsharded leaves and the copy lists of copy-in / copy-out (storage must exist)."""
-        lay, offs, base = self.layout, self._splits.recv_offsets, self._splits.recv_numel
+        lay, offs = self.layout, self._splits.recv_offsets
         r = self.rank
+        kept = 0  # next free element of the compact buffer
         own_dst: list[torch.Tensor] = []  # copy-in: own pieces into assembled / the cast region
         own_src: list[torch.Tensor] = []
         out_dst: list[torch.Tensor] = []  # copy-out: peers' pieces of multi-piece params
@@ -194,9 +256,15 @@ class ParamGroup:
             if q is None:  # no elements at all
                 data = torch.empty(p.shape, dtype=self.compute_dtype, device=self._recv.device)
             elif q.rank != r:
-                data = self._recv[offs[q.rank] + q.offset: offs[q.rank] + q.offset + q.numel].view(p.shape)
+                data = self._recv[offs[q.rank] + q.offset: offs[q.rank] + q.offset + q.numel]
+                if self._free_recv:  # copied out with the pieces, so the receive side can go
+                    out_dst.append(self._kept[kept: kept + q.numel])
+                    out_src.append(data)
+                    data = out_dst[-1]
+                    kept += q.numel
+                data = data.view(p.shape)
             elif self._cast:  # the owner computes on a low-precision copy; its master stays
-                data = self._recv[base + q.offset: base + q.offset + q.numel]
+                data = self._cast_buf[q.offset: q.offset + q.numel]
                 own_dst.append(data)
                 own_src.append(local)
                 data = data.view(p.shape)
@@ -244,8 +312,8 @@ class ParamGroup:
         if self.layout.numel == 0 or self.world_size == 1 and not self._own_copy[0]:
             self._pending_gather = (Handle(), None)
             return
-        _alloc(self._recv)  # on the compute stream, see [Note: streams]
-        _alloc(self._assembled)
+        for t in self._buffers:  # on the compute stream, see [Note: streams]
+            _alloc(t)
         comm, lay = self.comm, self.layout
         with torch.no_grad(), comm.use(comm.copy_in):
             pieces = lay.pieces_of_rank(self.rank)
@@ -259,10 +327,10 @@ class ParamGroup:
                     torch.cat([locals_[q.param].reshape(-1) for q in pieces], out=send)
             dst, src = self._own_copy
             if dst:
-                with _preserve(self._recv, self._assembled):
+                with _preserve(self._cast_buf, self._assembled):
                     torch._foreach_copy_(dst, src)
         self._note_temp_bytes(send)
-        recv = self._recv[: self._splits.recv_numel]
+        recv = self._recv
         with torch.no_grad(), comm.use(comm.gather), _preserve(self._recv):
             if comm.on_device:
                 comm.gather.wait_stream(comm.copy_in)
@@ -275,8 +343,14 @@ class ParamGroup:
     def _note_temp_bytes(self, send: torch.Tensor) -> None:
         own = any(send.untyped_storage().data_ptr() == mp.local.untyped_storage().data_ptr()
                   for mp in self.params if mp.local.numel())
-        n = (0 if own else send.nbytes) + self._recv.nbytes + self._assembled.nbytes
+        n = (0 if own else send.nbytes) + sum(t.nbytes for t in self._buffers)
         self.temp_bytes_peak = max(self.temp_bytes_peak, n)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the block's buffers allocated now (what an unsharded block holds between
+        materializations; see [Note: receive buffer after copy-out])."""
+        return sum(t.untyped_storage().nbytes() for t in self._buffers)
 
     def wait_for_unshard(self) -> None:
         """Complete an in-flight materialization; afterwards the unsharded leaves are valid."""
@@ -289,8 +363,11 @@ class ParamGroup:
         handle.wait()
         dst, src = self._out_copy
         if dst:
-            with torch.no_grad(), _preserve(self._assembled):
+            with torch.no_grad(), _preserve(self._assembled, self._kept):
                 torch._foreach_copy_(dst, src)  # one fused copy-out for all peers' pieces
+        if self._free_recv:
+            _free(self._recv)  # on the compute stream, after it waited for the gather
+        self.held_bytes_peak = max(self.held_bytes_peak, self.held_bytes)
         self.unsharded = True
 
     def reshard(self) -> None:
@@ -301,8 +378,8 @@ class ParamGroup:
             handle.wait()  # never free a buffer a collective is writing into
         for mp in self.params:
             mp.to_sharded()
-        _free(self._recv)
-        _free(self._assembled)
+        for t in self._buffers:
+            _free(t)
         self.unsharded = False
 
     def to_unsharded(self) -> None:
@@ -331,17 +408,23 @@ class ParamGroup:
                divide_factor: float | None) -> PendingReduce | None:
         """Copy the gradients rank-major into one buffer and issue its reduce-scatter (``sync``),
         or add it to the no-sync accumulation. No host sync: the usage flags are built on the
-        device from constant ones and zeros (see [Note: usage flags in a block])."""
+        device from constant ones and zeros (see [Note: usage flags in a block]); the copy-in runs
+        on the compute stream and the reduction on the reduce stream (see [Note: reduce
+        streams])."""
         rl, W = self.reduce_layout, self.world_size
         F = len(rl.params)
         dt = self.reduce_dtype
         comm = self.comm
-        with torch.no_grad(), comm.use(comm.reduce):
+        # every destination chunk 16-byte aligned (see [Note: aligned reduce chunks])
+        splits = rl.reduce_splits(F, itemsize=dt.itemsize)
+        with torch.no_grad():
             dev = self._recv.device
             flat = [None if g is None else g.reshape(-1) for g in grads]
             ones = torch.ones(F, dtype=dt, device=dev)
-            # zeros stand in for missing gradients: as large as the largest missing piece
-            n_zero = max([q.numel for q in rl.pieces if flat[q.param] is None] + [1])
+            # zeros stand in for missing gradients and fill the alignment padding: as large as
+            # the largest missing piece or padding
+            pads = [s - n - F for s, n in zip(splits, rl.chunk_numel)]
+            n_zero = max([q.numel for q in rl.pieces if flat[q.param] is None] + pads + [1])
             zeros = torch.zeros(n_zero, dtype=dt, device=dev)
             flags = [ones[j: j + 1] if g is not None else zeros[:1] for j, g in enumerate(grads)]
             parts: list[torch.Tensor] = []
@@ -350,9 +433,11 @@ class ParamGroup:
                     g = flat[q.param]
                     parts.append(zeros[: q.numel] if g is None else g[q.flat_start: q.flat_start + q.numel])
                 parts.extend(flags)
-            splits = rl.reduce_splits(F)
+                if pads[d]:
+                    parts.append(zeros[: pads[d]])
             buf = torch.empty(sum(splits), dtype=dt, device=dev)
-            torch.cat(parts, out=buf)  # one copy-in kernel
+            torch.cat(parts, out=buf)  # one copy-in kernel, on the compute stream
+            del parts, flat  # the gradient views: buf holds the data now
             used = tuple(g is not None for g in grads)
             if self.accum is not None:
                 buf.add_(self.accum)
@@ -362,13 +447,49 @@ class ParamGroup:
                 self.accum, self.accum_used = buf, used
                 return None
             pre, post = divide_factors(W, divide_factor, dt)
-            if pre != 1:
-                buf.div_(pre)
-            out = torch.empty(splits[self.rank], dtype=dt, device=dev)
-            handle = self.coll.reduce_scatter_segments(out, buf, splits, async_op=not comm.on_device)
-            if comm.on_device:
-                handle = Handle(event=comm.reduce.record_event())
-        return PendingReduce(self, handle, out, buf, post, self.trainable, rl, used)
+            with comm.use(comm.reduce):  # the reduce stream waits for the copy-in
+                if pre != 1:
+                    buf.div_(pre)
+                out = torch.empty(splits[self.rank], dtype=dt, device=dev)
+                handle = self.coll.reduce_scatter_segments(out, buf, splits, async_op=not comm.on_device)
+                reduced = None
+                if comm.on_device:
+                    # the division and the cast to the parameters' dtype follow the collective on
+                    # the reduce stream, off the compute stream (FSDP2's post-reduce)
+                    reduced = self._reduced_grads(out, post, self.trainable, rl)
+                    handle = Handle(event=comm.reduce.record_event())
+        return PendingReduce(self, handle, out, buf, post, self.trainable, rl, used, reduced)
+
+    def _reduced_grads(self, out: torch.Tensor, post: float, trainable: tuple[int, ...],
+                       rl: BlockLayout) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Divide this rank's reduced chunk by ``post`` and cast it to the parameters' dtype, once
+        for the whole chunk when they share one (an elementwise cast: the same bits as per
+        parameter). Returns the sharded gradients per trainable parameter and the tensors the
+        compute stream must keep alive (``record_stream``)."""
+        n = rl.chunk_numel[self.rank]
+        data = out[:n]
+        if post != 1:
+            data.div_(post)
+        targets = {self.params[i].sharded.dtype for i in trainable}
+        made: list[torch.Tensor] = []
+        if len(targets) == 1 and data.dtype not in targets:
+            data = data.to(targets.pop())
+            made.append(data)
+        mine = {q.param: q for q in rl.pieces_of_rank(self.rank)}
+        grads = []
+        for j, i in enumerate(trainable):
+            sharded = self.params[i].sharded
+            shape = rl.params[j].local_shape(self.rank)
+            q = mine.get(j)
+            if q is None:  # no rows on this rank: an empty gradient
+                g = torch.empty(shape, dtype=sharded.dtype, device=out.device)
+            else:
+                g = data[q.offset: q.offset + q.numel].view(shape)
+                if g.dtype != sharded.dtype:  # mixed parameter dtypes: one cast each
+                    g = g.to(sharded.dtype)
+                    made.append(g)
+            grads.append(g)
+        return grads, made
 
     def finish(self, pending: PendingReduce) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]:
         """Wait for ``pending`` and write the sharded gradients of the parameters this rank used
@@ -376,31 +497,24 @@ class ParamGroup:
         others, which the root resolves (see [Note: unused parameters])."""
         pending.handle.wait()
         rl, out = pending.layout, pending.out
-        if self.comm.on_device:
-            # allocated on the reduce stream, read by the compute stream from now on (gradients
-            # are views of it): its memory must not return to the reduce stream's pool early
-            out.record_stream(torch.accelerator.current_stream(out.device))
+        with torch.no_grad():
+            if pending.reduced is None:  # CPU: the host waited for the collective, divide now
+                grads, made = self._reduced_grads(out, pending.post, pending.trainable, rl)
+            else:
+                grads, made = pending.reduced
+                # allocated on the reduce stream, read by the compute stream from now on
+                # (gradients are views of them): their memory must not return to the reduce
+                # stream's pool early
+                for t in (out, *made):
+                    t.record_stream(torch.accelerator.current_stream(out.device))
         n = rl.chunk_numel[self.rank]
         undecided = []
-        with torch.no_grad():
-            data = out[:n]
-            if pending.post != 1:
-                data.div_(pending.post)
-            mine = {q.param: q for q in rl.pieces_of_rank(self.rank)}
-            for j, i in enumerate(pending.trainable):
-                sharded = self.params[i].sharded
-                shape = rl.params[j].local_shape(self.rank)
-                q = mine.get(j)
-                if q is None:
-                    g = torch.empty(shape, dtype=sharded.dtype, device=out.device)
-                else:
-                    g = data[q.offset: q.offset + q.numel].view(shape)
-                    if g.dtype != sharded.dtype:
-                        g = g.to(sharded.dtype)
-                if pending.local_used[j]:
-                    accumulate_grad(sharded, g)
-                else:
-                    undecided.append((sharded, g, out[n + j: n + j + 1]))
+        for j, i in enumerate(pending.trainable):
+            sharded = self.params[i].sharded
+            if pending.local_used[j]:
+                accumulate_grad(sharded, grads[j])
+            else:
+                undecided.append((sharded, grads[j], out[n + j: n + j + 1]))
         return undecided
 
 

@@ -69,7 +69,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
-from ..engine.reduce import resolve_unused
+from ..engine.reduce import read_flags
 from ..mesh import MeshInfo
 
 from ..comm.collectives import SegmentCollectives
@@ -181,11 +181,15 @@ class RootContext:
                 self.pinned = False
             while self.pending:
                 self.finish_oldest()
-            self.resolve_unused()
+            # one asynchronous flag read, waited for after the reshards are enqueued (see
+            # [Note: usage-flag host read])
+            entries, self.undecided = self.undecided, []
+            read = read_flags(entries)
             for s in self.states:
                 if not self.pinned and not s.group.is_resharded:
                     s.group.reshard()
                 s.training_state = TrainingState.IDLE
+            read.resolve(accumulate_grad)
         finally:
             self.backward.finished()
             self.awaiting_backward = self.pinned
@@ -202,13 +206,12 @@ class RootContext:
 
     def finish_oldest(self) -> None:
         p = self.pending.pop(0)
-        self.undecided.extend(p.group.finish(p))
-
-    def resolve_unused(self) -> None:
-        """Write the gradients of parameters this rank did not use but another rank did (one
-        host read of their summed flags; see [Note: unused parameters])."""
-        entries, self.undecided = self.undecided, []
-        resolve_unused(entries, accumulate_grad)
+        undecided = p.group.finish(p)
+        if p.group.find_unused:
+            self.undecided.extend(undecided)  # resolved at the end of backward, one host read
+        else:  # set_find_unused_parameters(False): the reduced sum, unread
+            for param, grad, _ in undecided:
+                accumulate_grad(param, grad)
 
 
 class BlockState:

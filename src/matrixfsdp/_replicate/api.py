@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..comm.agree import agree, encode_error
 from ..comm.collectives import KINDS, CommCounter, collectives_for
 from ..engine.plan_check import verify_plan_digest
+from ..engine.reduce import check_find_unused
 from ..mesh import MeshInfo, default_mesh, mesh_info
 from ..placement.owner import Owned, keeps_state, set_owner
 from ..engine.swap import front_end_of, swap_class
@@ -258,6 +259,15 @@ class MatrixReplicateModule:
         """``False``: backward accumulates local gradients in ``.grad`` without communicating
         (gradient accumulation); the next backward with ``True`` reduces the sum."""
         state_of(self).requires_gradient_sync = bool(requires_gradient_sync)  # type: ignore[arg-type]
+
+    def set_find_unused_parameters(self, find_unused_parameters: bool) -> None:
+        """``False`` promises that every parameter gets a gradient on some rank in every step
+        (DDP's ``find_unused_parameters=False``): an owner whose parameter it did not use takes
+        the reduced gradient without reading the usage flags, so backward has no host sync (if
+        the promise is broken, a parameter no rank used gets a zero gradient instead of ``None``).
+        Default ``True``: one small asynchronous flag read per step, only where this rank left a
+        parameter it owns unused (see [Note: usage-flag host read] in ``engine/reduce.py``)."""
+        state_of(self).find_unused = check_find_unused(find_unused_parameters, API)  # type: ignore[arg-type]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -24,7 +24,8 @@ gathers are issued at the root's pre-forward (one program point on every rank), 
 [Note: usage flags in a bucket]
 The engine's [Note: unused parameters] rule, in a bucket's wire format: rank ``r``'s interval of
 the gradient buffer is its parameters' gradients followed by one flag per parameter it owns, so
-only owners receive flags. Parameters the engine will not reach are marked unused at backward
+only owners receive flags, then zeros up to a 16-byte boundary, so every rank's interval starts
+aligned (see [Note: aligned reduce chunks] in ``engine/layout.py``). Parameters the engine will not reach are marked unused at backward
 start (``torch._C._will_engine_execute_node``), so their buckets launch on time.
 
 [Note: stale parameters]
@@ -48,7 +49,8 @@ import torch.nn as nn
 
 from ..comm.collectives import Handle, SegmentCollectives
 from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
-from ..engine.reduce import divide_factors, resolve_unused
+from ..engine.layout import aligned_numel
+from ..engine.reduce import divide_factors, read_flags
 from .layout import BucketLayout
 
 __all__ = ["Bucket", "ReplicateState"]
@@ -75,8 +77,10 @@ class Bucket:
             view = self.flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
             view.copy_(p.detach())
             p.data = view
-        # gradient-buffer offsets: rank r's interval is [its gradients..., its usage flags...]
-        gsplits = layout.grad_splits
+        # gradient-buffer offsets: rank r's interval is [its gradients..., its usage flags...,
+        # zeros to a 16-byte boundary] ([Note: aligned reduce chunks])
+        gsplits = self.grad_splits = tuple(aligned_numel(n, self.reduce_dtype.itemsize)
+                                           for n in layout.grad_splits)
         self.grad_numel = sum(gsplits)
         self.goff: list[int] = []
         self.flag: list[int] = []
@@ -90,8 +94,12 @@ class Bucket:
             self.flag.append(base[r] + layout.param_splits[r] + k[r])
             k[r] += 1
         self.mine = [i for i, s in enumerate(layout.slots) if s.owner == rank]
-        self.grad_buf: torch.Tensor | None = (
-            torch.empty(self.grad_numel, dtype=self.reduce_dtype, device=self.device) if persistent else None)
+        # the padding is never written by put(): zeroed once per buffer (one kernel), so the
+        # reduction never sums uninitialized memory
+        pad = [i for r in range(world_size)
+               for i in range(base[r] + layout.grad_splits[r], base[r] + gsplits[r])]
+        self.pad_index = torch.tensor(pad, dtype=torch.long, device=self.device) if pad else None
+        self.grad_buf: torch.Tensor | None = self._new_grad_buf() if persistent else None
         self.ready = [False] * len(params)
         self.n_ready = 0
         self.used = [False] * len(params)
@@ -100,12 +108,18 @@ class Bucket:
         self.gather_handle: Handle | None = None
 
     # ----------------------------------------------------------------------------- backward
+    def _new_grad_buf(self) -> torch.Tensor:
+        buf = torch.empty(self.grad_numel, dtype=self.reduce_dtype, device=self.device)
+        if self.pad_index is not None:
+            buf.index_fill_(0, self.pad_index, 0)
+        return buf
+
     def begin(self) -> None:
         self.ready = [False] * len(self.params)
         self.n_ready = 0
         self.used = [False] * len(self.params)
         if self.grad_buf is None:
-            self.grad_buf = torch.empty(self.grad_numel, dtype=self.reduce_dtype, device=self.device)
+            self.grad_buf = self._new_grad_buf()
 
     @property
     def complete(self) -> bool:
@@ -129,7 +143,7 @@ class Bucket:
         self.n_ready += 1
 
     def launch(self) -> None:
-        splits = self.layout.grad_splits
+        splits = self.grad_splits
         self.out = torch.empty(splits[self.rank], dtype=self.reduce_dtype, device=self.device)
         self.reduce_handle = self.coll.reduce_scatter_segments(self.out, self.grad_buf, splits, async_op=True)
 
@@ -145,7 +159,7 @@ class Bucket:
         if not self.persistent:
             self.grad_buf = None  # ZeRO-2: only this rank's interval survives the reduction
         result = []
-        start = sum(self.layout.grad_splits[:self.rank])
+        start = sum(self.grad_splits[:self.rank])
         for i in self.mine:
             slot = self.layout.slots[i]
             g = out[self.goff[i] - start:self.goff[i] - start + slot.numel].view(slot.shape)
@@ -187,6 +201,7 @@ class ReplicateState:
             for i, p in enumerate(b.params):
                 self.where[id(p)] = (b, i)
         self.requires_gradient_sync = True
+        self.find_unused = True  # set_find_unused_parameters (see [Note: usage-flag host read])
         self.dirty = False  # parameters changed on owners since the last gather
         self.active = False  # the running backward reduces
         self.next_launch = 0  # index into the reduction order
@@ -389,8 +404,9 @@ class ReplicateState:
                         self._assign(p, g)
                     else:
                         undecided.append((p, g, flag))
-            resolve_unused(undecided, self._assign, self._restore_stashed)
+            read = read_flags(undecided, find_unused=self.find_unused)  # [Note: usage-flag host read]
             self.dirty = True
+            read.resolve(self._assign, self._restore_stashed)
         finally:
             self.active = False
             self.backward.finished()

@@ -23,6 +23,19 @@ A parameter with exactly one piece (every owned parameter, and even ones with fe
 ranks' chunks) is contiguous in whichever buffer holds that piece, so the runtime views it in
 place; a parameter with several pieces (even placement) is assembled by copying its pieces into
 a parameter-major buffer (``assembled_offset``).
+
+[Note: aligned reduce chunks]
+The reduce-scatter input is ``W`` destination chunks back to back, each followed by ``extra``
+usage flags (see [Note: unused parameters] in ``engine/reduce.py``). With ``F`` flags, chunk
+``d`` starts at ``sum(n_e + F for e < d)`` elements: any ``F`` that is not a multiple of
+``16 / itemsize`` pushes every later chunk off a 16-byte boundary (unpadded, ``plan_owners`` on the
+Qwen3-8B preset misaligns 259 of 296 chunk starts at W=8 in bf16 and 518 of 592 at W=16; see
+``tests/test_layout.py``), and NCCL and the copy kernels fall back to narrower loads on misaligned
+buffers. So the flag block of every chunk is padded with zeros up to the next multiple
+of :data:`ALIGN_BYTES` (``reduce_splits(extra, itemsize=...)``): every chunk start is aligned, at
+a cost of fewer than ``16 / itemsize`` elements per destination (< 16 bytes per destination and
+block). ``replicate``'s gradient buffer pads each rank's interval by the same rule
+(:func:`aligned_numel`). The padding is never read; it is summed like the rest.
 """
 
 from __future__ import annotations
@@ -34,7 +47,22 @@ from typing import Sequence
 
 from ..planner.record import ParamPlan
 
-__all__ = ["Piece", "ParamLayout", "BlockLayout", "GatherSplits"]
+__all__ = ["Piece", "ParamLayout", "BlockLayout", "GatherSplits", "ALIGN_BYTES", "aligned_numel"]
+
+#: every reduce-scatter destination chunk starts at a multiple of this many bytes (see
+#: [Note: aligned reduce chunks])
+ALIGN_BYTES = 16
+
+
+def aligned_numel(numel: int, itemsize: int | None) -> int:
+    """``numel`` rounded up so that ``numel * itemsize`` is a multiple of :data:`ALIGN_BYTES`
+    (``itemsize=None``: no padding, the bare layout)."""
+    if itemsize is None:
+        return numel
+    if not isinstance(itemsize, int) or itemsize < 1:
+        raise ValueError(f"aligned_numel: itemsize must be a positive int or None, got {itemsize!r}")
+    step = max(1, ALIGN_BYTES // itemsize)
+    return -(-numel // step) * step
 
 
 @dataclass(frozen=True)
@@ -225,14 +253,16 @@ class BlockLayout:
         return self._assembled[1]
 
     # ----------------------------------------------------------------------------- reduction
-    def reduce_splits(self, extra: int = 0) -> tuple[int, ...]:
-        """Per-destination sizes of the reduce-scatter input: chunk ``d`` plus ``extra`` scalars."""
-        return tuple(n + extra for n in self.chunk_numel)
+    def reduce_splits(self, extra: int = 0, *, itemsize: int | None = None) -> tuple[int, ...]:
+        """Per-destination sizes of the reduce-scatter input: chunk ``d`` plus ``extra`` scalars,
+        padded to :data:`ALIGN_BYTES` for elements of ``itemsize`` bytes (``None``: unpadded; see
+        [Note: aligned reduce chunks])."""
+        return tuple(aligned_numel(n + extra, itemsize) for n in self.chunk_numel)
 
-    def reduce_offsets(self, extra: int = 0) -> tuple[int, ...]:
+    def reduce_offsets(self, extra: int = 0, *, itemsize: int | None = None) -> tuple[int, ...]:
         """Where chunk ``d`` starts in the reduce-scatter input."""
         offs, acc = [], 0
-        for n in self.reduce_splits(extra):
+        for n in self.reduce_splits(extra, itemsize=itemsize):
             offs.append(acc)
             acc += n
         return tuple(offs)
@@ -243,11 +273,12 @@ class BlockLayout:
         s = self.gather_splits(rank)
         return sum(s.input_splits) * itemsize, s.recv_numel * itemsize
 
-    def reduce_bytes(self, rank: int, itemsize: int, extra: int = 0) -> tuple[int, int]:
+    def reduce_bytes(self, rank: int, itemsize: int, extra: int = 0, *, aligned: bool = False) -> tuple[int, int]:
         """``(sent, received)`` bytes of ``rank`` for one reduction, counted as a direct
         reduce-scatter: each rank sends every peer that peer's chunk and receives ``W - 1``
         contributions to its own. Summed over ranks this equals a ring reduce-scatter of the same
-        chunks, ``(W - 1) * total``."""
-        splits = self.reduce_splits(extra)
+        chunks, ``(W - 1) * total``. ``aligned``: with the runtime's padding (see
+        [Note: aligned reduce chunks])."""
+        splits = self.reduce_splits(extra, itemsize=itemsize if aligned else None)
         mine = splits[rank]
         return (sum(splits) - mine) * itemsize, (self.world_size - 1) * mine * itemsize

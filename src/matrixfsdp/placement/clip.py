@@ -5,6 +5,13 @@ one-rank owner meshes, and DTensor refuses to combine tensors of different meshe
 ``matrixfsdp.replicate`` each gradient exists on its owner only. Every element
 of every gradient lives on exactly one rank (owned: the owner; even: its row shard), so the global
 norm is one all-reduce of the ranks' local partial sums.
+
+[Note: clip device and group]
+Every rank must enter the same all-reduce, over the same group, with a tensor on a device that
+group's backend serves. Both are therefore taken from the *parameters'* data-parallel mesh, which
+every rank shares, never from the gradients: under ``replicate`` a rank that owns nothing has no
+gradient at all, and a CPU scalar (the old fallback) handed to an NCCL group raises on that rank
+while the others hang in the all-reduce.
 """
 
 from __future__ import annotations
@@ -16,10 +23,40 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..comm.agree import agreement_device
+from ..mesh import mesh_device
 from .owned import local_tensor
 from .owner import owner_of
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "reduction_device_and_group"]
+
+
+def reduction_device_and_group(params: Iterable[torch.Tensor], process_group: dist.ProcessGroup | None = None
+                               ) -> tuple[torch.device, dist.ProcessGroup | None]:
+    """The device and group of the norm's all-reduce, from the parameters (with or without a
+    gradient; see [Note: clip device and group]): the first data-parallel mesh among them gives
+    both (its group unless ``process_group`` is given); without one, a plain parameter's device,
+    else a device the group's backend serves."""
+    mesh = None
+    plain = None
+    for p in params:
+        info = owner_of(p)
+        m = info.mesh if info is not None else getattr(p, "device_mesh", None)
+        if m is not None:
+            if mesh is None or (mesh.size() == 1 and m.size() > 1):
+                mesh = m
+        elif plain is None:
+            plain = p.device
+    group = process_group
+    if group is None and mesh is not None and mesh.size() > 1:
+        group = mesh.get_group()
+    if mesh is not None:
+        return mesh_device(mesh), group
+    if plain is not None:
+        return plain, group
+    if dist.is_available() and dist.is_initialized():
+        return agreement_device(group), group
+    return torch.device("cpu"), group
 
 
 def clip_grad_norm_(
@@ -47,22 +84,15 @@ def clip_grad_norm_(
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    params = [p for p in parameters if p.grad is not None]
+    every = list(parameters)
+    params = [p for p in every if p.grad is not None]
     max_norm, norm_type = float(max_norm), float(norm_type)
     if max_norm < 0 or math.isnan(max_norm):
         raise ValueError(f"matrixfsdp.clip_grad_norm_: max_norm must be >= 0, got {max_norm=}")
     if norm_type <= 0 or math.isnan(norm_type):
         raise ValueError(f"matrixfsdp.clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type=}")
-    group = process_group
-    if group is None:
-        for p in params:
-            info = owner_of(p)
-            mesh = info.mesh if info is not None else getattr(p, "device_mesh", None)
-            if mesh is not None and mesh.size() > 1:
-                group = mesh.get_group()
-                break
+    device, group = reduction_device_and_group(every, process_group)
     grads = [local_tensor(p.grad).detach() for p in params]
-    device = grads[0].device if grads else torch.device("cpu")
     inf = math.isinf(norm_type)
     distributed = dist.is_available() and dist.is_initialized()
     # a replicated (plain) gradient is summed on one rank only; for the max norm it does not matter
