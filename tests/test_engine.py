@@ -237,3 +237,47 @@ def test_set_find_unused_parameters_checks_its_argument():
     got.clear()
     read_flags(entries).resolve(lambda p, g: got.append(p), lambda p: got.append("unused:" + p))
     assert got == ["unused:a", "b"]
+
+
+def _owned_on_meshes_named_differently() -> list:
+    """Models on meshes over the same ranks that differ only in their dimension names."""
+    from torch.distributed.tensor import Replicate
+
+    W = dist.get_world_size()
+    out = []
+    for names in (("dp_shard",), None, ("dp_shard",)):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 4, bias=False))
+        mesh = init_device_mesh("cpu", (W,), mesh_dim_names=names)
+        matrixfsdp.fully_shard(m, mesh=mesh)
+        w = m[0].weight
+        out.append(torch.equal(w.redistribute(mesh, [Replicate()]).to_local(), w.full_tensor()))
+    return out
+
+
+def test_owner_meshes_of_meshes_differing_only_in_names_stay_apart():
+    """Each data-parallel mesh has its own owner sub-meshes: an owned tensor redistributes on the
+    mesh it was sharded on, also after another mesh over the same ranks (another name) was used
+    (the second model raised 'got mesh DeviceMesh((dp_shard=2)...' before)."""
+    assert get_pool(2).run(_owned_on_meshes_named_differently) == [[True, True, True]] * 2
+
+
+def _torch_adamw_on_fully_shard_after_a_replicate() -> tuple:
+    """replicate's step pre-hook (registered with torch for every optimizer) must touch only
+    replicate's parameters: a torch AdamW over a fully_shard model keeps state for its empty
+    shards, as torch does for any Shard(0) shard."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    matrixfsdp.replicate(Net(), mesh=mesh)
+    torch.manual_seed(0)
+    model = Net()
+    matrixfsdp.fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.step()  # the pre-hook runs with state present
+    return sorted(int(st["step"]) for st in opt.state.values()), sum(1 for p in model.parameters())
+
+
+def test_replicates_step_hook_leaves_other_models_state_alone():
+    for steps, n in get_pool(2).run(_torch_adamw_on_fully_shard_after_a_replicate):
+        assert steps == [2] * n, steps  # no counter restarted: no state was dropped

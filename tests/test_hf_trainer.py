@@ -91,7 +91,7 @@ def args(out: str, **kw):
 
 
 def full_state(model) -> dict[str, torch.Tensor]:
-    from matrixfsdp._hf import gather_full_state_dict
+    from matrixfsdp.checkpoint.huggingface import gather_full_state_dict
 
     return gather_full_state_dict(model, rank0_only=False)
 
@@ -117,7 +117,7 @@ def logs_of(trainer) -> dict[str, list[float]]:
 
 
 def counter(model):
-    from matrixfsdp._runtime import comm_counter
+    from matrixfsdp._fully_shard import comm_counter
 
     return model.comm_counter() if isinstance(model, matrixfsdp.MatrixReplicateModule) else comm_counter(model)
 

@@ -16,7 +16,7 @@ from ..comm.collectives import KINDS, CommCounter, collectives_for
 from ..engine.plan_check import verify_plan_digest
 from ..engine.reduce import check_find_unused
 from ..mesh import MeshInfo, default_mesh, mesh_info
-from ..placement.owner import Owned, keeps_state, set_owner
+from ..placement.owner import Owned, keeps_state, owner_of, set_owner
 from ..engine.swap import front_end_of, swap_class
 from ..planner.record import OwnerPlan
 from .layout import build_layout
@@ -231,8 +231,15 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
         return
     for g in optimizer.param_groups:
         for p in g["params"]:
-            if not keeps_state(p):
+            # replicate's own parameters only: a torch optimizer keeps (empty) state for a
+            # fully_shard non-owner's empty shard, as for any Shard(0) shard
+            if _is_replica(p) and not keeps_state(p):
                 optimizer.state.pop(p, None)
+
+
+def _is_replica(p: Any) -> bool:
+    info = owner_of(p)
+    return info is not None and info.storage == "replicated"
 
 
 def _watch_optimizer_steps(state: ReplicateState) -> None:

@@ -1,6 +1,6 @@
 """Segment math for one wrapped block: who stores which rows, and where they travel.
 
-Pure functions of an :class:`~matrixfsdp._plan.OwnerPlan`'s parameters and the world size: no
+Pure functions of an :class:`~matrixfsdp.planner.record.OwnerPlan`'s parameters and the world size: no
 process group, no tensor. The front-ends (``_fully_shard/param_group.py``, ``_replicate/layout.py``) turn these numbers into buffer views and
 collective split sizes; the property tests in ``tests/test_layout.py`` pin the invariants.
 

@@ -18,6 +18,7 @@ parameters only: they are the ones whose local tensor is empty on non-owners.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,11 +113,16 @@ def owner_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
     subs = _OWNER_MESHES.get(mesh)
     if subs is None:
         ranks = mesh.mesh.flatten().tolist()
+        # Named after the owner, so DTensor's errors tell the meshes apart ("owned_by_rank3@..."),
+        # and after the data-parallel mesh: two meshes over the same ranks that differ only in
+        # their dimension names (or two groups sharing a rank) must not share an owner sub-mesh,
+        # which DeviceMesh compares by ranks and names (the inverse map below would mix them up).
+        tag = hashlib.sha1(repr((ranks, tuple(mesh.shape), mesh.mesh_dim_names, mesh.device_type))
+                           .encode()).hexdigest()[:8]
         # No communicator: a one-rank [Replicate()] mesh never communicates (W new_group
         # calls would mean W communicator splits, with eager NCCL init, for nothing).
         subs = tuple(
-            # named after the owner, so DTensor's errors tell the meshes apart ("owned_by_rank3")
-            DeviceMesh(mesh.device_type, [g], mesh_dim_names=(f"owned_by_rank{r}",), _init_backend=False)
+            DeviceMesh(mesh.device_type, [g], mesh_dim_names=(f"owned_by_rank{r}@{tag}",), _init_backend=False)
             for r, g in enumerate(ranks)
         )
         _OWNER_MESHES[mesh] = subs
