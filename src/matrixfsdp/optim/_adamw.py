@@ -1,9 +1,13 @@
-"""Functional single-tensor AdamW, op for op the same as ``torch.optim.AdamW(foreach=False)``.
+"""Functional AdamW: single-tensor, op for op the same as ``torch.optim.AdamW(foreach=False)``,
+plus its foreach and capturable forms.
 
 Every optimizer in this package routes its element-wise parameters here, and Shampoo's Adam
-grafting and SOAP's rotated Adam reuse :func:`adam_denom`. The op sequence is copied from
-torch 2.13's ``_single_tensor_adam`` (decoupled weight decay, non-capturable path) so that the
-results are bitwise identical; do not "simplify" it.
+grafting and SOAP's rotated Adam reuse :func:`adam_denom`. The op sequence of
+:func:`adamw_step` follows torch 2.13's ``_single_tensor_adam`` (decoupled weight decay,
+non-capturable path) so that the results are bitwise identical; do not "simplify" it.
+:func:`adamw_foreach` is the same sequence in ``torch._foreach_*`` calls (bitwise on the CPU,
+where foreach kernels run the single-tensor ops); :func:`adamw_foreach_capturable` computes the
+bias corrections and step sizes as tensors (see [Note: capturable and batched steps]).
 """
 
 from __future__ import annotations
