@@ -15,8 +15,14 @@ pytorch/pytorch#194976 (stale dynamic float in ``clamp``).
 recompiles instead). Immune: a 0-dim tensor learning rate (no SymFloat reaches ``alpha``), or
 ``torch._dynamo.config.specialize_float = True`` (recompiles every step), or ``backend="aot_eager"``.
 
+A second, independent dynamo behaviour met while making the step capturable (``optimizer_attr``
+below): inside ``torch.compile(opt.step)`` an assignment to an int attribute of a
+``torch.optim.Optimizer`` (``self.k += 1``) is silently dropped, while the same update of a dict
+entry (``self.box["k"] += 1``) and of an attribute of a plain object are kept. matrixfsdp keeps
+its host step count in a dict for this reason.
+
 Run: ``python benchmarks/repro/compile_muon_lr.py`` (CPU, about a minute). Exit status 1 while
-the bug is present, 0 once torch fixes it.
+the first bug is present, 0 once torch fixes it.
 """
 
 from __future__ import annotations
@@ -64,6 +70,33 @@ def torch_muon(lr_tensor: bool) -> list[float]:
     return [max(((a - b).norm() / a.norm()).item() for a, b in zip(e, c)) for e, c in zip(eager, comp)]
 
 
+class _Counting(torch.optim.Optimizer):
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, {"lr": 0.1})
+        self.k = 0
+        self.box = {"k": 0}
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        self.k += 1
+        self.box["k"] += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-0.1)
+
+
+def optimizer_attr() -> tuple[int, int]:
+    """``(self.k, self.box["k"])`` after three compiled steps (eager: ``(3, 3)``)."""
+    torch._dynamo.reset()
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = _Counting([p])
+    step = torch.compile(opt.step)
+    for _ in range(3):
+        step()
+    return opt.k, opt.box["k"]
+
+
 def main() -> int:
     print(f"torch {torch.__version__}")
     rows = {
@@ -82,6 +115,8 @@ def main() -> int:
               + " ".join(f"{d:.1e}" for d in muon_tensor))
     except Exception as e:  # torch's Muon may reject a tensor lr; the minimal repro is the point
         print(f"torch.optim.Muon with a tensor lr: {type(e).__name__}: {e}")
+    k, box = optimizer_attr()
+    print(f"Optimizer attribute after 3 compiled steps: self.k={k}, self.box['k']={box} (eager: 3, 3)")
     buggy = max(rows["inductor, add(p * lr, o, alpha=lr)"]) > 1e-3
     print("BUG PRESENT" if buggy else "fixed in this torch")
     return 1 if buggy else 0
