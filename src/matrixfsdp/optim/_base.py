@@ -43,7 +43,8 @@ The default (both False) is the per-parameter step, bitwise as documented on eac
 The first ``step()`` of an optimizer without state may check its gradients on the host
 ([Note: state-initialization step]); compile or capture from the second step on.
 
-State dicts are torch's. Step counters are 0-dim float32 CPU tensors, as in ``torch.optim.AdamW``;
+State dicts are torch's. Step counters are 0-dim float32 CPU tensors, as in ``torch.optim.AdamW``
+(on the parameter's device in capturable groups, as torch's ``capturable=True``);
 :meth:`MatrixOptimizer.load_state_dict` keeps Shampoo/SOAP statistics in their saved float32
 instead of casting them to a bf16 parameter's dtype. For DTensor parameters ``state_dict()``
 presents the (local) state as DTensors with the parameter's layout, so ``torch.distributed.checkpoint``
