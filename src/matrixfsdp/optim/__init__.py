@@ -6,7 +6,11 @@ parameter to AdamW, per param group (key ``"algorithm"``: ``"auto"``, the rule's
 one rank and is empty elsewhere, so ``step()`` runs on local tensors only, with no communication.
 
     >>> from matrixfsdp.optim import Muon
-    >>> opt = Muon(model.parameters(), lr=0.02, ns_dtype=torch.float32)
+    >>> opt = Muon(model.parameters(), lr=0.02, ns_dtype=torch.float32)  # CPU; keep bf16 on CUDA
+
+``capturable=True`` (a tensor ``lr``) makes ``torch.compile(opt.step)`` correct and
+recompile-free under LR schedulers; ``batched=True`` batches Muon's same-shape Newton-Schulz.
+See docs/optimizers.md.
 """
 
 from ._muon import Muon

@@ -1,9 +1,13 @@
-"""Functional single-tensor AdamW, op for op the same as ``torch.optim.AdamW(foreach=False)``.
+"""Functional AdamW: single-tensor, op for op the same as ``torch.optim.AdamW(foreach=False)``,
+plus its foreach and capturable forms.
 
 Every optimizer in this package routes its element-wise parameters here, and Shampoo's Adam
-grafting and SOAP's rotated Adam reuse :func:`adam_denom`. The op sequence is copied from
-torch 2.13's ``_single_tensor_adam`` (decoupled weight decay, non-capturable path) so that the
-results are bitwise identical; do not "simplify" it.
+grafting and SOAP's rotated Adam reuse :func:`adam_denom`. The op sequence of
+:func:`adamw_step` follows torch 2.13's ``_single_tensor_adam`` (decoupled weight decay,
+non-capturable path) so that the results are bitwise identical; do not "simplify" it.
+:func:`adamw_foreach` is the same sequence in ``torch._foreach_*`` calls (bitwise on the CPU,
+where foreach kernels run the single-tensor ops); :func:`adamw_foreach_capturable` computes the
+bias corrections and step sizes as tensors (see [Note: capturable and batched steps]).
 """
 
 from __future__ import annotations
@@ -11,16 +15,37 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["adamw_step", "adam_denom", "new_step_counter"]
+__all__ = [
+    "adamw_step",
+    "adamw_foreach",
+    "adamw_foreach_capturable",
+    "adam_denom",
+    "adam_denom_capturable",
+    "new_step_counter",
+    "lr_tensor",
+]
 
 
-def new_step_counter() -> Tensor:
-    """A step counter as torch's optimizers keep it: a 0-dim float32 CPU tensor.
+def new_step_counter(device: torch.device | str | None = None) -> Tensor:
+    """A step counter as torch's optimizers keep it: a 0-dim float32 tensor, on the CPU by default.
 
     Why a tensor: ``Optimizer.load_state_dict`` special-cases the key ``"step"`` and never casts it,
-    and ``step.item()`` feeds the bias corrections exactly as in torch.
+    and ``step.item()`` feeds the bias corrections exactly as in torch. Capturable groups keep it
+    on the parameter's device (``device``), as torch's ``capturable=True`` optimizers do.
     """
-    return torch.zeros((), dtype=torch.float32)
+    return torch.zeros((), dtype=torch.float32, device=device)
+
+
+def lr_tensor(lr: float | Tensor, like: Tensor) -> Tensor:
+    """A capturable step's learning rate as a 0-dim tensor on ``like``'s device.
+
+    A tensor ``lr`` is used as it is (moved only if it lives elsewhere; keep it on the
+    parameters' device for CUDA-graph capture). A Python float becomes a float64 tensor, so
+    ``1 - lr * weight_decay`` is the double the default step computes.
+    """
+    if isinstance(lr, Tensor):
+        return lr if lr.device == like.device else lr.to(like.device)
+    return torch.tensor(lr, dtype=torch.float64, device=like.device)
 
 
 def adam_denom(exp_avg_sq: Tensor, step: float, beta2: float, eps: float) -> Tensor:
@@ -51,3 +76,74 @@ def adamw_step(
     step = step_t.item()
     step_size = lr / (1 - beta1**step)
     param.addcdiv_(exp_avg, adam_denom(exp_avg_sq, step, beta2, eps), value=-step_size)
+
+
+def adam_denom_capturable(exp_avg_sq: Tensor, step_t: Tensor, beta2: float, eps: float) -> Tensor:
+    """:func:`adam_denom` with the step a tensor: ``sqrt(exp_avg_sq) / sqrt(1 - beta2**step) + eps``."""
+    bias_correction2_sqrt = (1 - torch.pow(beta2, step_t)).sqrt()
+    return (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+
+
+def adamw_foreach(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """:func:`adamw_step` on lists with ``torch._foreach_*`` kernels, in the same op order.
+
+    Step counters are CPU tensors here (read with ``.item()``, no device sync), so each parameter
+    gets the bias corrections of its own count, exactly as the single-tensor rule.
+    """
+    torch._foreach_add_(steps, 1)
+    if weight_decay != 0:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    counts = [s.item() for s in steps]
+    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denoms, [(1 - beta2**n) ** 0.5 for n in counts])
+    torch._foreach_add_(denoms, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denoms, [-(lr / (1 - beta1**n)) for n in counts])
+
+
+def adamw_foreach_capturable(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    *,
+    lr: float | Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """AdamW on lists with no host read: step counters on the parameters' device, ``lr`` a float
+    or a 0-dim tensor, bias corrections and step sizes computed as tensors. The same update as
+    :func:`adamw_step` up to the rounding of those scalars."""
+    lr_t = lr_tensor(lr, params[0])
+    torch._foreach_add_(steps, 1)
+    if weight_decay != 0:
+        torch._foreach_mul_(params, 1 - lr_t * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    # -lr / (1 - beta1**t) and sqrt(1 - beta2**t), one 0-dim tensor per parameter
+    neg_step_sizes = [torch.neg(lr_t) / (1 - torch.pow(beta1, s)) for s in steps]
+    bias_correction2_sqrts = [(1 - torch.pow(beta2, s)).sqrt() for s in steps]
+    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denoms, bias_correction2_sqrts)
+    torch._foreach_add_(denoms, eps)
+    updates = torch._foreach_div(exp_avgs, denoms)
+    torch._foreach_mul_(updates, neg_step_sizes)
+    torch._foreach_add_(params, updates)

@@ -17,11 +17,34 @@ routes each one, per param group, either to its matrix rule (Muon, Shampoo, SOAP
 The AdamW rule reads ``adamw_lr`` / ``adamw_betas`` / ``adamw_eps`` / ``adamw_weight_decay`` from
 the same group; ``adamw_lr=None`` and ``adamw_weight_decay=None`` (the defaults) mean "the group's
 ``lr`` / ``weight_decay``", read at every step, so LR schedulers that edit ``group["lr"]`` drive
-both rules. Hyperparameters are Python numbers (a tensor ``lr`` is rejected), validated at
-construction and in ``add_param_group``; errors name the optimizer, the value seen and, for a
-per-group value, the group index.
+both rules. Hyperparameters are Python numbers, validated at construction and in
+``add_param_group``; errors name the optimizer, the value seen and, for a per-group value, the
+group index. ``lr`` and ``adamw_lr`` may be 0-dim tensors in groups with ``capturable=True``.
 
-State dicts are torch's. Step counters are 0-dim float32 CPU tensors, as in ``torch.optim.AdamW``;
+[Note: capturable and batched steps]
+Two per-group options change how a group is stepped, never what it computes beyond round-off:
+
+* ``capturable=True``: the step reads no Python number that changes between steps. Learning
+  rates may be 0-dim tensors (an LR scheduler then writes them in place), step counters live on
+  the parameter's device, bias corrections and step sizes are tensor arithmetic, and nothing in
+  ``step()`` reads a device value (no ``.item()``). Data-independent schedules (Shampoo's root
+  recomputations, SOAP's basis refreshes) follow a host-side count of each parameter's steps,
+  rebuilt from the state in ``load_state_dict``. ``torch.compile(opt.step)`` with a tensor ``lr``
+  then compiles once for the steady state, whatever the scheduler does; a Python-float ``lr``
+  recompiles as it changes. Why this matters: with float learning rates, inductor (torch 2.13) can
+  bake the value seen when a graph was traced into the kernel as ``alpha`` and silently reuse it
+  (``benchmarks/repro/compile_muon_lr.py``); the capturable step never passes an lr-dependent
+  Python number to a kernel.
+* ``batched=True``: element-wise parameters take one ``torch._foreach_*`` AdamW (the same op
+  sequence as the single-tensor rule), and Muon stacks same-shape matrices into one batched
+  Newton-Schulz (see :class:`~matrixfsdp.optim.Muon`).
+
+The default (both False) is the per-parameter step, bitwise as documented on each optimizer.
+The first ``step()`` of an optimizer without state may check its gradients on the host
+([Note: state-initialization step]); compile or capture from the second step on.
+
+State dicts are torch's. Step counters are 0-dim float32 CPU tensors, as in ``torch.optim.AdamW``
+(on the parameter's device in capturable groups, as torch's ``capturable=True``);
 :meth:`MatrixOptimizer.load_state_dict` keeps Shampoo/SOAP statistics in their saved float32
 instead of casting them to a bf16 parameter's dtype. For DTensor parameters ``state_dict()``
 presents the (local) state as DTensors with the parameter's layout, so ``torch.distributed.checkpoint``
@@ -50,14 +73,14 @@ from torch.optim import Optimizer
 
 from ..placement.owned import local_tensor, owned_of  # one local-tensor helper for the package
 from ..placement.owner import keeps_state
-from ._adamw import adamw_step, new_step_counter
+from ._adamw import adamw_foreach, adamw_foreach_capturable, adamw_step, lr_tensor, new_step_counter
 
 try:  # torch builds without distributed have no DTensor; then nothing is one.
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:  # pragma: no cover
     _DTensor = None
 
-__all__ = ["MatrixOptimizer", "local_tensor", "wide_dtype", "is_real", "ADAMW_DEFAULTS"]
+__all__ = ["MatrixOptimizer", "local_tensor", "wide_dtype", "is_real", "lr_tensor", "ADAMW_DEFAULTS", "STEP_FLAGS"]
 
 #: Default AdamW hyperparameters of the element-wise rule (documented on each optimizer).
 ADAMW_DEFAULTS: dict[str, Any] = {
@@ -76,6 +99,11 @@ def wide_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+#: Per-group step options (see [Note: capturable and batched steps]); absent in state dicts saved
+#: before they existed, hence always read with ``group.get(key, False)``.
+STEP_FLAGS = ("capturable", "batched")
 
 
 class MatrixOptimizer(Optimizer):
@@ -101,6 +129,9 @@ class MatrixOptimizer(Optimizer):
             params = self._module_groups(params)
         #: ids of owned parameters whose owner (another rank) has state (see present_state)
         self._remote_state: set[int] = set()
+        #: host-side step counts of capturable groups (see [Note: host step counts])
+        self._step_calls: dict[str, int] = {"calls": 0}  # a dict: see [Note: host step counts]
+        self._host_offsets: dict[Tensor, int] = {}
         super().__init__(params, defaults)
         if not from_module:
             from ._list_routing import warn_if_list_routing_differs
@@ -143,6 +174,16 @@ class MatrixOptimizer(Optimizer):
         if not is_real(v) or not v >= 0:
             self._fail(f"{key} must be a float >= 0, got {key}={v!r}", where)
 
+    def _check_lr(self, group: dict[str, Any], key: str, where: str, *, optional: bool = False) -> None:
+        v = group[key]
+        if not isinstance(v, Tensor) or not group.get("capturable", False):
+            self._check_nonneg(group, key, where, optional=optional)  # a Tensor: "must be a float"
+            return
+        if v.ndim != 0 or not v.is_floating_point() or v.requires_grad:
+            self._fail(f"a Tensor {key} must be a 0-dim floating tensor without grad, got {key}={v!r}", where)
+        if not float(v) >= 0:  # construction only: one read of the value
+            self._fail(f"{key} must be >= 0, got {key}={v!r}", where)
+
     def _check_betas(self, group: dict[str, Any], key: str, where: str, *, allow_one: bool = False) -> None:
         v = group[key]
         ok = isinstance(v, (tuple, list)) and len(v) == 2 and all(is_real(b) for b in v)
@@ -169,9 +210,12 @@ class MatrixOptimizer(Optimizer):
         algorithms = ("auto", self.rule, "adamw")
         if group["algorithm"] not in algorithms:
             self._fail(f"algorithm must be one of {algorithms}, got algorithm={group['algorithm']!r}", where)
-        self._check_nonneg(group, "lr", where)
+        for key in STEP_FLAGS:
+            if not isinstance(group.get(key, False), bool):
+                self._fail(f"{key} must be a bool, got {key}={group[key]!r}", where)
+        self._check_lr(group, "lr", where)
         self._check_nonneg(group, "weight_decay", where)
-        self._check_nonneg(group, "adamw_lr", where, optional=True)
+        self._check_lr(group, "adamw_lr", where, optional=True)
         self._check_betas(group, "adamw_betas", where)
         self._check_nonneg(group, "adamw_eps", where)
         self._check_nonneg(group, "adamw_weight_decay", where, optional=True)
@@ -248,7 +292,19 @@ class MatrixOptimizer(Optimizer):
         if not self.state and self._is_state_init_call():
             self._init_states()
             return loss
-        for index, group, p, route in self._routed():
+        if any(g.get("capturable", False) for g in self.param_groups):
+            self._step_calls["calls"] += 1  # see [Note: host step counts]
+        for index, group in enumerate(self.param_groups):
+            if group.get("capturable", False) or group.get("batched", False):
+                self._group_step(index, group)
+                continue
+            self._loop_step(index, group)
+        return loss
+
+    def _loop_step(self, index: int, group: dict[str, Any]) -> None:
+        """The default step of one group: one parameter at a time."""
+        for p in group["params"]:
+            route = self._route(group, p)
             if not keeps_state(p):  # another rank owns it: no state, no compute here
                 if p.grad is not None:
                     self._note_remote(p)
@@ -264,7 +320,113 @@ class MatrixOptimizer(Optimizer):
             else:
                 self._check_whole(p, param, index)
                 self._matrix_step(param, grad, self.state[p], group)
-        return loss
+
+    def _group_step(self, index: int, group: dict[str, Any]) -> None:
+        """A capturable and/or batched group (see [Note: capturable and batched steps])."""
+        adamw: list[tuple[Tensor, Tensor, Tensor]] = []
+        matrix: list[tuple[Tensor, Tensor, Tensor]] = []
+        for p in group["params"]:
+            if p.grad is None or not keeps_state(p):
+                if p.grad is not None:  # another rank owns it: no state, no compute here
+                    self._note_remote(p)
+                elif p in self._host_offsets:
+                    self._host_offsets[p] += 1  # no step: its count stays
+                continue
+            param = local_tensor(p)
+            if param.numel() == 0:
+                continue  # an empty even shard
+            grad = local_tensor(p.grad)
+            if grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            if self._route(group, p) == "adamw":
+                adamw.append((p, param, grad))
+            else:
+                self._check_whole(p, param, index)
+                matrix.append((p, param, grad))
+        if adamw:
+            self._adamw_group(adamw, group)
+        if matrix:
+            self._matrix_group(matrix, group)
+
+    def _adamw_group(self, items: list[tuple[Tensor, Tensor, Tensor]], group: dict[str, Any]) -> None:
+        """AdamW on a group's element-wise parameters: foreach when batched or capturable."""
+        capturable = group.get("capturable", False)
+        for p, param, _ in items:
+            if not self.state[p]:
+                self._adamw_init_state(param, self.state[p], group)
+        states = [self.state[p] for p, _, _ in items]
+        lr = group["adamw_lr"] if group["adamw_lr"] is not None else group["lr"]
+        wd = group["adamw_weight_decay"]
+        beta1, beta2 = group["adamw_betas"]
+        (adamw_foreach_capturable if capturable else adamw_foreach)(
+            [param for _, param, _ in items],
+            [grad for _, _, grad in items],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states],
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["adamw_eps"],
+            weight_decay=wd if wd is not None else group["weight_decay"],
+        )
+
+    def _matrix_group(self, items: list[tuple[Tensor, Tensor, Tensor]], group: dict[str, Any]) -> None:
+        """The matrix rule on a capturable and/or batched group; Muon batches, others loop."""
+        capturable = group.get("capturable", False)
+        for p, param, grad in items:
+            if capturable:
+                self._capturable_matrix_step(p, param, grad, self.state[p], group)
+            else:
+                self._matrix_step(param, grad, self.state[p], group)
+
+    def _capturable_matrix_step(
+        self, p: Tensor, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        """``_matrix_step`` without host reads of changing values (``p`` keys the host step count)."""
+        raise NotImplementedError
+
+    # [Note: host step counts] Shampoo's and SOAP's schedules branch on each parameter's step
+    # count, which a capturable step must not read from the device. The host keeps it as
+    # ``self._step_calls["calls"] - self._host_offsets[p]``: one optimizer-wide call count, incremented at
+    # the start of every step() of an optimizer with a capturable group, and a per-parameter
+    # offset that changes only when the parameter misses a step. So during a call the count is
+    # the step number that call performs (the state's ``step`` after its increment), and between
+    # calls it is the state's ``step``. Why not one int per parameter: under torch.compile each
+    # changing int is a guard; this way only ``_step_calls`` changes, it is read from the first
+    # call on, and dynamo makes it dynamic at the second compile instead of recompiling per value.
+    # It lives in a dict because dynamo (torch 2.13) drops assignments to int attributes of an
+    # Optimizer inside a compiled step (benchmarks/repro/compile_muon_lr.py shows it).
+    def _host_step(self, p: Tensor, state: dict[str, Any]) -> int:
+        """``p``'s step number in this call (see [Note: host step counts])."""
+        offset = self._host_offsets.get(p)
+        if offset is None:  # state from elsewhere than this optimizer's steps and loads: read it once
+            self._set_host_step(p, int(state["step"].item()) + 1 if "step" in state else 1)
+            offset = self._host_offsets[p]
+        return self._step_calls["calls"] - offset
+
+    def _set_host_step(self, p: Tensor, n: int) -> None:
+        self._host_offsets[p] = self._step_calls["calls"] - n
+
+    def _sync_host_steps(self) -> None:
+        """Rebuild the host step counts from the state, between calls (reads each counter once)."""
+        self._host_offsets = {}
+        for group in self.param_groups:
+            if not group.get("capturable", False):
+                continue
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and isinstance(state.get("step"), Tensor):
+                    self._set_host_step(p, int(state["step"].item()))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_step_calls", {"calls": 0})
+        self.__dict__.setdefault("_host_offsets", {})
+        self.__dict__.setdefault("_remote_state", set())
+        for group in self.param_groups:
+            for key in STEP_FLAGS:
+                group.setdefault(key, False)
 
     # [Note: state-initialization step]
     # torch.distributed.checkpoint.state_dict.get_state_dict() "initializes" an optimizer with no
@@ -296,9 +458,10 @@ class MatrixOptimizer(Optimizer):
             if p.grad is None or param.numel() == 0:
                 continue
             if route == "adamw":
-                self._adamw_init_state(param, self.state[p])
+                self._adamw_init_state(param, self.state[p], group)
             else:
                 self._matrix_init_state(param, self.state[p], group)
+        self._sync_host_steps()
 
     def _note_remote(self, p: Tensor) -> None:
         """An owned parameter stepped on its owner (every rank sees the same gradients)."""
@@ -320,8 +483,14 @@ class MatrixOptimizer(Optimizer):
                 schema[key] = torch.zeros_like(schema[dep])
         return schema
 
-    def _adamw_init_state(self, param: Tensor, state: dict[str, Any]) -> None:
-        state["step"] = new_step_counter()
+    def _step_counter(self, group: dict[str, Any] | None, like: Tensor) -> Tensor:
+        """A new step counter: on the CPU, as torch's; on ``like``'s device in capturable groups."""
+        if group is not None and group.get("capturable", False) and like.device.type != "meta":
+            return new_step_counter(like.device)
+        return new_step_counter()
+
+    def _adamw_init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any] | None = None) -> None:
+        state["step"] = self._step_counter(group, param)
         state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
@@ -402,6 +571,7 @@ class MatrixOptimizer(Optimizer):
                                                      for g in state_dict["param_groups"]]}
         state_dict = accept_state(self, state_dict)
         super().load_state_dict(state_dict)
+        self._sync_host_steps()
         if not self.wide_state:
             return
         id_map = dict(

@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 from torch import Tensor
 
-__all__ = ["eigh", "inverse_root"]
+__all__ = ["eigh", "inverse_root", "tf32_matmuls"]
+
+
+class _AllowTF32:
+    """Sets ``torch.backends.cuda.matmul.allow_tf32`` for a block and restores it."""
+
+    def __enter__(self) -> None:
+        self._saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.backends.cuda.matmul.allow_tf32 = self._saved
+
+
+def tf32_matmuls(enabled: bool, t: Tensor) -> contextlib.AbstractContextManager[Any]:
+    """A block whose float32 CUDA matmuls may use TF32 tensor cores, if ``enabled`` and ``t`` is
+    on CUDA; otherwise (and on every CPU) nothing changes. The global flag is restored after."""
+    return _AllowTF32() if enabled and t.is_cuda else contextlib.nullcontext()
 
 
 def eigh(a: Tensor) -> tuple[Tensor, Tensor]:

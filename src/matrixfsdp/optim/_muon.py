@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import ADAMW_DEFAULTS, MatrixOptimizer, is_real
+from ._base import ADAMW_DEFAULTS, MatrixOptimizer, is_real, lr_tensor
 
 __all__ = ["Muon"]
 
@@ -44,16 +44,42 @@ def zeropower_via_newtonschulz(
     return y.T if tall else y
 
 
-def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
-    """Muon's per-shape learning rate, as torch's ``_adjust_lr``; ``shape`` is the global one."""
+def batched_newtonschulz(
+    x: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float, dtype: torch.dtype
+) -> Tensor:
+    """:func:`zeropower_via_newtonschulz` of each matrix of a stack ``x`` (``[k, m, n]``) at once.
+
+    The same op sequence with ``bmm``/``baddbmm`` for ``mm``/``addmm`` and one Frobenius norm per
+    matrix: ``3 * ns_steps`` matrix products for the whole stack instead of per matrix. Whether
+    the bits equal the per-matrix iteration depends on the backend's batched GEMM (on the CPU
+    with MKL they differ by a few ulp for most shapes; see docs/optimizers.md).
+    """
+    a, b, c = ns_coefficients
+    y = x.to(dtype, copy=True)
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        y = y.mT
+    y.div_(torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True).clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = torch.bmm(y, y.mT)
+        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        y = torch.baddbmm(y, gram_update, y, beta=a)
+    return y.mT if tall else y
+
+
+def lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """Muon's per-shape factor of the learning rate (a Python float: shapes never change)."""
     rows, cols = shape[:2]
     if adjust_lr_fn is None or adjust_lr_fn == "original":
-        ratio = math.sqrt(max(1, rows / cols))  # Keller Jordan's scaling
-    elif adjust_lr_fn == "match_rms_adamw":
-        ratio = 0.2 * math.sqrt(max(rows, cols))  # Moonshot: update RMS ~ AdamW's
-    else:
-        ratio = 1.0
-    return lr * ratio
+        return math.sqrt(max(1, rows / cols))  # Keller Jordan's scaling
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))  # Moonshot: update RMS ~ AdamW's
+    return 1.0
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """Muon's per-shape learning rate, as torch's ``_adjust_lr``; ``shape`` is the global one."""
+    return lr * lr_ratio(adjust_lr_fn, shape)
 
 
 class Muon(MatrixOptimizer):
@@ -89,7 +115,15 @@ class Muon(MatrixOptimizer):
         ns_steps: Newton-Schulz iterations, in ``[0, 100)`` (default 5).
         adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"`` (default None).
         ns_dtype: dtype of the Newton-Schulz iteration, ``torch.bfloat16`` (default; bitwise
-            torch) or ``torch.float32`` (more accurate; much faster than bf16 on most CPUs).
+            torch; the choice on CUDA GPUs, where fp32 GEMMs without TF32 are several times
+            slower) or ``torch.float32`` (more accurate; much faster than bf16 on most CPUs).
+        capturable: a step without host reads (``lr`` may be a 0-dim tensor; see
+            [Note: capturable and batched steps] in ``optim/_base.py``), for
+            ``torch.compile(opt.step)`` under an LR scheduler and CUDA graphs (default False).
+        batched: stack same-shape matrices into one batched Newton-Schulz and step the rest
+            with ``torch._foreach_*`` kernels (default False: per matrix, bitwise torch). The
+            batched iteration is not bitwise the per-matrix one on every backend: on the CPU
+            (MKL) the orthogonalized update differs by a few float32 ulp for most shapes.
         adamw_lr: AdamW learning rate; ``None`` (default) means the group's ``lr`` at each step.
         adamw_betas: AdamW betas (default ``(0.9, 0.999)``).
         adamw_eps: AdamW eps (default 1e-8).
@@ -116,6 +150,15 @@ class Muon(MatrixOptimizer):
         ... )
         >>> model(torch.randint(0, 100, (4,))).sum().backward()
         >>> opt.step()
+
+    Compiled, with a scheduler (a tensor ``lr``: one graph for every step after the first)::
+
+        >>> opt = Muon(model.parameters(), lr=torch.tensor(0.02), capturable=True, batched=True)
+        >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+        >>> step = torch.compile(opt.step)
+        >>> for _ in range(3):
+        ...     model(torch.randint(0, 100, (4,))).sum().backward()
+        ...     step(); sched.step(); opt.zero_grad()
     """
 
     rule = "muon"
@@ -137,8 +180,12 @@ class Muon(MatrixOptimizer):
         adamw_betas: tuple[float, float] = ADAMW_DEFAULTS["adamw_betas"],
         adamw_eps: float = ADAMW_DEFAULTS["adamw_eps"],
         adamw_weight_decay: float | None = ADAMW_DEFAULTS["adamw_weight_decay"],
+        capturable: bool = False,
+        batched: bool = False,
     ) -> None:
         defaults = {
+            "capturable": capturable,
+            "batched": batched,
             "lr": lr,
             "weight_decay": weight_decay,
             "momentum": momentum,
@@ -193,3 +240,54 @@ class Muon(MatrixOptimizer):
         param.mul_(1 - lr * group["weight_decay"])
         param.add_(ortho, alpha=-step_lr)
 
+    def _capturable_matrix_step(
+        self, p: Tensor, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"]
+        momentum = group["momentum"]
+        buf.lerp_(grad, 1 - momentum)
+        update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+        ortho = zeropower_via_newtonschulz(
+            update, group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"]
+        )
+        lr = lr_tensor(group["lr"], param)
+        param.mul_(1 - lr * group["weight_decay"])
+        # addcmul, not add(alpha=): no lr-dependent Python number reaches a kernel
+        param.addcmul_(ortho, lr * -lr_ratio(group["adjust_lr_fn"], param.shape))
+
+    def _matrix_group(self, items: list[tuple[Tensor, Tensor, Tensor]], group: dict[str, Any]) -> None:
+        if not group.get("batched", False):
+            super()._matrix_group(items, group)
+            return
+        # [Note: batched Muon] the per-matrix op sequence, each element-wise op one foreach call
+        # over the group and each Newton-Schulz product one bmm/baddbmm per shape.
+        states = [self.state[p] for p, _, _ in items]
+        for state, (_, _, grad) in zip(states, items):
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        params = [param for _, param, _ in items]
+        grads = [grad for _, _, grad in items]
+        bufs = [state["momentum_buffer"] for state in states]
+        momentum = group["momentum"]
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
+        buckets: dict[tuple[Any, ...], list[int]] = {}
+        for i, u in enumerate(updates):
+            buckets.setdefault((tuple(u.shape), u.dtype, u.device), []).append(i)
+        capturable = group.get("capturable", False)
+        lr = lr_tensor(group["lr"], params[0]) if capturable else group["lr"]
+        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        ns_args = (group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
+        for (shape, _, _), index in buckets.items():
+            if len(index) == 1:  # nothing to batch: the per-matrix iteration, bitwise
+                orthos = [zeropower_via_newtonschulz(updates[index[0]], *ns_args)]
+            else:
+                orthos = list(batched_newtonschulz(torch.stack([updates[i] for i in index]), *ns_args).unbind(0))
+            targets = [params[i] for i in index]
+            ratio = lr_ratio(group["adjust_lr_fn"], torch.Size(shape))
+            if capturable:
+                torch._foreach_addcmul_(targets, orthos, [lr * -ratio] * len(targets))
+            else:
+                torch._foreach_add_(targets, orthos, alpha=-(lr * ratio))

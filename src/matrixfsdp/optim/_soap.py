@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._adamw import adam_denom, new_step_counter
-from ._base import ADAMW_DEFAULTS, MatrixOptimizer, wide_dtype
-from ._linalg import eigh
+from ._adamw import adam_denom, adam_denom_capturable
+from ._base import ADAMW_DEFAULTS, MatrixOptimizer, lr_tensor, wide_dtype
+from ._linalg import eigh, tf32_matmuls
 
 __all__ = ["SOAP"]
 
@@ -97,6 +97,13 @@ class SOAP(MatrixOptimizer):
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW rule; ``adamw_lr=None``
             and ``adamw_weight_decay=None`` (defaults) mean the group's ``lr`` / ``weight_decay``;
             betas ``(0.9, 0.999)``, eps ``1e-8``.
+        capturable: a step without host reads (``lr`` may be a 0-dim tensor, step counters on
+            the parameter's device; basis refreshes follow a host-side step count), for
+            ``torch.compile`` and CUDA graphs after the first call (default False).
+        batched: step the element-wise parameters with one foreach AdamW (default False).
+        allow_tf32: let the float32 GEMMs of CUDA parameters (projections into and out of the
+            eigenbasis, ``G G^T``, ``G^T G``, the refresh's power step) use TF32 tensor cores;
+            ``eigh`` and ``qr`` stay float32. No effect on the CPU (default False).
 
     State (per matrix, wide dtype): ``step`` (Adam steps, 0-dim float32 CPU tensor),
     ``exp_avg`` and ``exp_avg_sq`` (in the eigenbasis), ``L``/``R``, ``QL``/``QR``.
@@ -108,6 +115,7 @@ class SOAP(MatrixOptimizer):
         >>> opt = SOAP(model.parameters(), lr=3e-3)
         >>> model(torch.randn(4, 32)).sum().backward()
         >>> opt.step()  # weight: SOAP (first call gathers statistics), bias: AdamW
+        >>> opt = SOAP(model.parameters(), lr=torch.tensor(3e-3), capturable=True)  # compilable
     """
 
     rule = "soap"
@@ -128,8 +136,14 @@ class SOAP(MatrixOptimizer):
         adamw_betas: tuple[float, float] = ADAMW_DEFAULTS["adamw_betas"],
         adamw_eps: float = ADAMW_DEFAULTS["adamw_eps"],
         adamw_weight_decay: float | None = ADAMW_DEFAULTS["adamw_weight_decay"],
+        capturable: bool = False,
+        batched: bool = False,
+        allow_tf32: bool = False,
     ) -> None:
         defaults = {
+            "capturable": capturable,
+            "batched": batched,
+            "allow_tf32": allow_tf32,
             "lr": lr,
             "betas": betas,
             "shampoo_beta": shampoo_beta,
@@ -152,6 +166,8 @@ class SOAP(MatrixOptimizer):
         self._check_nonneg(group, "eps", where)
         self._check_int(group, "precondition_frequency", where, 1)
         self._check_int(group, "max_preconditioner_dim", where, 0)
+        if not isinstance(group.get("allow_tf32", False), bool):
+            self._fail(f"allow_tf32 must be a bool, got allow_tf32={group['allow_tf32']!r}", where)
 
     # Eigenbasis hooks (tests replace them to pin the basis).
     def _initial_eigenbasis(self, factor: Tensor) -> Tensor:
@@ -174,14 +190,17 @@ class SOAP(MatrixOptimizer):
         beta1, beta2 = group["betas"]
         shampoo_beta = group["shampoo_beta"] if group["shampoo_beta"] is not None else beta2
         g = grad.to(dtype)
+        tf32 = group.get("allow_tf32", False)
         if not state or state["step"].item() < 0:
-            self._init_state(param, g, state, group["max_preconditioner_dim"], shampoo_beta)
+            with tf32_matmuls(tf32, g):
+                self._init_state(param, g, state, group["max_preconditioner_dim"], shampoo_beta, group)
             return  # the reference's first call: statistics only
         left, right = state.get("QL"), state.get("QR")
 
         state["step"] += 1
         step = state["step"].item()
-        g_rot = _project(g, left, right)
+        with tf32_matmuls(tf32, g):
+            g_rot = _project(g, left, right)
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.lerp_(g_rot, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(g_rot, g_rot, value=1 - beta2)
@@ -191,29 +210,70 @@ class SOAP(MatrixOptimizer):
         # (-step_size * M) / denom is addcdiv's own rounding: with QL = QR = I this is AdamW, bitwise.
         step_size = lr / (1 - beta1**step)
         update = exp_avg.mul(-step_size).div_(adam_denom(exp_avg_sq, step, beta2, group["eps"]))
-        param.add_(_project_back(update, left, right))
+        self._finish_step(param, update, g, state, left, right, shampoo_beta, group,
+                          refresh=step % group["precondition_frequency"] == 0)
 
-        # Statistics after the step, so a gradient never shapes its own projection.
-        if "L" in state:
-            state["L"].lerp_(g @ g.T, 1 - shampoo_beta)
-        if "R" in state:
-            state["R"].lerp_(g.T @ g, 1 - shampoo_beta)
-        if step % group["precondition_frequency"] == 0 and (left is not None or right is not None):
-            self._refresh(state, left, right)
+    def _finish_step(self, param: Tensor, update: Tensor, g: Tensor, state: dict[str, Any],
+                     left: Tensor | None, right: Tensor | None, shampoo_beta: float, group: dict[str, Any],
+                     *, refresh: bool) -> None:
+        """Apply ``update`` (in the eigenbasis), then update the factors and maybe the basis."""
+        with tf32_matmuls(group.get("allow_tf32", False), g):
+            param.add_(_project_back(update, left, right))
+            # Statistics after the step, so a gradient never shapes its own projection.
+            if "L" in state:
+                state["L"].lerp_(g @ g.T, 1 - shampoo_beta)
+            if "R" in state:
+                state["R"].lerp_(g.T @ g, 1 - shampoo_beta)
+            if refresh and (left is not None or right is not None):
+                self._refresh(state, left, right)
+
+    def _capturable_matrix_step(
+        self, p: Tensor, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        """``_matrix_step`` with tensor step sizes; the first call and the refreshes follow the
+        host step count (the first call's ``eigh`` is not capturable; refreshes are)."""
+        dtype = wide_dtype(param.dtype)
+        beta1, beta2 = group["betas"]
+        shampoo_beta = group["shampoo_beta"] if group["shampoo_beta"] is not None else beta2
+        g = grad.to(dtype)
+        tf32 = group.get("allow_tf32", False)
+        if not state or self._host_step(p, state) <= 0:  # 0: this call gathers the first statistics
+            with tf32_matmuls(tf32, g):
+                self._init_state(param, g, state, group["max_preconditioner_dim"], shampoo_beta, group)
+            self._set_host_step(p, 0)
+            return  # the reference's first call: statistics only
+        left, right = state.get("QL"), state.get("QR")
+
+        step = self._host_step(p, state)  # == state["step"] after the increment, read on the host
+        step_t = state["step"]
+        step_t += 1
+        with tf32_matmuls(tf32, g):
+            g_rot = _project(g, left, right)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.lerp_(g_rot, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g_rot, g_rot, value=1 - beta2)
+        lr = lr_tensor(group["lr"], param)
+        if group["weight_decay"] != 0:
+            param.mul_(1 - lr * group["weight_decay"])
+        neg_step_size = torch.neg(lr) / (1 - torch.pow(beta1, step_t))
+        update = exp_avg.mul(neg_step_size).div_(adam_denom_capturable(exp_avg_sq, step_t, beta2, group["eps"]))
+        self._finish_step(param, update, g, state, left, right, shampoo_beta, group,
+                          refresh=step % group["precondition_frequency"] == 0)
 
     def _matrix_init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         """Zero templates of every state tensor, ``step = -1``: statistics still to be gathered by
         the next (first real) call, which then runs the reference's statistics-only first step."""
         self._init_state(param, torch.zeros(param.shape, dtype=wide_dtype(param.dtype), device=param.device),
-                         state, group["max_preconditioner_dim"], 0.0)
+                         state, group["max_preconditioner_dim"], 0.0, group)
         for key in ("QL", "QR"):
             if key in state:
                 state[key].zero_()
         state["step"] -= 1
 
-    def _init_state(self, param: Tensor, g: Tensor, state: dict[str, Any], max_dim: int, shampoo_beta: float) -> None:
+    def _init_state(self, param: Tensor, g: Tensor, state: dict[str, Any], max_dim: int, shampoo_beta: float,
+                    group: dict[str, Any] | None = None) -> None:
         rows, cols = param.shape
-        state["step"] = new_step_counter()
+        state["step"] = self._step_counter(group, param)
         state["exp_avg"] = torch.zeros(param.shape, dtype=g.dtype, device=param.device)
         state["exp_avg_sq"] = torch.zeros(param.shape, dtype=g.dtype, device=param.device)
         for key, dim, outer in (("L", rows, lambda: g @ g.T), ("R", cols, lambda: g.T @ g)):
