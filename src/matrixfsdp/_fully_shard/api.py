@@ -23,11 +23,11 @@ from ..engine.backward import in_backward
 from ..engine.swap import swap_class
 from ..placement.owned import local_tensor, owner_meshes
 from ..planner.record import OwnerPlan
-from ..engine.plan_check import verify_plan_digest
+from ..engine.plan_check import check_world_size, verify_plan_digest
 from ..engine.reduce import check_find_unused
 from ..mesh import default_mesh, mesh_info
 from .init import (API, CLAIM_ATTR, STATE_ATTR, _check_call, _check_not_torch_fsdp,
-                    _check_world_size, _collect_managed, _is_planned_model, _resolve,
+                    _collect_managed, _is_planned_model, _resolve,
                     get_state, plan_call, resolve_call)
 from .state import BlockState, RootContext, ShardConfig
 
@@ -97,7 +97,7 @@ def fully_shard(
     coll = collectives_for(info.shard_group, collectives)
     if plan is not None:
         verify_plan_digest(plan, info, api=API)  # collective: before any plan-dependent check
-        _check_world_size(plan, mesh)
+        check_world_size(plan, info, api=API)
     owner_meshes(mesh)
 
     params = _collect_managed(module, set(ignored_params or ()))

@@ -294,14 +294,6 @@ def _check_call(module: Any, plan: Any, shard_placement_fn: Any, offload_policy:
         )
 
 
-def _check_world_size(plan: OwnerPlan, mesh: DeviceMesh) -> None:
-    if plan.world_size != mesh.size():
-        raise ValueError(
-            f"{API}: the plan was built for world_size={plan.world_size} but the mesh has "
-            f"{mesh.size()} ranks; rebuild it with matrixfsdp.plan_owners(model, mesh)"
-        )
-
-
 def _check_not_torch_fsdp(module: nn.Module) -> None:
     """Refuse modules (or submodules) already managed by torch's ``fully_shard``."""
     from torch.distributed.fsdp import FSDPModule

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm.agree import agree, encode_error
 from ..comm.collectives import KINDS, CommCounter, collectives_for
-from ..engine.plan_check import verify_plan_digest
+from ..engine.plan_check import check_world_size, verify_plan_digest
 from ..engine.reduce import check_find_unused
 from ..mesh import MeshInfo, default_mesh, mesh_info
 from ..placement.owner import Owned, keeps_state, owner_of, set_owner
@@ -94,11 +94,7 @@ def replicate(
                            bucket_numel=bucket_numel)
     if not isinstance(plan, OwnerPlan):
         raise TypeError(f"{API}: plan must be None or a matrixfsdp OwnerPlan, got {type(plan).__name__}")
-    if plan.world_size != mesh.size():
-        raise ValueError(
-            f"{API}: the plan was built for world_size={plan.world_size} but the mesh has "
-            f"{mesh.size()} ranks; rebuild it with matrixfsdp.plan_owners(model, mesh, ...)"
-        )
+    check_world_size(plan, info, api=API)
     named = dict(module.named_parameters())
     missing = sorted(set(named) - {p.fqn for p in plan.params})
     if missing:

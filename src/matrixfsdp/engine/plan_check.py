@@ -17,9 +17,18 @@ from ..comm.agree import agree
 from ..mesh import MeshInfo
 from ..planner.record import OwnerPlan
 
-__all__ = ["verify_plan_digest"]
+__all__ = ["verify_plan_digest", "check_world_size"]
 
 _VERIFIED: dict[tuple[int, tuple[int, ...]], Any] = {}
+
+
+def check_world_size(plan: OwnerPlan, info: MeshInfo, *, api: str) -> None:
+    """A plan is executed on the world size it was built for (local check, no collective)."""
+    if plan.world_size != info.shard_size:
+        raise ValueError(
+            f"{api}: the plan was built for world_size={plan.world_size} but the mesh has "
+            f"{info.shard_size} ranks; rebuild it with matrixfsdp.plan_owners(model, mesh, ...)"
+        )
 
 
 def verify_plan_digest(plan: OwnerPlan, info: MeshInfo, *, api: str) -> None:
