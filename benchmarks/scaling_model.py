@@ -1,6 +1,8 @@
 """Alpha-beta scaling model of one training step: where does flat owner placement stop paying?
 
     python benchmarks/scaling_model.py [--out benchmarks/results/scaling_model]
+    python benchmarks/scaling_model.py --hsdp [--regime weak strong] [--optimizers muon shampoo soap] \
+        [--out benchmarks/results/scaling_model_hsdp]      # HSDP (R x 8) rows of issue 17, W=8..1024
 
 A simulation (no cluster exists here). For each Qwen3 preset and data-parallel size W it plans
 owners with ``matrixfsdp.plan_owners`` and models, per transformer block, the forward/backward
@@ -20,6 +22,9 @@ compute and the collectives of:
 * ``owner_groups8``    matrixfsdp with bounded owner groups (HSDP-style, to be built): owners
                        planned within groups of 8 ranks (one node, NVLink), replicas across
                        groups; gradients all-reduced across groups for the owned pieces only.
+                       This is ``replica_step="repeat"``: the ``--hsdp`` output calls it
+                       ``mf_repeat`` and adds ``mf_split`` and the HSDP baselines (see the HSDP
+                       section below).
 
 Communication overlaps compute per block (prefetch): a block costs max(compute, comm) in each
 pass; the optimizer step is exposed. Hardware figures are assumptions stated in ``HW`` (H100-class
