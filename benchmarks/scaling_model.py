@@ -1,6 +1,8 @@
 """Alpha-beta scaling model of one training step: where does flat owner placement stop paying?
 
     python benchmarks/scaling_model.py [--out benchmarks/results/scaling_model]
+    python benchmarks/scaling_model.py --hsdp [--regime weak strong] [--optimizers muon shampoo soap] \
+        [--out benchmarks/results/scaling_model_hsdp]      # HSDP (R x 8) rows of issue 17, W=8..1024
 
 A simulation (no cluster exists here). For each Qwen3 preset and data-parallel size W it plans
 owners with ``matrixfsdp.plan_owners`` and models, per transformer block, the forward/backward
@@ -20,6 +22,9 @@ compute and the collectives of:
 * ``owner_groups8``    matrixfsdp with bounded owner groups (HSDP-style, to be built): owners
                        planned within groups of 8 ranks (one node, NVLink), replicas across
                        groups; gradients all-reduced across groups for the owned pieces only.
+                       This is ``replica_step="repeat"``: the ``--hsdp`` output calls it
+                       ``mf_repeat`` and adds ``mf_split`` and the HSDP baselines (see the HSDP
+                       section below).
 
 Communication overlaps compute per block (prefetch): a block costs max(compute, comm) in each
 pass; the optimizer step is exposed. Hardware figures are assumptions stated in ``HW`` (H100-class
@@ -130,14 +135,17 @@ def block_own(plan, block: str, W: int, elem: int) -> tuple[list[float], float]:
     return own, sum(own)
 
 
-def simulate(name: str, W: int, hw: Hardware = HW) -> list[Row]:
+def simulate(name: str, W: int, hw: Hardware = HW, optimizer: str = "muon") -> list[Row]:
+    """Flat-mesh rows. ``optimizer`` picks the planner's FLOP formula for the matrix step (the
+    plan's per-parameter ``cost``; Newton-Schulz for ``"muon"``, as before); the row names keep
+    their Muon-era labels (``fsdp2_distmuon`` is the DistMuon-style exchange with that step)."""
     cfg = PRESETS[name]
     with torch.device("meta"):
         model = Decoder(cfg)
-    plan = plan_owners(model, W, block_types=(DecoderLayer,))
+    plan = plan_owners(model, W, block_types=(DecoderLayer,), optimizer=optimizer)
     mats = [p for p in plan.params if p.placement == "matrix"]
     n_mat = sum(p.numel for p in mats)
-    ns_total = sum(newton_schulz_flops(p.shape) for p in mats) / hw.mm_flops
+    ns_total = sum(p.cost for p in mats) / hw.mm_flops
     ns_owner = max(s.cost for s in plan.rank_stats) / hw.mm_flops  # plan cost = NS FLOPs
     blocks = list(plan.blocks)
     root_numel = sum(p.numel for p in plan.params_of_block(""))
@@ -174,10 +182,10 @@ def simulate(name: str, W: int, hw: Hardware = HW) -> list[Row]:
     for b in blocks:
         bl = [0.0] * W
         bm = [p for p in mats if p.block == b]
-        for p in sorted(bm, key=lambda p: (-newton_schulz_flops(p.shape), p.fqn)):
+        for p in sorted(bm, key=lambda p: (-p.cost, p.fqn)):
             r = min(range(W), key=lambda i: (bl[i], rr[i], i))
-            bl[r] += newton_schulz_flops(p.shape)
-            rr[r] += newton_schulz_flops(p.shape)
+            bl[r] += p.cost
+            rr[r] += p.cost
     a2a_bytes = 2 * (W - 1) / W * n_mat * GRAD_BYTES / W
     bw = hw.bw_intra if W <= hw.node else hw.bw_inter
     alpha = hw.alpha_intra if W <= hw.node else hw.alpha_inter
@@ -195,7 +203,7 @@ def simulate(name: str, W: int, hw: Hardware = HW) -> list[Row]:
     rows.append(Row(name, W, "owner_two_phase", tp, ns_owner, tp + ns_owner, gamma))
     if W > hw.node and W % hw.node == 0:
         G = hw.node
-        gplan = plan_owners(model, G, block_types=(DecoderLayer,))
+        gplan = plan_owners(model, G, block_types=(DecoderLayer,), optimizer=optimizer)
         R = W // G
 
         def g_ag(b, n):
@@ -433,16 +441,459 @@ def validate(bench_path: str, cal_path: str) -> str:
     return "\n".join(L) + "\n"
 
 
+# ================================================================================ HSDP (issue 17)
+# HSDP mesh (R replicas) x (S shard ranks), W = R * S, S = HW.node = 8 (one node): shard within the
+# node over NVLink, replicate across nodes over IB. Owners are planned within the shard group of 8
+# and every replica group has the same layout. Rows (like for like, all on the same mesh):
+#
+# * ``hsdp_adamw``    stock torch HSDP + AdamW: ring all-gather within the group (fwd and bwd),
+#                     ring reduce-scatter within the group then ring all-reduce of the shard across
+#                     the R replicas (IB); AdamW on the 1/S shard (repeated on every replica).
+# * ``hsdp_distmuon`` the same forward/backward; the step is torchtitan DistMuon-style within the
+#                     group (every replica repeats it): per decoder-layer bucket an all-to-all to
+#                     the owners and back over NVLink, the matrix step (Muon's Newton-Schulz, or
+#                     Shampoo/SOAP's update) on the group's LPT owners, so its compute is total/S.
+# * ``mf_repeat``     matrixfsdp ``replica_step="repeat"``: owner fan-out within the group, the
+#                     owned full gradient all-reduced across the R owners; every replica's owner
+#                     steps its matrices (total/S, R-fold redundant), zero step communication.
+#                     This is the mode ``owner_groups8`` in scaling_model.md models (same fwd/bwd
+#                     formulas; here the step counts element-wise AdamW as the other rows do).
+# * ``mf_split``      matrixfsdp ``replica_step="split"``: each owner's matrices get step replicas
+#                     among their R holders (the planner's alpha-balanced partition, contiguous
+#                     whole-matrix intervals, balanced by optimizer FLOPs); backward reduce-scatters
+#                     the owned tensors across replicas in those intervals (a block's owned norms
+#                     ride in the same call; evenly sharded element-wise tensors all-reduce as in
+#                     HSDP); the step runs only on the step replica (~total/W plus
+#                     imbalance); the updated matrices (fp32) are all-gathered back across replicas
+#                     at the next forward, per block, overlapped like the other gathers.
+#
+# Element-wise tensors (embeddings, head, norms) get AdamW in every row, at the HBM-bound rate the
+# flat ``fsdp2_adamw`` row uses, on their 1/S share. Matrix-step FLOPs come from the planner's cost
+# model (matrixfsdp.planner.cost: Newton-Schulz; Shampoo/SOAP with eigendecompositions amortized
+# over the planner's default precondition_frequency=10) and run at ``HW.mm_flops``, as the flat
+# rows' Newton-Schulz does: optimistic for eigendecompositions (see ``--opt-tflops``).
+# A collective between two link classes (intra then inter for one block) is counted as the sum,
+# pipelined across blocks by the per-block max(compute, comm) of each pass.
+
+STRONG_GLOBAL_TOKENS = 4 * 1024 * 1024  # "4M tokens": 16384 per rank at W=256
+ADAMW_BYTES_PER_S = 3e12  # HBM-bound AdamW state traffic, as the flat fsdp2_adamw row
+ADAMW_BYTES_PER_ELEM = 16
+HSDP_IMPLS = ("hsdp_adamw", "hsdp_distmuon", "mf_repeat", "mf_split")
+FLAT_IMPLS = ("fsdp2_adamw", "fsdp2_distmuon", "owner_two_phase")  # flat rows shown next to HSDP
+
+
+@dataclass
+class HRow:
+    model: str
+    world: int
+    replicas: int  # R (flat rows: 1)
+    shard: int  # S (flat rows: W)
+    optimizer: str
+    regime: str  # "weak" | "strong"
+    tokens_per_rank: int
+    impl: str
+    mesh: str  # "hsdp" | "flat"
+    fwd_ms: float
+    bwd_ms: float
+    fwd_bwd_ms: float
+    step_ms: float
+    total_ms: float
+    step_share: float  # step / total
+    xbytes_rank: float | None  # bytes each rank sends across replicas per step, mean over the group
+    xbytes_rank_max: float | None
+    state_bytes_rank: float | None  # optimizer state per rank (max over ranks)
+    exposed_fwd_ms: float | None = None  # sum over blocks of max(0, comm - compute), forward
+    exposed_bwd_ms: float | None = None
+    x_alpha_ms: float | None = None  # cross-replica ring latency terms (R-1)*alpha summed over blocks
+
+
+def _ring_link(nbytes: float, n: int, bw: float, alpha: float) -> float:
+    """Ring reduce-scatter or all-gather of ``nbytes`` total over ``n`` ranks on one link class."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * alpha + (n - 1) / n * nbytes / bw
+
+
+def _uneven_link(total: float, chunks: list[float], bw: float, alpha: float) -> float:
+    """Reduce-scatter (or all-gather) of ``total`` bytes over ``len(chunks)`` ranks where rank r
+    keeps ``chunks[r]`` (whole-matrix intervals). Every rank must send (gather: receive) all of it
+    but its own chunk, so the busiest rank moves ``total - min(chunks)``; a pipelined ring/chain
+    reaches that. Balanced chunks give the ring's ``(n-1)/n * total``; one interval (a reduce to
+    the step replica) gives ``total``."""
+    n = len(chunks)
+    if n <= 1 or total == 0:
+        return 0.0
+    return (n - 1) * alpha + (total - min(chunks)) / bw
+
+
+def step_replicas(gplan, R: int) -> dict[str, int]:
+    """Step replica of every owned tensor of a group plan (matrices and owned element-wise tails;
+    evenly sharded tensors are HSDP's): per owner, its tensors (in plan order) cut into R
+    contiguous whole-tensor intervals by the planner's alpha-balanced partition on optimizer cost
+    (one bucket, alpha=1: each replica's target is the owner's mean)."""
+    from matrixfsdp.planner.buckets import partition_buckets
+
+    out: dict[str, int] = {}
+    owned = [p for p in gplan.params if p.placement != "even"]
+    for s in range(gplan.world_size):
+        mine = [p for p in owned if p.owner == s]
+        if not mine:
+            continue
+        if R == 1:
+            out.update({p.fqn: 0 for p in mine})
+            continue
+        owners, _ = partition_buckets([p.fqn for p in mine], [p.cost for p in mine], R,
+                                      policy="alpha_balanced", alpha=1.0, bucket_numel=2**62,
+                                      numels=[p.numel for p in mine])
+        out.update(owners)
+    return out
+
+
+def distmuon_loads(mats, blocks, n: int) -> list[float]:
+    """torchtitan 0.3.0's _assign_balanced_owner_ranks over ``n`` ranks: LPT on step cost within
+    each decoder-layer bucket, ties broken by the load carried from earlier buckets."""
+    rr = [0.0] * n
+    for b in blocks:
+        bl = [0.0] * n
+        for p in sorted((p for p in mats if p.block == b), key=lambda p: (-p.cost, p.fqn)):
+            r = min(range(n), key=lambda i: (bl[i], rr[i], i))
+            bl[r] += p.cost
+            rr[r] += p.cost
+    return rr
+
+
+def simulate_hsdp(name: str, W: int, optimizer: str = "muon", regime: str = "weak", hw: Hardware = HW,
+                  global_tokens: int = STRONG_GLOBAL_TOKENS, opt_flops: float | None = None,
+                  flat: bool = True) -> list[HRow]:
+    """HSDP rows (and, with ``flat``, the flat rows of :func:`simulate` at the same tokens)."""
+    import dataclasses
+
+    S = hw.node
+    if W % S:
+        raise ValueError(f"simulate_hsdp: W={W} is not a multiple of the group size {S}")
+    R = W // S
+    tokens = hw.tokens_per_rank if regime == "weak" else global_tokens // W
+    if regime not in ("weak", "strong"):
+        raise ValueError(f"simulate_hsdp: regime must be 'weak' or 'strong', got {regime!r}")
+    hw = dataclasses.replace(hw, tokens_per_rank=tokens)
+    opt_flops = hw.mm_flops if opt_flops is None else opt_flops
+    with torch.device("meta"):
+        model = Decoder(PRESETS[name])
+    gplan = plan_owners(model, S, block_types=(DecoderLayer,), optimizer=optimizer)
+    blocks = list(gplan.blocks) + [""]
+    mats = [p for p in gplan.params if p.placement == "matrix"]
+    n_all = sum(p.numel for p in gplan.params)
+    n_mat = sum(p.numel for p in mats)
+    n_elem = n_all - n_mat
+    elem_step = ADAMW_BYTES_PER_ELEM * n_elem / S / ADAMW_BYTES_PER_S  # 1/S share, every replica
+    elem_state = 2 * 4 * n_elem / S
+    bi, ai, bx, ax = hw.bw_intra, hw.alpha_intra, hw.bw_inter, hw.alpha_inter
+    numel = {b: sum(p.numel for p in gplan.params_of_block(b)) for b in blocks}
+    fwd = {b: 2 * numel[b] * tokens / (hw.mm_flops * hw.mfu) for b in blocks}
+
+    def passes(fcomm, bcomm) -> tuple[float, float, float, float]:
+        f = sum(max(fwd[b], fcomm(b)) for b in blocks)
+        b_ = sum(max(2 * fwd[b], bcomm(b)) for b in blocks)
+        return f, b_, f - sum(fwd.values()), b_ - 2 * sum(fwd.values())
+
+    rows: list[HRow] = []
+
+    def put(impl, fb, step, xb, state, x_alpha):
+        f, b, ef, eb = fb
+        tot = f + b + step
+        xm = None if xb is None else statistics.fmean(xb)
+        rows.append(HRow(name, W, R, S, optimizer, regime, tokens, impl, "hsdp", f * 1e3, b * 1e3, (f + b) * 1e3,
+                         step * 1e3, tot * 1e3, step / tot, xm, None if xb is None else max(xb), state,
+                         ef * 1e3, eb * 1e3, x_alpha * 1e3))
+
+    xa = (R - 1) * ax if R > 1 else 0.0  # one ring pass across the replicas: latency
+
+    # ---- stock HSDP: ring AG intra; ring RS intra + ring all-reduce of the 1/S shard across R
+    def ar_x(nbytes):  # ring all-reduce across replicas = reduce-scatter + all-gather; none if empty
+        return 2 * _ring_link(nbytes, R, bx, ax) if nbytes else 0.0
+
+    hs = passes(lambda b: _ring_link(numel[b] * PARAM_BYTES, S, bi, ai),
+                lambda b: _ring_link(numel[b] * PARAM_BYTES, S, bi, ai) + _ring_link(numel[b] * GRAD_BYTES, S, bi, ai)
+                + ar_x(numel[b] * GRAD_BYTES / S))
+    hs_x = [2 * (R - 1) / R * n_all * GRAD_BYTES / S] * S  # even layout: every rank holds 1/S
+    put("hsdp_adamw", hs, ADAMW_BYTES_PER_ELEM * n_all / S / ADAMW_BYTES_PER_S, hs_x, 2 * 4 * n_all / S,
+        2 * xa * len(blocks))
+    # ---- HSDP + DistMuon-style step within the group (repeated on every replica)
+    rr = distmuon_loads(mats, list(gplan.blocks), S)
+    a2a = 2 * (S - 1) / S * n_mat * GRAD_BYTES / S / bi
+    dist_step = 2 * len(gplan.blocks) * ai * math.log2(max(S, 2)) + a2a + max(rr) / opt_flops + elem_step
+    put("hsdp_distmuon", hs, dist_step, hs_x, sum(p.state_nbytes for p in mats) / S + elem_state,
+        2 * xa * len(blocks))
+
+    # ---- matrixfsdp: per block and owner s, bytes held (matrices whole, element-wise shares)
+    def held(b, s, elem, owned: bool | None = None) -> float:
+        return sum(p.share(s, S) * p.numel * elem for p in gplan.params_of_block(b)
+                   if owned is None or (p.placement != "even") == owned)
+
+    own_p = {b: [held(b, s, PARAM_BYTES) for s in range(S)] for b in blocks}
+    own_g = {b: [held(b, s, GRAD_BYTES) for s in range(S)] for b in blocks}
+    fan_p = {b: fan_out(own_p[b], sum(own_p[b]), S, hw) for b in blocks}
+    fan_g = {b: fan_out(own_g[b], sum(own_g[b]), S, hw) for b in blocks}
+    held_g = [sum(own_g[b][s] for b in blocks) for s in range(S)]
+    x_ar = [2 * (R - 1) / R * h for h in held_g]  # all-reduce of what each rank holds
+    # repeat: all-reduce every held byte across the R owners (ring over IB)
+    rep = passes(lambda b: fan_p[b], lambda b: fan_p[b] + fan_g[b] + ar_x(max(own_g[b])))
+    mat_cost = [sum(p.cost for p in mats if p.owner == s) for s in range(S)]
+    mat_state = [sum(p.state_nbytes for p in mats if p.owner == s) for s in range(S)]
+    put("mf_repeat", rep, max(mat_cost) / opt_flops + elem_step, x_ar, max(mat_state) + elem_state,
+        2 * xa * len(blocks))
+    # split: owned tensors (matrices, and the owned norms of a block, coalesced in the same call)
+    # reduce-scattered / all-gathered across replicas in whole-tensor intervals; evenly sharded
+    # element-wise tensors all-reduced across replicas as in HSDP
+    srep = step_replicas(gplan, R)
+    chunks = {}  # (b, s) -> fp32 bytes of s's owned tensors in b kept by each replica
+    for b in blocks:
+        for s in range(S):
+            c = [0.0] * R
+            for p in gplan.params_of_block(b):
+                if p.placement != "even" and p.owner == s:
+                    c[srep[p.fqn]] += p.numel * GRAD_BYTES
+            chunks[b, s] = c
+    mx = {b: max(_uneven_link(sum(chunks[b, s]), chunks[b, s], bx, ax) for s in range(S)) for b in blocks}
+    ex = {b: max(ar_x(held(b, s, GRAD_BYTES, owned=False)) for s in range(S)) for b in blocks}
+    spl = passes(lambda b: mx[b] + fan_p[b], lambda b: fan_p[b] + fan_g[b] + mx[b] + ex[b])
+    r_cost = {}
+    r_state = {}
+    for p in mats:
+        k = (p.owner, srep[p.fqn])
+        r_cost[k] = r_cost.get(k, 0.0) + p.cost
+        r_state[k] = r_state.get(k, 0.0) + p.state_nbytes
+    # bytes each rank sends across replicas: ring RS + AG of its matrices, all-reduce of the rest
+    x_split = [2 * (R - 1) / R * sum(held(b, s, GRAD_BYTES, owned=True) for b in blocks)
+               + 2 * (R - 1) / R * sum(held(b, s, GRAD_BYTES, owned=False) for b in blocks) for s in range(S)]
+    n_ex = sum(1 for b in blocks if any(held(b, s, GRAD_BYTES, owned=False) for s in range(S)))
+    n_mx = sum(1 for b in blocks if any(sum(chunks[b, s]) for s in range(S)))
+    put("mf_split", spl, max(r_cost.values(), default=0.0) / opt_flops + elem_step, x_split,
+        max(r_state.values(), default=0.0) + elem_state, xa * (2 * n_mx + 2 * n_ex))
+
+    if flat:
+        if opt_flops != hw.mm_flops:
+            raise ValueError("simulate_hsdp: opt_flops applies to the HSDP rows only; pass flat=False")
+        for r in simulate(name, W, hw, optimizer):  # seconds until main rounds them
+            if r.impl not in FLAT_IMPLS:
+                continue
+            # the flat matrix rows get the element-wise AdamW the HSDP rows count, on 1/W shares
+            step = r.step_ms + (0.0 if r.impl == "fsdp2_adamw" else elem_step * S / W)
+            tot = r.fwd_bwd_ms + step
+            rows.append(HRow(name, W, 1, W, optimizer, regime, tokens, r.impl, "flat", float("nan"), float("nan"),
+                             r.fwd_bwd_ms * 1e3, step * 1e3, tot * 1e3, step / tot, None, None, None))
+    return rows
+
+
+def check_split(rows: list[HRow]) -> tuple[dict[tuple[str, str], tuple[int, int, list[str]]], list[str]]:
+    """Issue 17's claim: mf_split at or below hsdp_distmuon in total AND step at every (preset, W).
+    Returns {(optimizer, regime): (passed, points, failures)} and the summary lines."""
+    by = {(r.optimizer, r.regime, r.model, r.world, r.impl): r for r in rows if r.mesh == "hsdp"}
+    res: dict[tuple[str, str], tuple[int, int, list[str]]] = {}
+    for (o, g, m, W, impl), sp in by.items():
+        if impl != "mf_split":
+            continue
+        d = by[o, g, m, W, "hsdp_distmuon"]
+        ok_t = sp.total_ms <= d.total_ms * (1 + 1e-12)
+        ok_s = sp.step_ms <= d.step_ms * (1 + 1e-12)
+        p, n, fails = res.get((o, g), (0, 0, []))
+        if ok_t and ok_s:
+            res[o, g] = (p + 1, n + 1, fails)
+            continue
+        why = []
+        if not ok_s:
+            why.append(f"step {sp.step_ms:.1f} > {d.step_ms:.1f} ms")
+        if not ok_t:
+            df, db = sp.fwd_ms - d.fwd_ms, sp.bwd_ms - d.bwd_ms
+            dom = "forward" if df >= db else "backward"
+            why.append(
+                f"total {sp.total_ms:.1f} > {d.total_ms:.1f} ms: fwd {df:+.1f}, bwd {db:+.1f}, step "
+                f"{sp.step_ms - d.step_ms:+.1f} ms; dominated by the {dom} pass's exposed communication "
+                f"(split exposes {sp.exposed_fwd_ms:.1f}/{sp.exposed_bwd_ms:.1f} ms fwd/bwd, HSDP "
+                f"{d.exposed_fwd_ms:.1f}/{d.exposed_bwd_ms:.1f}); split's cross-replica ring latency alone "
+                f"is {sp.x_alpha_ms:.1f} ms (HSDP's {d.x_alpha_ms:.1f}) at R={sp.replicas}, "
+                f"{sp.tokens_per_rank} tokens/rank")
+        res[o, g] = (p, n + 1, fails + [f"{m} W={W}: " + "; ".join(why)])
+    lines = []
+    for (o, g), (p, n, fails) in sorted(res.items()):
+        lines.append(f"check mf_split <= hsdp_distmuon (total and step), {o} {g}: {p}/{n} (preset, W) points pass"
+                     + ("" if not fails else "; failures:"))
+        lines += [f"  - {f}" for f in fails]
+    return res, lines
+
+
+def render_hsdp(rows: list[HRow], models, worlds, optimizers, regimes, command: str, opt_tflops: float | None,
+                global_tokens: int) -> str:
+    hsdp = ", ".join(HSDP_IMPLS)
+    out = [
+        f"<!-- produced by: {command} -->",
+        f"<!-- {datetime.date.today()} torch {torch.__version__} python {platform.python_version()}; "
+        f"hardware assumptions: {asdict(HW)}; HSDP groups of S={HW.node} (one node), R=W/{HW.node} replicas; "
+        f"weak: {HW.tokens_per_rank} tokens/rank; strong: {global_tokens} global tokens, {global_tokens}/W per rank; "
+        f"matrix-step FLOPs from matrixfsdp.planner.cost (Shampoo/SOAP eigendecompositions amortized over the "
+        f"planner's default precondition_frequency=10) at "
+        f"{(opt_tflops or HW.mm_flops / 1e12):g} TFLOP/s -->",
+        "",
+        "Modelled time per training step on an HSDP mesh (issue 17), ms: forward/backward with per-block "
+        "overlap + the exposed optimizer step. Each cell: total (step, step's share of the total). "
+        f"HSDP rows ({hsdp}) on the (R, 8) mesh; `flat_*` rows are scaling_model.py's flat modes at the same "
+        "tokens and optimizer (ring over all W ranks). `mf_repeat` is the mode scaling_model.md calls "
+        "`owner_groups8`. split/dist: mf_split over hsdp_distmuon. See docs/benchmarks.md.",
+    ]
+    _, summary = check_split(rows)
+    for o in optimizers:
+        for g in regimes:
+            out += ["", f"### {o}, {g} scaling", "",
+                    "| model | W | R | tokens/rank | hsdp_adamw | hsdp_distmuon | mf_repeat | mf_split | flat_fsdp2_distmuon | "
+                    "flat_owner_two_phase | split/dist total | split/dist step | pass |",
+                    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+            for m in models:
+                for W in worlds:
+                    by = {(r.mesh, r.impl): r for r in rows if (r.optimizer, r.regime, r.model, r.world) == (o, g, m, W)}
+                    if ("hsdp", "mf_split") not in by:
+                        continue
+
+                    def cell(k):
+                        r = by.get(k)
+                        return "-" if r is None else f"{r.total_ms:.0f} ({r.step_ms:.1f}, {100 * r.step_share:.1f}%)"
+
+                    sp, d = by["hsdp", "mf_split"], by["hsdp", "hsdp_distmuon"]
+                    ok = sp.total_ms <= d.total_ms * (1 + 1e-12) and sp.step_ms <= d.step_ms * (1 + 1e-12)
+                    out.append(f"| {m} | {W} | {sp.replicas} | {sp.tokens_per_rank} | " + " | ".join(
+                        cell(k) for k in (("hsdp", i) for i in HSDP_IMPLS)) + " | " + " | ".join(
+                        cell(("flat", i)) for i in ("fsdp2_distmuon", "owner_two_phase")) +
+                        f" | {sp.total_ms / d.total_ms:.3f} | {sp.step_ms / d.step_ms:.3f} | {'yes' if ok else 'NO'} |")
+    out += ["", "Optimizer state per rank, mf_split / mf_repeat (max over ranks; includes element-wise AdamW state):", "",
+            "| optimizer | model | " + " | ".join(f"W={W}" for W in worlds) + " |",
+            "|---|---|" + "---:|" * len(worlds)]
+    for o in optimizers:
+        for m in models:
+            cells = []
+            for W in worlds:
+                by = {r.impl: r for r in rows if (r.optimizer, r.regime, r.model, r.world, r.mesh) == (o, regimes[0], m, W, "hsdp")}
+                cells.append(f"{by['mf_split'].state_bytes_rank / by['mf_repeat'].state_bytes_rank:.2f}" if by else "-")
+            out.append(f"| {o} | {m} | " + " | ".join(cells) + " |")
+    out += ["", "Check (issue 17: mf_split at or below hsdp_distmuon in total and step at every preset and size):", "",
+            "```", *summary, "```"]
+    return "\n".join(out) + "\n"
+
+
+def plot_hsdp(rows: list[HRow], models, optimizers, regimes, path: str, share_model: str = "qwen3-8b") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    nr, nc = 2 * len(regimes), len(optimizers)
+    fig, axes = plt.subplots(nr, nc, figsize=(5 * nc, 3.6 * nr), sharex=True, squeeze=False)
+    styles = {("hsdp", "hsdp_adamw"): "-", ("hsdp", "hsdp_distmuon"): "-", ("hsdp", "mf_repeat"): "-",
+              ("hsdp", "mf_split"): "-", ("flat", "fsdp2_distmuon"): "--", ("flat", "owner_two_phase"): "--"}
+    sm = share_model if share_model in models else models[-1]
+    for gi, g in enumerate(regimes):
+        for oi, o in enumerate(optimizers):
+            ax = axes[2 * gi][oi]
+            for (mesh, impl), ls in styles.items():
+                pts = sorted((r.world, 100 * r.step_share) for r in rows if (r.optimizer, r.regime, r.model, r.mesh, r.impl)
+                             == (o, g, sm, mesh, impl))
+                if pts:
+                    ax.plot(*zip(*pts), ls, marker="o", ms=3, label=("flat_" if mesh == "flat" else "") + impl)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{sm}, {o}, {g}: step share of total")
+            ax.set_ylabel("step / total (%)")
+            ax = axes[2 * gi + 1][oi]
+            for m in models:
+                by = {(r.world, r.impl): r.total_ms for r in rows if (r.optimizer, r.regime, r.model, r.mesh) == (o, g, m, "hsdp")}
+                ws = sorted({w for w, _ in by})
+                ax.plot(ws, [by[w, "mf_split"] / by[w, "hsdp_distmuon"] for w in ws], marker="o", ms=3, label=m)
+            ax.axhline(1.0, color="k", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{o}, {g}: total, mf_split / hsdp_distmuon")
+            ax.set_ylabel("ratio (< 1: split faster)")
+    for ax in axes[-1]:
+        ax.set_xlabel("data-parallel ranks W (groups of 8)")
+    axes[0][0].legend(fontsize=7)
+    axes[1][0].legend(fontsize=7)
+    fig.suptitle("HSDP alpha-beta model (assumed H100 + NVLink + 400G IB); benchmarks/scaling_model.py --hsdp")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main_hsdp(args, argv) -> int:
+    models, worlds = args.models, args.worlds or [8, 16, 32, 64, 128, 256, 512, 1024]
+    optimizers = args.optimizers or ["muon", "shampoo", "soap"]
+    regimes = args.regime or ["weak", "strong"]
+    opt_flops = None if args.opt_tflops is None else args.opt_tflops * 1e12
+    rows: list[HRow] = []
+    for o in optimizers:
+        for g in regimes:
+            for m in models:
+                for W in worlds:
+                    rows += simulate_hsdp(m, W, o, g, global_tokens=args.global_tokens, opt_flops=opt_flops,
+                                          flat=opt_flops is None)
+    for r in rows:
+        for k in ("fwd_ms", "bwd_ms", "fwd_bwd_ms", "step_ms", "total_ms", "exposed_fwd_ms", "exposed_bwd_ms", "x_alpha_ms"):
+            v = getattr(r, k)
+            if v is not None and math.isfinite(v):
+                setattr(r, k, round(v, 3))
+        r.step_share = round(r.step_share, 6)
+    md = render_hsdp(rows, models, worlds, optimizers, regimes, bc.command_line(__file__, argv), args.opt_tflops,
+                     args.global_tokens)
+    _, summary = check_split(rows)
+    print("\n".join(summary))
+    if args.out:
+        with open(args.out + ".jsonl", "w") as f:
+            for r in rows:
+                d = asdict(r)
+                d.update({k: None for k, v in d.items() if isinstance(v, float) and not math.isfinite(v)})
+                f.write(json.dumps(d) + "\n")
+        with open(args.out + ".md", "w") as f:
+            f.write(md)
+        plot_hsdp(rows, models, optimizers, regimes, args.out + ".png")
+    else:
+        print(md)
+    return 0
+
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--models", nargs="*", default=["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"])
-    ap.add_argument("--worlds", nargs="*", type=int, default=[8, 16, 32, 64, 128, 256])
+    ap.add_argument("--worlds", nargs="*", type=int, default=None,
+                    help="default 8..256 (flat), 8..1024 (--hsdp)")
     ap.add_argument("--validate", nargs="*", default=None, metavar="STEP_BENCH.jsonl",
                     help="model these step_bench runs on --calibration figures and compare")
     ap.add_argument("--calibration", nargs="*", default=None, metavar="CALIBRATION.json",
                     help="benchmarks/calibrate.py output, one per --validate file")
+    ap.add_argument("--hsdp", action="store_true",
+                    help="HSDP mesh (R x 8) rows of issue 17: hsdp_adamw, hsdp_distmuon, mf_repeat, mf_split "
+                         "(default worlds 8..1024, optimizers muon shampoo soap, regimes weak strong)")
+    ap.add_argument("--regime", nargs="*", choices=("weak", "strong"), default=None,
+                    help="weak: HW.tokens_per_rank per rank; strong: --global-tokens split over W "
+                         "(flat mode: one regime, default weak)")
+    ap.add_argument("--global-tokens", type=int, default=STRONG_GLOBAL_TOKENS,
+                    help="global batch of the strong regime (default 4M = 4*2^20)")
+    ap.add_argument("--optimizers", nargs="*", choices=("muon", "shampoo", "soap"), default=None,
+                    help="matrix optimizer (planner FLOP formula); flat mode: one, default muon")
+    ap.add_argument("--opt-tflops", type=float, default=None,
+                    help="HSDP rows only: throughput of the matrix step in TFLOP/s (default HW.mm_flops); "
+                         "omits the flat rows")
     args = ap.parse_args(argv)
+    if args.hsdp:
+        if args.validate is not None:
+            ap.error("--hsdp and --validate are separate modes")
+        return main_hsdp(args, argv)
+    if args.worlds is None:
+        args.worlds = [8, 16, 32, 64, 128, 256]
+    regime = (args.regime or ["weak"])
+    optimizer = (args.optimizers or ["muon"])
+    if len(regime) != 1 or len(optimizer) != 1 or args.opt_tflops is not None:
+        ap.error("the flat model takes one --regime and one --optimizers value (and no --opt-tflops); "
+                 "use --hsdp for sweeps")
+    import dataclasses
+
+    hw = HW if regime[0] == "weak" else dataclasses.replace(HW, tokens_per_rank=None)
     if args.validate is not None:
         if not args.calibration or len(args.calibration) != len(args.validate):
             ap.error(f"--validate needs one --calibration per file, got {args.calibration=}")
@@ -455,7 +906,8 @@ def main(argv=None) -> int:
     rows: list[Row] = []
     for m in args.models:
         for W in args.worlds:
-            for r in simulate(m, W):
+            h = hw if hw.tokens_per_rank is not None else dataclasses.replace(HW, tokens_per_rank=args.global_tokens // W)
+            for r in simulate(m, W, h, optimizer[0]):
                 r.fwd_bwd_ms, r.step_ms, r.total_ms = (round(x * 1e3, 2) for x in (r.fwd_bwd_ms, r.step_ms, r.total_ms))
                 if not args.out:  # with --out, stdout gets only the summary
                     print(json.dumps(asdict(r)), flush=True)
