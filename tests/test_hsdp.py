@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import matrixfsdp
 from _harness import get_pool
 from _models import Block, TinyConfig, TinyDecoder, make_batch
+from test_runtime_features import collective_spy
 from matrixfsdp._fully_shard import comm_counter, fully_shard
 from matrixfsdp.placement.owner import owner_of
 
@@ -177,3 +178,151 @@ def test_hsdp_parity_param_list_form():
     res = get_pool(4).run(hsdp_parity, 2, 2, "split", "muon", 3, "list")
     worst = _worst(res)
     assert worst["grad0"] < 1e-6 and worst["param"] < 1e-5 and worst["step_calls"] == 0, worst
+
+
+# ================================================================================ placement and bytes
+def _owned_checksums(model):
+    """Per owned parameter: whether this rank holds it whole, and a checksum of what it holds."""
+    out = []
+    for fqn, p in model.named_parameters():
+        info = owner_of(p)
+        if info is None:
+            continue
+        local = p._local_tensor.detach().double().reshape(-1)
+        whole = local.numel() == p.numel()
+        w = torch.arange(1, local.numel() + 1, dtype=torch.float64)
+        out.append((fqn, whole, (local * w).sum().item() if whole else 0.0))
+    return out
+
+
+def _state_bytes(opt):
+    """Optimizer state bytes of owned parameters on this rank (evenly sharded ones keep theirs
+    in every replica, as in torch's HSDP)."""
+    return sum(v._local_tensor.nbytes if hasattr(v, "_local_tensor") else v.nbytes
+               for p, st in opt.state.items() if owner_of(p) is not None
+               for v in st.values() if isinstance(v, torch.Tensor))
+
+
+def hsdp_placement(R, S, mode):
+    """One training step, then: who holds each matrix before and after the next forward starts;
+    the bytes each rank moved per phase; optimizer state bytes."""
+    rank, W = dist.get_rank(), R * S
+    cfg = TinyConfig()
+    model = TinyDecoder(cfg, seed=0)
+    mesh = _mesh(R, S)
+    plan = matrixfsdp.plan_owners(model, mesh, block_types=(Block,), replica_step=mode)
+    _shard(model, mesh, plan)
+    opt = _opt("muon", model)
+    shard_c, rep_c = comm_counter(model), comm_counter(model, "replicate")
+    per = BATCH // W
+    out = {}
+    for step in range(2):
+        x, y = make_batch(cfg, step, BATCH)
+        shard_c.reset()
+        rep_c.reset()
+        model.loss(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+        out[f"backward{step}"] = (shard_c.snapshot(), rep_c.snapshot())
+        shard_c.reset()
+        rep_c.reset()
+        with collective_spy() as spy:  # python-level, functional, DTensor and dispatcher c10d ops
+            opt.step()
+        out[f"step{step}"] = (spy["python"], spy["dispatcher"], shard_c.total_calls + rep_c.total_calls)
+        opt.zero_grad()
+        out["stale"] = _owned_checksums(model)  # after step(), before the next forward
+        shard_c.reset()
+        rep_c.reset()
+        with torch.no_grad():
+            model(x[:1])
+        out[f"forward{step}"] = (shard_c.snapshot(), rep_c.snapshot())
+    out["fresh"] = _owned_checksums(model)
+    out["state_bytes"] = _state_bytes(opt)
+    out["coord"] = tuple(mesh.get_coordinate())
+    out["chunk_bytes"] = sum(s.group.reduce_layout.reduce_splits(len(s.group.reduce_layout.params), itemsize=4)[s.group.rank] * 4
+                             for s in (matrixfsdp._fully_shard.get_state(m) for m in model.modules())
+                             if s is not None and s.group.trainable)
+    out["trainable_bytes"] = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    out["max_state"] = max(p.state_nbytes for p in plan.params)
+    return out
+
+
+def _holders(res):
+    """fqn -> {checksum: count of ranks holding it whole}."""
+    by = {}
+    for r in res:
+        for fqn, whole, cs in r:
+            if whole:
+                by.setdefault(fqn, {}).setdefault(cs, 0)
+                by[fqn][cs] += 1
+    return by
+
+
+def _sent(snap, ops):
+    return sum(v for k, v in snap["bytes_sent"].items() if k in ops)
+
+
+@pytest.mark.parametrize("R, S", [(2, 2), (3, 2)])
+def test_every_matrix_held_whole_by_R_ranks_and_bytes_match_hsdp(R, S):
+    W = R * S
+    res = {m: get_pool(W).run(hsdp_placement, R, S, m) for m in ("repeat", "split")}
+    for mode, rs in res.items():
+        fresh = _holders([r["fresh"] for r in rs])
+        # once the next forward has started, every owned tensor is held whole by exactly R ranks,
+        # all with the same value
+        assert all(len(v) == 1 and sum(v.values()) == R for v in fresh.values()), (mode, fresh)
+    # optimizer.step() makes no collective in either mode, seen from every layer
+    for mode, rs in res.items():
+        assert all(r["step1"] == ([], [], 0) for r in rs), (mode, [r["step1"] for r in rs])
+    # before it, under split only the step replica holds the new value: the exchange is real
+    stale = _holders([r["stale"] for r in res["split"]])
+    assert any(len(v) > 1 for v in stale.values())
+    assert all(len(v) == 1 for v in _holders([r["stale"] for r in res["repeat"]]).values())
+    # per phase: the shard group moves what a flat S-rank run moves, in both modes; across
+    # replicas split moves, over backward and the next forward's gather, what repeat's
+    # all-reduce moves, which is stock HSDP's all-reduce of the same gradients (plus the usage
+    # flags and 16-byte padding of each chunk)
+    rep_ops = ("reduce_scatter", "all_reduce", "all_gather_tensors")
+    for step in (1,):
+        for a, b in zip(res["repeat"], res["split"]):
+            assert a[f"backward{step}"][0]["bytes_sent"] == b[f"backward{step}"][0]["bytes_sent"]
+        total = {m: sum(_sent(r[f"backward{step}"][1], rep_ops) + _sent(r[f"forward{step}"][1], rep_ops)
+                        for r in rs) for m, rs in res.items()}
+        assert abs(total["split"] - total["repeat"]) <= 0.01 * total["repeat"], total
+        hsdp = 2 * (R - 1) * res["repeat"][0]["trainable_bytes"]  # sum over ranks of 2(R-1)/R * N/S
+        assert hsdp <= total["repeat"] <= 1.02 * hsdp, (total, hsdp)
+        # repeat's forward moves nothing across replicas; split's gathers what it reduce-scattered
+        assert all(_sent(r[f"forward{step}"][1], rep_ops) == 0 for r in res["repeat"])
+    # owned parameters' optimizer state: split keeps 1/R of repeat's (plus at most the largest matrix's)
+    for a, b in zip(res["repeat"], res["split"]):
+        assert b["state_bytes"] <= a["state_bytes"] / R + a["max_state"], (a["state_bytes"], b["state_bytes"])
+    assert sum(r["state_bytes"] for r in res["split"]) < sum(r["state_bytes"] for r in res["repeat"]) / R * 1.2
+
+
+# ================================================================================ errors
+def hsdp_errors():
+    msgs = {}
+    model = TinyDecoder(TinyConfig(), seed=0)
+    for name, make in {
+        "unnamed": lambda: init_device_mesh("cpu", (2, 2)),
+        "3d": lambda: init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("a", "b", "c")),
+    }.items():
+        with pytest.raises(ValueError) as e:
+            fully_shard(model.blocks[0], mesh=make(), plan=None)
+        msgs[name] = str(e.value)
+    mesh = _mesh(2, 2)
+    flat_plan = matrixfsdp.plan_owners(model, 2, block_types=(Block,))
+    with pytest.raises(ValueError) as e:
+        fully_shard(model.blocks[0], mesh=mesh, plan=flat_plan)
+    msgs["flat_plan"] = str(e.value)
+    with pytest.raises(ValueError) as e:
+        matrixfsdp.replicate(TinyDecoder(TinyConfig(), seed=0), mesh=mesh)
+    msgs["replicate"] = str(e.value)
+    return msgs
+
+
+def test_hsdp_errors_name_the_fix():
+    for msgs in get_pool(4).run(hsdp_errors):
+        assert "needs dimension names" in msgs["unnamed"] and 'mesh_dim_names=("dp_replicate", "dp_shard")' in msgs["unnamed"]
+        assert "got a 3-D mesh" in msgs["3d"]
+        assert ("the plan was built for world_size=2 but the mesh has 2 replicas x 2 shard ranks; rebuild it "
+                "with matrixfsdp.plan_owners(model, mesh, ...) on this mesh") in msgs["flat_plan"]
+        assert msgs["replicate"].startswith("matrixfsdp.replicate: mesh must be 1-D"), msgs["replicate"]
