@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any, Callable, Iterator, NoReturn
 
 import torch
@@ -14,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..comm.agree import agree, encode_error
 from ..comm.collectives import KINDS, CommCounter, collectives_for
 from ..engine.plan_check import check_world_size, verify_plan_digest
+from ..engine.exchange import watch_optimizer_steps
 from ..engine.reduce import check_find_unused
 from ..mesh import MeshInfo, default_mesh, mesh_info
 from ..placement.owner import Owned, keeps_state, owner_of, set_owner
@@ -202,18 +202,7 @@ def _install_hooks(module: nn.Module, state: ReplicateState) -> None:
     module.register_state_dict_pre_hook(lambda *a, **k: state.sync_params())
 
 
-_LIVE: "weakref.WeakSet[ReplicateState]" = weakref.WeakSet()
 _STEP_HOOK: Any = None
-
-
-def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global step post-hook: an optimizer holding a managed parameter changed (its owners')
-    parameters, so the next forward must gather (see [Note: stale parameters])."""
-    for state in list(_LIVE):
-        if state.dirty:
-            continue
-        if any(id(p) in state.where for g in optimizer.param_groups for p in g["params"]):
-            state.dirty = True
 
 
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -241,12 +230,11 @@ def _is_replica(p: Any) -> bool:
 
 def _watch_optimizer_steps(state: ReplicateState) -> None:
     global _STEP_HOOK
-    _LIVE.add(state)
+    watch_optimizer_steps(state.exchange)  # the engine's: a step makes the gathers due
     if _STEP_HOOK is None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        _STEP_HOOK = (register_optimizer_step_pre_hook(_before_optimizer_step),
-                      register_optimizer_step_post_hook(_after_optimizer_step))
+        _STEP_HOOK = register_optimizer_step_pre_hook(_before_optimizer_step)
 
 
 def state_of(module: nn.Module, what: str = "") -> ReplicateState:

@@ -29,14 +29,15 @@ aligned (see [Note: aligned reduce chunks] in ``engine/layout.py``). Parameters 
 start (``torch._C._will_engine_execute_node``), so their buckets launch on time.
 
 [Note: stale parameters]
-After ``step()`` only owners hold the new values until the next forward's gathers complete.
+After ``step()`` only owners hold the new values until the next forward's gathers complete: one
+:class:`~matrixfsdp.engine.exchange.Exchange` with a gather unit per bucket, the engine's
+mechanism that ``fully_shard``'s HSDP ``split`` runs too (see [Note: deferred gathers]).
 Everything that reads parameters between the two (``state_dict()``, DCP, ``sync_params()``)
-waits for them first. Two events mark the parameters stale on every rank: a reducing backward
-that finished (whether or not the user then steps: a redundant gather is harmless, a missing one
-is not) and the ``step()`` of any ``torch.optim.Optimizer`` holding a managed parameter (a global
-step post-hook), so a ``state_dict()`` between backward and ``step()`` cannot hide the update from
-the next forward. A forward that does not start at the root (a submodule called directly) gathers
-at its first managed module's pre-forward instead, and waits for every bucket.
+settles it first. Two events mark it stale on every rank: a reducing backward that finished and
+the ``step()`` of any ``torch.optim.Optimizer`` holding a managed parameter, so a
+``state_dict()`` between backward and ``step()`` cannot hide the update from the next forward. A
+forward that does not start at the root (a submodule called directly) gathers at its first
+managed module's pre-forward instead, and waits for every bucket.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import torch.nn as nn
 
 from ..comm.collectives import Handle, SegmentCollectives
 from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
+from ..engine.exchange import Exchange, GatherUnit
 from ..engine.layout import aligned_numel
 from ..engine.reduce import divide_factors, read_flags
 from .layout import BucketLayout
@@ -105,7 +107,9 @@ class Bucket:
         self.used = [False] * len(params)
         self.out: torch.Tensor | None = None
         self.reduce_handle: Handle | None = None
-        self.gather_handle: Handle | None = None
+        #: the deferred in-place gather of the owners' new values (see [Note: stale parameters])
+        self.gather = GatherUnit(lambda: self.coll.all_gather_inplace(self.flat, self.layout.param_splits,
+                                                                      async_op=True))
 
     # ----------------------------------------------------------------------------- backward
     def _new_grad_buf(self) -> torch.Tensor:
@@ -177,15 +181,6 @@ class Bucket:
         if not self.persistent:
             self.grad_buf = None
 
-    # ----------------------------------------------------------------------------- forward
-    def issue_gather(self) -> None:
-        self.gather_handle = self.coll.all_gather_inplace(self.flat, self.layout.param_splits, async_op=True)
-
-    def wait_gather(self) -> None:
-        if self.gather_handle is not None:
-            h, self.gather_handle = self.gather_handle, None
-            h.wait()
-
 
 class ReplicateState:
     """Everything ``matrixfsdp.replicate`` attaches to one model."""
@@ -202,7 +197,7 @@ class ReplicateState:
                 self.where[id(p)] = (b, i)
         self.requires_gradient_sync = True
         self.find_unused = True  # set_find_unused_parameters (see [Note: usage-flag host read])
-        self.dirty = False  # parameters changed on owners since the last gather
+        self.exchange = Exchange((b.gather for b in buckets), (p for b in buckets for p in b.params))
         self.active = False  # the running backward reduces
         self.next_launch = 0  # index into the reduction order
         self.stash: dict[int, torch.Tensor] = {}  # reduced grads held over an accumulating backward
@@ -223,21 +218,21 @@ class ReplicateState:
             return  # a recomputation inside backward: parameters are current
         if self._issue_gathers():
             for b in self.uncovered_buckets or ():
-                b.wait_gather()
+                b.gather.wait()
 
     def pre_forward_module(self, module: nn.Module, buckets: list[Bucket]) -> None:
-        if (self.dirty or self.backward.callback_queued) and not in_backward():
+        if (self.exchange.stale or self.backward.callback_queued) and not in_backward():
             # a forward that did not start at the root (a submodule called directly): the root's
             # pre-forward did not gather; bring every bucket up to date before reading any
             self.sync_params()
         if self.uncovered_buckets is None:
             self.covered.add(id(module))
         for b in buckets:
-            b.wait_gather()
+            b.gather.wait()
 
     def post_forward_root(self, output: Any) -> Any:
         for b in self.buckets:  # a bucket no module waited for (its parameters went unused)
-            b.wait_gather()
+            b.gather.wait()
         if self.uncovered_buckets is None:
             self.uncovered_buckets = self._find_uncovered()
         if not torch.is_grad_enabled():
@@ -262,8 +257,7 @@ class ReplicateState:
         if in_backward():
             return
         self._issue_gathers()
-        for b in self.buckets:
-            b.wait_gather()
+        self.exchange.settle()
 
     def _issue_gathers(self) -> bool:
         """Outside backward: clean up after a backward an exception escaped (its callback is
@@ -271,12 +265,7 @@ class ReplicateState:
         it issued them."""
         if self.backward.take_aborted():
             self._abort_backward()
-        if not self.dirty:
-            return False
-        self.dirty = False
-        for b in self.buckets:
-            b.issue_gather()
-        return True
+        return self.exchange.issue()
 
     # ----------------------------------------------------------------------------- backward
     def _backward_start_from_output(self) -> None:
@@ -405,7 +394,7 @@ class ReplicateState:
                     else:
                         undecided.append((p, g, flag))
             read = read_flags(undecided, find_unused=self.find_unused)  # [Note: usage-flag host read]
-            self.dirty = True
+            self.exchange.mark_stale()
             read.resolve(self._assign, self._restore_stashed)
         finally:
             self.active = False
