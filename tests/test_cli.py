@@ -118,3 +118,17 @@ def test_closed_pipe_exits_quietly():
     res = subprocess.run(f"{sys.executable} -m matrixfsdp.plan --world 32 | head -1", shell=True,
                          capture_output=True, text=True, env=env, timeout=120)
     assert res.stdout.startswith("# qwen3-32b") and res.stderr == "", res.stderr
+
+
+def test_plan_cli_hsdp_reports_replicas(capsys):
+    """``--replicas R`` plans an (R, world/R) HSDP mesh and reports the replica assignment."""
+    assert main(["--model", "qwen3-0.6b", "--world", "16", "--replicas", "2", "--replica-step", "split",
+                 "--no-ranks", "--no-blocks"]) == 0
+    out = capsys.readouterr().out
+    assert "replicas=2 x world_size=8  replica_step=split (split)" in out
+    assert "308 of 308 owned parameters split" in out and "r0: " in out and "r1: " in out
+    assert main(["--model", "qwen3-0.6b", "--world", "16", "--replicas", "2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["replicas"] == 2 and plan["world_size"] == 8
+    assert main(["--world", "6", "--replicas", "4"]) == 2
+    assert "error: --replicas must be >= 1 and divide --world, got --replicas 4 with --world 6" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
     python -m matrixfsdp.plan --model qwen3-32b --world 32
     python -m matrixfsdp.plan --hf-config path/to/config.json --world 64 --json > plan.json
+    python -m matrixfsdp.plan --model qwen3-8b --world 64 --replicas 8 --replica-step auto   # HSDP 8 x 8
 
 No process group, no weights: the model is built on the ``meta`` device.
 """
@@ -19,6 +20,7 @@ import torch
 
 from .models.decoder import PRESETS, Decoder, DecoderLayer, config_from_hf
 from .planner.planner import ELEMENTWISE, POLICIES, plan_owners
+from .planner.record import REPLICA_STEPS
 from .planner.cost import COST_MODELS, OPTIMIZERS
 from .planner.report import natural_key
 
@@ -54,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, default=1.0, help="alpha_balanced blend factor, in [0, 1]")
     p.add_argument("--bucket-numel", type=int, default=None,
                    help="ZeRO-1 bucket size in elements (alpha_balanced / naive_static; default: Megatron's)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="HSDP: copies of the owner group; --world ranks form a (replicas, world/replicas) "
+                        "mesh and owners are planned among world/replicas ranks")
+    p.add_argument("--replica-step", default="auto", choices=REPLICA_STEPS,
+                   help="HSDP: how owned parameters combine across replicas: repeat (all-reduce, every "
+                        "replica steps), split (one step replica each), auto (split matrices, repeat tails)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (OwnerPlan.to_json)")
     p.add_argument("--no-ranks", action="store_true", help="omit the per-rank table")
     p.add_argument("--no-blocks", action="store_true", help="omit the per-block gamma_B table")
@@ -72,6 +80,9 @@ def _hf_dtype(path: Path) -> str | None:
 def _run(args: argparse.Namespace) -> int:
     if args.world < 1:
         raise ValueError(f"--world must be >= 1, got {args.world}")
+    if args.replicas < 1 or args.world % args.replicas:
+        raise ValueError(f"--replicas must be >= 1 and divide --world, got --replicas {args.replicas} "
+                         f"with --world {args.world}")
     hf = None
     if args.hf_config:
         hf = Path(args.hf_config)
@@ -84,7 +95,7 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     plan = plan_owners(
         model,
-        args.world,
+        (args.replicas, args.world // args.replicas) if args.replicas > 1 else args.world,
         block_types=(DecoderLayer,),
         policy=args.policy,
         cost=args.cost,
@@ -92,6 +103,7 @@ def _run(args: argparse.Namespace) -> int:
         elementwise=args.elementwise,
         alpha=args.alpha,
         bucket_numel=args.bucket_numel,
+        replica_step=args.replica_step,
     )
     ms = (time.perf_counter() - t0) * 1e3
     if args.json:

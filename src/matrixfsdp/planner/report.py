@@ -44,8 +44,11 @@ def format_plan(plan: "OwnerPlan", *, per_rank: bool = True, per_block: bool = T
     s = plan.summary()
     total = sum(p.nbytes for p in plan.params)
     n_even = sum(1 for p in plan.params if p.owner is None)
+    mesh = (f"world_size={plan.world_size}" if plan.replicas == 1 else
+            f"replicas={plan.replicas} x world_size={plan.world_size}  "
+            f"replica_step={dict(plan.meta).get('replica_step', plan.replica_step)} ({plan.replica_step})")
     lines = [
-        f"OwnerPlan  world_size={plan.world_size}  policy={plan.policy}  cost={plan.cost_model}  "
+        f"OwnerPlan  {mesh}  policy={plan.policy}  cost={plan.cost_model}  "
         f"optimizer={plan.optimizer}",
         f"  {len(plan.params)} parameters ({human_bytes(total)}), {len(plan.blocks)} blocks, "
         f"{n_even} evenly sharded",
@@ -61,6 +64,17 @@ def format_plan(plan: "OwnerPlan", *, per_rank: bool = True, per_block: bool = T
         "    gamma_B: a block's most loaded owner's bytes / (block bytes / W), i.e. its collective's "
         "slowdown vs even",
     ]
+    if plan.replicas > 1:
+        cost, state = plan.replica_stats
+        n_split = sum(p.step_replica is not None for p in plan.params)
+        n_owned = sum(p.owner is not None for p in plan.params)
+        lines += [
+            "",
+            f"  replicas: {n_split} of {n_owned} owned parameters split (one step replica each), "
+            f"{n_owned - n_split} repeated on every replica",
+            "  busiest owner's step per replica:  " + "  ".join(
+                f"r{q}: {c:.3e} cost, {human_bytes(s)} state" for q, (c, s) in enumerate(zip(cost, state))),
+        ]
     if per_rank:
         lines += ["", "  rank  owned   param bytes   +state bytes        cost  owns"]
         for st in plan.rank_stats:
