@@ -256,3 +256,25 @@ def test_hsdp_dropin_meta_init_and_full_state_dicts():
         assert r["meta_grad"] < 1e-6, r
         # a stale replica would be a whole optimizer step (~1e-2) off; reduction order: ~1e-7
         assert r["full_sd_diff"] < 1e-6 and r["full_load_diff"] == 0.0, r
+
+
+def hsdp_clip(mode):
+    cfg, model, ref = _setup(mode)
+    x, y = make_batch(cfg, 0, BATCH)
+    xs, ys = _slice(x, y)
+    model.loss(xs, ys).backward()
+    _ref_loss(ref, x, y).backward()
+    out = {}
+    for norm_type in (2.0, float("inf")):
+        total = matrixfsdp.clip_grad_norm_(model.parameters(), 1e9, norm_type=norm_type)
+        ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, norm_type=norm_type)
+        out[norm_type] = abs(total.item() - ref_total.item()) / ref_total.item()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["split", "repeat"])
+def test_hsdp_clip_grad_norm_counts_every_gradient_once(mode):
+    """Each split gradient counts on its step replica, every other sharded one on replica 0: the
+    total norm is the plain model's (an R-fold count would be off by sqrt(R))."""
+    for r in get_pool(R * S).run(hsdp_clip, mode):
+        assert r[2.0] < 1e-6 and r[float("inf")] < 1e-6, r
