@@ -240,6 +240,11 @@ def test_parallelize_rejects_unsupported_parallelism():
         mt.parallelize_matrixfsdp(None, parallel_dims=dims, training=SimpleNamespace(), parallelism=None,
                                   compile_config=off, ac_config=None, dump_folder="")
     dims.tp_enabled = dims.pp_enabled = False
+    dims.cp_enabled = dims.dp_replicate_enabled = True  # HSDP is supported, CP is not
+    with pytest.raises(ValueError, match=r"parallelize_matrixfsdp: not supported yet: context parallelism$"):
+        mt.parallelize_matrixfsdp(None, parallel_dims=dims, training=SimpleNamespace(), parallelism=None,
+                                  compile_config=off, ac_config=None, dump_folder="")
+    dims.cp_enabled = False
     with pytest.raises(ValueError, match=r"set parallelism.spmd_backend='partial_dtensor'.*got "
                                          r"parallelism.spmd_backend='spmd_types'"):
         mt.parallelize_matrixfsdp(None, parallel_dims=dims, training=SimpleNamespace(),
