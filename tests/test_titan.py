@@ -23,12 +23,14 @@ GLOBAL_BATCH = 6
 RTOL = 1e-5
 
 
-def _train(steps: int, dump_folder: str, optimizer: str, variant: str = "plain") -> dict:
+def _train(steps: int, dump_folder: str, optimizer: str, variant: str = "plain", *,
+           global_batch: int = GLOBAL_BATCH, dp_replicate: int = 1, replica_step: str = "auto") -> dict:
     """Pool worker: tiny Qwen3 converted with with_matrixfsdp, trained in this rank's process.
     ``variant``: "ac" adds torchtitan's selective activation checkpointing; "reset_params" drops
     ``param_init`` from some modules so torchtitan initializes them with reset_parameters();
     "chunked" uses torchtitan's ChunkedLossWrapper (the head is applied outside the model's forward,
-    chunk by chunk, each chunk backwarded on its own)."""
+    chunk by chunk, each chunk backwarded on its own). ``dp_replicate > 1``: torchtitan's HSDP
+    (``data_parallel_replicate_degree``, the rest of the world shards) with ``replica_step``."""
     import torch
     import torch.distributed as dist
 
@@ -37,10 +39,13 @@ def _train(steps: int, dump_folder: str, optimizer: str, variant: str = "plain")
     import matrixfsdp
     import matrixfsdp.titan as mt
     from matrixfsdp._fully_shard import comm_counter
+    from matrixfsdp.placement.owner import owner_of
 
     W = dist.get_world_size()
-    cfg = tiny_qwen3_config(steps=steps, global_batch=GLOBAL_BATCH,
-                            dump_folder=os.path.join(dump_folder, f"{optimizer}-{variant}-w{W}"))
+    cfg = tiny_qwen3_config(steps=steps, global_batch=global_batch,
+                            dump_folder=os.path.join(dump_folder, f"{optimizer}-{variant}-w{W}-r{dp_replicate}"
+                                                                  f"-{replica_step}"))
+    cfg.parallelism.data_parallel_replicate_degree = dp_replicate
     if variant == "ac":
         from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
@@ -53,22 +58,25 @@ def _train(steps: int, dump_folder: str, optimizer: str, variant: str = "plain")
         for layer in cfg.model_spec.model.layers:
             layer.feed_forward.w1.param_init = None
         cfg.model_spec.model.norm.param_init = None
-    cfg = mt.with_matrixfsdp(cfg, optimizer=optimizer, lr=0.02, adamw_lr=8e-4,
+    cfg = mt.with_matrixfsdp(cfg, optimizer=optimizer, lr=0.02, adamw_lr=8e-4, replica_step=replica_step,
                              optimizer_kwargs={"ns_dtype": torch.float32} if optimizer == "Muon" else {})
 
     def inspect(trainer) -> dict:
         model = trainer.model_parts[0]
-        kinds = {}
+        kinds, meshes, step_replicas = {}, set(), {}
         for fqn, p in model.named_parameters():
             o = matrixfsdp.owned_of(p)
             kinds[fqn] = "even" if o is None else o.kind
+            meshes.add((tuple(p.device_mesh.mesh_dim_names or ()), tuple(p.device_mesh.shape)))
+            if o is not None and o.kind == "matrix":
+                step_replicas[fqn] = owner_of(p).step_replica
         algos = sorted({g["algorithm"] for opt in trainer.optimizers for g in opt.param_groups})
         types_ = sorted({type(o).__name__ for o in trainer.optimizers})
         counter = comm_counter(model)
         before = (sum(counter.calls.values()), counter.bytes_sent)
         trainer.optimizers.step()  # the grads of the last step are still there
         after = (sum(counter.calls.values()), counter.bytes_sent)
-        return {"kinds": kinds, "algos": algos, "optimizer_types": types_, "step_comm": (before, after),
+        return {"kinds": kinds, "meshes": sorted(meshes), "step_replicas": step_replicas, "algos": algos, "optimizer_types": types_, "step_comm": (before, after),
                 "model_class": type(model).__name__,
                 "is_managed": isinstance(model, matrixfsdp.MatrixFSDPModule)}
 
@@ -102,6 +110,37 @@ def test_titan_trainer_matrixfsdp_world_size_invariant(tmp_path, optimizer):
         got = res[0]
         assert _close(got["grad_norms"], ref["grad_norms"], RTOL), (W, got["grad_norms"], ref["grad_norms"])
         assert _close(got["losses"], ref["losses"], RTOL), (W, got["losses"], ref["losses"])
+    assert ref["losses"][-1] < ref["losses"][0], ref["losses"]
+
+
+def test_titan_trainer_hsdp_matches_one_process(tmp_path):
+    """``parallelism.data_parallel_replicate_degree=2`` at 4 ranks: torchtitan's HSDP layout,
+    (dp_replicate=2, fsdp=2), built as its own apply_fsdp builds it. Both replica modes train the
+    same global batch as one process does, to the W-invariance tolerance of the flat runs above
+    (the same math; only the order of the gradient sums differs: shard group first, then across
+    replicas); the matrices are owned whole within the shard dimension, under ``split`` each has
+    one step replica (both used), and the step makes no collective."""
+    batch = 8  # local batch 2 at 4 ranks
+    ref = get_pool(1).run(_train, STEPS, str(tmp_path), "Muon", global_batch=batch, timeout=180)[0]
+    for mode in ("split", "repeat"):
+        res = get_pool(4).run(_train, STEPS, str(tmp_path), "Muon", global_batch=batch, dp_replicate=2,
+                              replica_step=mode, timeout=240)
+        for r in res:
+            info = r["inspected"]
+            assert info["is_managed"] and info["algos"] == ["adamw", "auto"], info
+            # evenly sharded tensors: torchtitan's 2-D mesh; owned ones: the R=2 ranks holding them
+            assert (("dp_replicate", "fsdp"), (2, 2)) in info["meshes"], info["meshes"]
+            assert all(shape == (2,) for names, shape in info["meshes"] if names != ("dp_replicate", "fsdp"))
+            mats = [f for f, k in info["kinds"].items() if k == "matrix"]
+            assert len(mats) >= 2 * 4, info["kinds"]
+            reps = set(info["step_replicas"].values())
+            assert reps == ({0, 1} if mode == "split" else {None}), (mode, info["step_replicas"])
+            before, after = info["step_comm"]
+            assert before == after, info["step_comm"]
+            assert r["losses"] == res[0]["losses"], "ranks disagree on the logged loss"
+        got = res[0]
+        assert _close(got["grad_norms"], ref["grad_norms"], RTOL), (mode, got["grad_norms"], ref["grad_norms"])
+        assert _close(got["losses"], ref["losses"], RTOL), (mode, got["losses"], ref["losses"])
     assert ref["losses"][-1] < ref["losses"][0], ref["losses"]
 
 
@@ -201,6 +240,11 @@ def test_parallelize_rejects_unsupported_parallelism():
         mt.parallelize_matrixfsdp(None, parallel_dims=dims, training=SimpleNamespace(), parallelism=None,
                                   compile_config=off, ac_config=None, dump_folder="")
     dims.tp_enabled = dims.pp_enabled = False
+    dims.cp_enabled = dims.dp_replicate_enabled = True  # HSDP is supported, CP is not
+    with pytest.raises(ValueError, match=r"parallelize_matrixfsdp: not supported yet: context parallelism$"):
+        mt.parallelize_matrixfsdp(None, parallel_dims=dims, training=SimpleNamespace(), parallelism=None,
+                                  compile_config=off, ac_config=None, dump_folder="")
+    dims.cp_enabled = False
     with pytest.raises(ValueError, match=r"set parallelism.spmd_backend='partial_dtensor'.*got "
                                          r"parallelism.spmd_backend='spmd_types'"):
         mt.parallelize_matrixfsdp(None, parallel_dims=dims, training=SimpleNamespace(),
@@ -223,6 +267,11 @@ def test_with_matrixfsdp_defaults_and_no_mutation():
             base.model_spec.parallelize_fn) == before  # the caller's config is untouched
     cfg.lr_scheduler.warmup_steps = 99
     assert base.lr_scheduler.warmup_steps != 99
+    assert cfg.model_spec.parallelize_fn.keywords["replica_step"] == "auto"
+    assert mt.with_matrixfsdp(base, replica_step="split").model_spec.parallelize_fn.keywords["replica_step"] == "split"
+    with pytest.raises(ValueError, match=r"replica_step must be one of \['auto', 'repeat', 'split'\], "
+                                         r"got replica_step='half'"):
+        mt.with_matrixfsdp(base, replica_step="half")
     base.optimizer.param_groups = []
     with pytest.raises(ValueError, match=r"pass adamw_lr \(the source config has no Adam/AdamW group"):
         mt.with_matrixfsdp(base)

@@ -115,6 +115,9 @@ def test_resume_at_another_world_size(reference, tmp_path):
     (["--world", "0"], "--world must be >= 1, got 0"),
     (["--optimizer", "lion"], "argument --optimizer: invalid choice: 'lion'"),
     (["--steps", "ten"], "--steps must be an integer, got 'ten'"),
+    (["--world", "4", "--replicas", "3"], "error: --replicas 3 must divide --world 4"),
+    (["--replicas", "0"], "--replicas must be >= 1, got 0"),
+    (["--replica-step", "half"], "argument --replica-step: invalid choice: 'half'"),
     (["--resume"], "error: --resume: no checkpoint of run 'matrixfsdp-muon'"),
     (["--resume", "--overwrite"], "error: --resume and --overwrite exclude each other"),
     (["--stop-after", "9", "--steps", "5"], "error: --stop-after 9 must be below --steps 5"),
@@ -153,3 +156,54 @@ def test_damaged_checkpoint_is_a_clear_error_and_loses_nothing(reference, tmp_pa
 
     (out / "ckpt" / "matrixfsdp-muon" / "step-000006.json").write_text("{not json")
     assert main([*SMOKE, "--out", str(out), "--resume"]) == 2
+
+
+HSDP = ["--model", "nano", "--steps", "4", "--ckpt-every", "2", "--eval-every", "4", "--sample-bytes", "0",
+        "--max-corpus-bytes", "200000", "--threads", "1", "--world", "4", "--no-compare"]
+# The flat and the HSDP runs compute the same global-batch gradient; only the order of the float32
+# sums differs (4 ranks in one reduce-scatter vs. pairs within a shard group, then across the 2
+# replicas): a few ulp (~1e-7 relative) per step, which 4 Muon steps carry to about 1e-7 in the
+# losses (measured 1.0e-7). 1e-5 is the tolerance the W=2 -> 1 resume above uses, 100x that.
+HSDP_RTOL = 1e-5
+
+
+def _losses(out: Path) -> list[float]:
+    return [r["loss"] for r in records(out, RUNS[0]) if "loss" in r]
+
+
+def test_replicas_hsdp_matches_flat_and_resumes_across_meshes(tmp_path):
+    """``--world 4 --replicas 2``: a (2, 2) HSDP mesh, logged in the header, the checkpoint state
+    and on stdout; the losses are the flat ``--world 4`` run's. A flat checkpoint resumes on the
+    HSDP mesh (``--replica-step repeat``; DCP reshards 1x4 -> 2x2) and continues as the flat run."""
+    flat, hsdp = tmp_path / "flat", tmp_path / "hsdp"
+    train(*HSDP, "--out", str(flat))
+    res = train(*HSDP, "--out", str(hsdp), "--replicas", "2", "--replica-step", "split")
+    head = records(hsdp, RUNS[0])[0]
+    assert head["mesh"] == {"dim_names": ["dp_replicate", "dp_shard"], "shape": [2, 2], "replica_step": "split"}
+    assert head["config"]["replicas"] == 2 and records(flat, RUNS[0])[0]["mesh"]["shape"] == [4]
+    assert "matrixfsdp-muon: W=4 on mesh (dp_replicate=2, dp_shard=2), replica_step split" in res.stdout
+    assert "4 steps at W=4 on mesh (dp_replicate=2, dp_shard=2)" in res.stdout
+    state = json.loads((hsdp / "ckpt" / RUNS[0] / "step-000004.json").read_text())
+    assert state["mesh"]["shape"] == [2, 2]
+    assert all(b["optimizer_step"] == 0 for b in (r["comm_bytes"] for r in records(hsdp, RUNS[0]) if "comm_bytes" in r))
+    ref = _losses(flat)
+    assert len(ref) == 4 and ref[-1] < ref[0]
+    assert _losses(hsdp) == pytest.approx(ref, rel=HSDP_RTOL)
+    assert records(hsdp, RUNS[0])[-1]["heldout_loss"] == pytest.approx(records(flat, RUNS[0])[-1]["heldout_loss"],
+                                                                     rel=HSDP_RTOL)
+
+    # The flat run as if interrupted after step 2..3, resumed on the (2, 2) mesh.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(flat, resumed)
+    log = resumed / f"{RUNS[0]}.jsonl"
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines()
+                           if json.loads(line).get("step", 0) <= 3 and not json.loads(line).get("final")))
+    (resumed / "ckpt" / RUNS[0] / "step-000004.json").unlink()
+    shutil.rmtree(resumed / "ckpt" / RUNS[0] / "step-000004")
+    (resumed / "loss.png").unlink()
+    res = train(*HSDP, "--out", str(resumed), "--resume", "--replicas", "2", "--replica-step", "repeat")
+    assert "resuming from step 2" in res.stdout
+    got = records(resumed, RUNS[0])
+    assert got[-1]["resumed_from"] == 2 and got[-1]["mesh"]["shape"] == [2, 2]
+    assert _losses(resumed)[:2] == ref[:2]  # the flat steps, kept
+    assert _losses(resumed)[2:] == pytest.approx(ref[2:], rel=HSDP_RTOL)

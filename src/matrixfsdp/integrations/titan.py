@@ -14,7 +14,9 @@ What the conversion does:
 
 * ``model_spec.parallelize_fn`` becomes :func:`parallelize_matrixfsdp`: activation checkpointing
   as configured, then ``plan_owners`` over the decoder layers and ``matrixfsdp.fully_shard`` of
-  every layer and of the root on torchtitan's ``"fsdp"`` mesh (mixed precision and
+  every layer and of the root on torchtitan's ``"fsdp"`` mesh, or with ``dp_replicate > 1``
+  (HSDP) on the 2-D ``["dp_replicate", "fsdp"]`` mesh torchtitan's own ``apply_fsdp`` takes
+  (owners planned within ``fsdp``, ``replica_step`` from :func:`with_matrixfsdp`; mixed precision and
   ``fsdp_reshard_after_forward`` from the config), summed gradients (torchtitan normalizes the
   loss by the global token count), full-tensor parameter initialization (see below) and
   matrixfsdp's gradient clipping;
@@ -38,9 +40,15 @@ Activation checkpointing as configured is applied first; the block sharded is th
 layer (the recomputation runs it without the wrapper's hooks). Modules that torchtitan initializes
 with ``reset_parameters()`` (no ``param_init``) are also initialized on full tensors.
 
-Not supported (clear errors): tensor/context/expert/pipeline parallelism, HSDP
-(``dp_replicate > 1``), CPU offload, ``torch.compile`` of the model, MoE (parameters with more
-than 2 dimensions). The clipping dispatch replaces ``torchtitan.distributed.utils.clip_grad_norm_``
+HSDP (``parallelism.data_parallel_replicate_degree > 1``): the data-parallel mesh is torchtitan's
+``parallel_dims.get_mesh(["dp_replicate", "fsdp"])``, the mesh its stock ``apply_fsdp`` gives
+torch's ``fully_shard`` for HSDP (dimension 0 replicates, dimension 1 shards; ``fsdp`` is
+``dp_shard`` since context parallelism is refused). Owners are planned within ``fsdp``, the same
+layout in every replica; ``replica_step`` (``"auto"``, ``"repeat"`` or ``"split"``, see
+``plan_owners``) says how each owned matrix is combined across the replicas.
+
+Not supported (clear errors): tensor/context/expert/pipeline parallelism, CPU offload,
+``torch.compile`` of the model, MoE (parameters with more than 2 dimensions). The clipping dispatch replaces ``torchtitan.distributed.utils.clip_grad_norm_``
 process-wide with a wrapper that calls the original for models without matrixfsdp parameters.
 """
 
@@ -97,17 +105,18 @@ def parallelize_matrixfsdp(
     policy: str = "balanced",
     plan_optimizer: str = "muon",
     collectives: str = "all_to_all",
+    replica_step: str = "auto",
 ) -> nn.Module:
     """torchtitan ``ModelSpec.parallelize_fn`` applying matrixfsdp's ``fully_shard``.
 
     Called by torchtitan's Trainer on the meta-device model (keywords as torchtitan passes them);
-    ``policy``/``plan_optimizer``/``collectives`` are bound by :func:`with_matrixfsdp` and go to
-    ``plan_owners(policy=, optimizer=)`` and ``fully_shard(collectives=)``.
+    ``policy``/``plan_optimizer``/``collectives``/``replica_step`` are bound by
+    :func:`with_matrixfsdp` and go to ``plan_owners(policy=, optimizer=, replica_step=)`` and
+    ``fully_shard(collectives=)`` (``replica_step`` matters only with ``dp_replicate > 1``).
     """
     unsupported = [name for name, on in (
         ("tensor parallelism", parallel_dims.tp_enabled), ("context parallelism", parallel_dims.cp_enabled),
         ("expert parallelism", parallel_dims.ep_enabled), ("pipeline parallelism", parallel_dims.pp_enabled),
-        ("HSDP (dp_replicate > 1)", parallel_dims.dp_replicate_enabled),
         ("CPU offload", bool(getattr(training, "enable_cpu_offload", False))),
         ("torch.compile of the model", bool(compile_config.enable and "model" in compile_config.components)),
     ) if on]
@@ -135,8 +144,11 @@ def parallelize_matrixfsdp(
     # wrapper's hooks do not fire), so the inner module is the block we shard.
     layers = [getattr(layer, "_checkpoint_wrapped_module", layer) for layer in layers]
     block_types = tuple({type(layer) for layer in layers})
-    mesh = parallel_dims.get_mesh("fsdp")
-    plan = plan_owners(model, mesh, block_types=block_types, policy=policy, optimizer=plan_optimizer)
+    # As torchtitan's own apply_fsdp (models/{llama3,qwen3}/parallelize.py, partial_dtensor path):
+    # HSDP is the 2-D ("dp_replicate", "fsdp") mesh, dimension 0 replicating, 1 sharding.
+    mesh = parallel_dims.get_mesh(["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else "fsdp")
+    plan = plan_owners(model, mesh, block_types=block_types, policy=policy, optimizer=plan_optimizer,
+                       replica_step=replica_step)
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[training.mixed_precision_param],
                               reduce_dtype=_DTYPES[training.mixed_precision_reduce])
     raf = {"default": None, "always": True, "never": False}[parallelism.fsdp_reshard_after_forward]
@@ -311,6 +323,7 @@ def with_matrixfsdp(
     optimizer_kwargs: dict[str, Any] | None = None,
     policy: str = "balanced",
     collectives: str = "all_to_all",
+    replica_step: str = "auto",
 ) -> Any:
     """Return ``config`` (a torchtitan ``Trainer.Config``) converted to train with matrixfsdp.
 
@@ -319,7 +332,9 @@ def with_matrixfsdp(
     ``lr`` of the source config's Adam/AdamW group, an error if it has none;
     ``adamw_weight_decay=None``: ``weight_decay``);
     ``optimizer_kwargs`` adds further keyword arguments (e.g. ``{"ns_dtype": torch.float32}``).
-    ``policy`` and ``collectives`` go to ``plan_owners`` and ``fully_shard``. See the module
+    ``policy`` and ``collectives`` go to ``plan_owners`` and ``fully_shard``; ``replica_step``
+    (``"auto"``, ``"repeat"`` or ``"split"``) to ``plan_owners`` for HSDP configs
+    (``parallelism.data_parallel_replicate_degree > 1``; unused otherwise). See the module
     documentation for every field this changes.
 
     Example::
@@ -331,6 +346,11 @@ def with_matrixfsdp(
                          f"got {optimizer=!r}")
     if config.model_spec is None:
         raise ValueError(f"{API}.with_matrixfsdp: the config has no model_spec")
+    from ..planner.planner import REPLICA_STEPS
+
+    if replica_step not in REPLICA_STEPS:
+        raise ValueError(f"{API}.with_matrixfsdp: replica_step must be one of {list(REPLICA_STEPS)}, "
+                         f"got {replica_step=!r}")
     plan_opt = optimizer.lower()
     if adamw_lr is None:
         lrs = [g.optimizer_kwargs["lr"] for g in getattr(config.optimizer, "param_groups", ())
@@ -343,7 +363,7 @@ def with_matrixfsdp(
     config.model_spec = dataclasses.replace(
         config.model_spec,
         parallelize_fn=functools.partial(parallelize_matrixfsdp, policy=policy, plan_optimizer=plan_opt,
-                                         collectives=collectives),
+                                         collectives=collectives, replica_step=replica_step),
     )
     kw: dict[str, Any] = {"lr": lr, "weight_decay": weight_decay, "adamw_lr": adamw_lr,
                           "adamw_weight_decay": adamw_weight_decay, **(optimizer_kwargs or {})}

@@ -3,6 +3,7 @@
     python -m matrixfsdp.train                       # 2 ranks on CPU, Muon, + stock FSDP2/AdamW
     python -m matrixfsdp.train --optimizer soap --world 4 --steps 400 --out runs/soap
     python -m matrixfsdp.train --resume              # continue runs/train from its last checkpoint
+    python -m matrixfsdp.train --world 4 --replicas 2  # HSDP: a (2, 2) (dp_replicate, dp_shard) mesh
     torchrun --nproc-per-node 2 -m matrixfsdp.train  # the same, processes started by torchrun
 
 Data: the Python standard library's own source files, read at run time and byte-tokenized, every
@@ -29,7 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
 
-from .job import MODEL_SIZES, OPTIMIZER_LRS, TrainConfig, TrainError, latest_checkpoint, run_names
+from .job import MODEL_SIZES, OPTIMIZER_LRS, TrainConfig, TrainError, latest_checkpoint, mesh_str, run_names
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
@@ -69,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "1.5e-3 with --optimizer adamw)")
     p.add_argument("--world", type=_positive("--world"), default=None,
                    help="data-parallel ranks (processes) to start; default 2, or torchrun's WORLD_SIZE")
+    p.add_argument("--replicas", type=_positive("--replicas"), default=1,
+                   help="HSDP: the --world ranks form an (R, world / R) mesh (dp_replicate, dp_shard); "
+                        "matrices are owned within each group of world / R ranks, identically in every "
+                        "replica (1: a flat mesh)")
+    p.add_argument("--replica-step", default="auto", choices=("auto", "repeat", "split"),
+                   help="with --replicas > 1, how an owned matrix combines across replicas: 'repeat' "
+                        "(all-reduce, every replica steps it), 'split' (one step replica steps it and "
+                        "all-gathers the result), 'auto' (split for matrices, repeat for element-wise)")
     p.add_argument("--steps", type=_positive("--steps"), default=200, help="optimizer steps per run")
     p.add_argument("--batch", type=_positive("--batch"), default=16,
                    help="global batch in sequences (split evenly over the ranks)")
@@ -123,6 +132,7 @@ def config_from_args(args: argparse.Namespace, world: int) -> TrainConfig:
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
     cfg = TrainConfig(out=args.out, model=args.model, optimizer=args.optimizer, steps=args.steps,
                       batch=args.batch, seq_len=args.seq_len, seed=args.seed, collectives=args.collectives,
+                      replicas=args.replicas, replica_step=args.replica_step,
                       lr=args.lr, adamw_lr=args.adamw_lr, compare=args.compare, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
                       sample_bytes=args.sample_bytes, resume=args.resume, stop_after=args.stop_after,
                       threads=threads, max_corpus_bytes=args.max_corpus_bytes, progress=args.progress)
@@ -166,7 +176,9 @@ def _print_summary(cfg: TrainConfig, finals: list[dict | None]) -> None:
     for f in finals:
         if f is None:
             continue
-        print(f"{f['run']}: {f['step']} steps at W={f['world_size']}: train loss (mean of last 10 steps) "
+        mesh = f.get("mesh")
+        where = f" on mesh {mesh_str(mesh)}" if mesh else ""
+        print(f"{f['run']}: {f['step']} steps at W={f['world_size']}{where}: train loss (mean of last 10 steps) "
               f"{f['train_loss_last10']:.4f}, held-out loss {f['heldout_loss']:.4f}")
     for f in finals:
         if f is not None and f["sample"]:
@@ -234,13 +246,20 @@ def _start_method() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the main job; returns the exit status (see the module docstring)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     tr_world = _torchrun_world()
     try:
         if tr_world is not None and args.world is not None and args.world != tr_world:
             raise TrainError(f"--world {args.world} differs from torchrun's WORLD_SIZE {tr_world}; "
                              "leave --world out under torchrun")
         world = tr_world or args.world or 2
+        if world % args.replicas:
+            msg = (f"--replicas {args.replicas} must divide --world {world} (the mesh is "
+                   f"(replicas, world / replicas))")
+            if os.environ.get("RANK", "0") != "0":
+                return 2  # under torchrun rank 0 reports
+            parser.error(msg)  # exits with status 2
         cfg = config_from_args(args, world)
     except TrainError as e:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks; one reports

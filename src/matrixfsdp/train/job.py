@@ -20,7 +20,9 @@ count is fixed by the command. So a run resumed at the same world size computes 
 the uninterrupted run computes. At another world size the global batch is the same, but the
 gradient is summed over another number of ranks in another order: the result agrees to float32
 rounding, not bitwise (W=2 -> 4 at the default size: losses within 2.2e-7 relative, see
-benchmarks/results/train_default/README.md).
+benchmarks/results/train_default/README.md). The same holds across ``--replicas`` (the HSDP mesh
+is not part of the fingerprint: DCP reshards between the flat and the (R, W/R) meshes and between
+``repeat`` and ``split``); tests/test_train.py resumes a flat W=4 checkpoint on (2, 2).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from ..placement.owned import local_tensor
 from .data import VOCAB_SIZE, Corpus, heldout_windows, load_corpus, local_batch
 
 __all__ = ["TrainConfig", "MODEL_SIZES", "OPTIMIZER_LRS", "run_rank", "TrainError", "latest_checkpoint",
-           "run_names"]
+           "run_names", "mesh_record", "mesh_str"]
 
 
 class TrainError(ValueError):
@@ -86,6 +88,8 @@ class TrainConfig:
     seq_len: int = 128
     seed: int = 0
     collectives: str = "all_to_all"
+    replicas: int = 1              # HSDP: an (replicas, W / replicas) (dp_replicate, dp_shard) mesh
+    replica_step: str = "auto"     # plan_owners(replica_step=) with replicas > 1
     lr: float | None = None        # None: OPTIMIZER_LRS[optimizer]
     adamw_lr: float | None = None
     compare: bool = True
@@ -184,16 +188,42 @@ def _build_model(cfg: TrainConfig) -> Decoder:
     return model
 
 
+def _mesh(cfg: TrainConfig) -> Any:
+    """The data-parallel mesh of both runs: 1-D ``dp_shard`` over the world, or with
+    ``replicas > 1`` the HSDP mesh ``(replicas, W / replicas)`` named ``(dp_replicate, dp_shard)``
+    (consecutive ranks share a shard group, as ranks of one node would)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    W, R = dist.get_world_size(), cfg.replicas
+    if W % R:
+        raise TrainError(f"--replicas {R} must divide --world {W}")
+    if R == 1:
+        return init_device_mesh("cpu", (W,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh("cpu", (R, W // R), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def mesh_record(cfg: TrainConfig, world: int) -> dict[str, Any]:
+    """How the logs describe the mesh: dimension names and sizes (and the replica mode under HSDP)."""
+    if cfg.replicas == 1:
+        return {"dim_names": ["dp_shard"], "shape": [world]}
+    return {"dim_names": ["dp_replicate", "dp_shard"], "shape": [cfg.replicas, world // cfg.replicas],
+            "replica_step": cfg.replica_step}
+
+
+def mesh_str(mesh: dict[str, Any]) -> str:
+    """``(dp_replicate=2, dp_shard=2)`` for a :func:`mesh_record`."""
+    return "(" + ", ".join(f"{n}={k}" for n, k in zip(mesh["dim_names"], mesh["shape"])) + ")"
+
+
 def _build_matrixfsdp(cfg: TrainConfig) -> _Run:
     import matrixfsdp
-    from torch.distributed.device_mesh import init_device_mesh
 
     from .._fully_shard import comm_counter
 
-    W = dist.get_world_size()
     model = _build_model(cfg)
-    mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("dp_shard",))
-    plan = matrixfsdp.plan_owners(model, mesh, block_types=(DecoderLayer,), optimizer=cfg.optimizer)
+    mesh = _mesh(cfg)
+    plan = matrixfsdp.plan_owners(model, mesh, block_types=(DecoderLayer,), optimizer=cfg.optimizer,
+                                  replica_step=cfg.replica_step)
     for layer in model.model.layers:
         matrixfsdp.fully_shard(layer, mesh=mesh, plan=plan, collectives=cfg.collectives)
     matrixfsdp.fully_shard(model, mesh=mesh, plan=plan, collectives=cfg.collectives)
@@ -213,12 +243,10 @@ def _build_matrixfsdp(cfg: TrainConfig) -> _Run:
 
 
 def _build_fsdp2(cfg: TrainConfig) -> _Run:
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    W = dist.get_world_size()
     model = _build_model(cfg)
-    mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("dp_shard",))
+    mesh = _mesh(cfg)  # 2-D: torch's own HSDP
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -310,6 +338,12 @@ def _train_run(cfg: TrainConfig, corpus: Corpus, build: Callable[[TrainConfig], 
         torch.set_rng_state(torch.tensor(bytearray.fromhex(state["torch_rng"]), dtype=torch.uint8))
         start = int(state["step"])
 
+    if rank == 0:
+        mesh = mesh_record(cfg, W)
+        print(f"{name}: W={W} on mesh {mesh_str(mesh)}"
+              + (f", replica_step {cfg.replica_step}" if cfg.replicas > 1 and name.startswith("matrixfsdp") else "")
+              + (f", resuming from step {start}" if start else ""), flush=True)
+
     # The log: keep what the checkpoint covers (steps <= start), drop the rest (it is recomputed).
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -324,7 +358,7 @@ def _train_run(cfg: TrainConfig, corpus: Corpus, build: Callable[[TrainConfig], 
                     kept.append(line)
         else:
             kept.append(json.dumps({"run": name, "header": True, "config": dataclasses.asdict(cfg),
-                                    "world_size": W, "model_params": MODEL_SIZES[cfg.model].num_params,
+                                    "world_size": W, "mesh": mesh_record(cfg, W), "model_params": MODEL_SIZES[cfg.model].num_params,
                                     "corpus": {"files": corpus.files, "train_bytes": corpus.train.numel(),
                                                "heldout_bytes": corpus.heldout.numel(),
                                                "sha256": corpus.sha256, "root": corpus.root},
@@ -403,7 +437,7 @@ def _train_run(cfg: TrainConfig, corpus: Corpus, build: Callable[[TrainConfig], 
     digest = _param_digest(run.model)
     last = [json.loads(x) for x in log_path.read_text().splitlines()] if rank == 0 else []
     train_losses = [r["loss"] for r in last if "loss" in r]
-    final = {"run": name, "final": True, "step": cfg.steps, "world_size": W,
+    final = {"run": name, "final": True, "step": cfg.steps, "world_size": W, "mesh": mesh_record(cfg, W),
              "train_loss_last10": sum(train_losses[-10:]) / max(1, len(train_losses[-10:])),
              "heldout_loss": heldout, "sample": sample, "param_sha256": digest,
              "wall_s_this_process": time.perf_counter() - t_run, "resumed_from": start}
@@ -423,7 +457,8 @@ def _save(cfg: TrainConfig, run: _Run, ckpt_dir: Path, step: int, corpus: Corpus
     path = ckpt_dir / f"step-{step:06d}"
     mckpt.save(path, run.model, run.opt)
     if rank == 0:  # the trainer state goes last: a checkpoint counts once its .json exists
-        state = {"step": step, "world_size": dist.get_world_size(), "fingerprint": cfg.fingerprint(),
+        state = {"step": step, "world_size": dist.get_world_size(),
+                 "mesh": mesh_record(cfg, dist.get_world_size()), "fingerprint": cfg.fingerprint(),
                  "corpus_sha256": corpus.sha256, "torch_rng": bytes(torch.get_rng_state().tolist()).hex()}
         _atomic_write(path.with_name(path.name + ".json"), json.dumps(state))
         # keep the newest two
