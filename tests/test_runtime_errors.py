@@ -47,10 +47,11 @@ def check_errors() -> int:
         fully_shard(model, mesh=mesh, plan=plan, shard_placement_fn=lambda p: None)
     n += 3
 
-    # --- non-1-D mesh
-    mesh2d = init_device_mesh("cpu", (1, W), mesh_dim_names=("rep", "shard"))
-    with pytest.raises(ValueError, match=r"matrixfsdp.fully_shard: mesh must be 1-D .* got a 2-D mesh of shape \(1, %d\)" % W):
-        fully_shard(model.blocks[0], mesh=mesh2d, plan=plan)
+    # --- a mesh of more than two dimensions (2-D is HSDP: tests/test_hsdp.py)
+    mesh3d = init_device_mesh("cpu", (1, 1, W), mesh_dim_names=("rep", "shard", "tp"))
+    with pytest.raises(ValueError, match=r"matrixfsdp.fully_shard: mesh must be a 1-D mesh .* or a 2-D HSDP mesh "
+                                         r"\(dp_replicate, dp_shard\), got a 3-D mesh of shape \(1, 1, %d\); pass" % W):
+        fully_shard(model.blocks[0], mesh=mesh3d, plan=plan)
     n += 1
 
     # --- plan for another world size
