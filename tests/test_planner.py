@@ -112,12 +112,13 @@ def test_meta_and_real_models_plan_identically():
     assert plan_owners(real, 3, block_types=DecoderLayer).digest == plan_owners(meta, 3, block_types=DecoderLayer).digest
 
 
-def test_mesh_argument_needs_1d():
+def test_mesh_argument_needs_1d_or_named_2d():
     from torch.distributed.device_mesh import DeviceMesh
 
     class FakeMesh(DeviceMesh):
         def __init__(self, ndim, size):  # no process group needed for the check
             self._nd, self._sz = ndim, size
+            self._mesh_dim_names = None
 
         @property
         def ndim(self):
@@ -128,7 +129,10 @@ def test_mesh_argument_needs_1d():
 
     model = Net([Block([(4, 4)])])
     assert plan_owners(model, FakeMesh(1, 3), block_types=Block).world_size == 3
-    with pytest.raises(ValueError, match=r"plan_owners: mesh must be 1-D .* got a 2-D mesh"):
+    with pytest.raises(ValueError, match=r"plan_owners: mesh must be a 1-D mesh .* or a 2-D HSDP mesh "
+                                         r"\(dp_replicate, dp_shard\), got a 3-D mesh"):
+        plan_owners(model, FakeMesh(3, 4), block_types=Block)
+    with pytest.raises(ValueError, match=r"plan_owners: a 2-D \(HSDP\) mesh needs dimension names"):
         plan_owners(model, FakeMesh(2, 4), block_types=Block)
 
 
@@ -137,7 +141,7 @@ def test_mesh_argument_needs_1d():
     "kwargs, exc, match",
     [
         (dict(world_size_or_mesh=0), ValueError, r"plan_owners: world size must be >= 1, got world_size=0"),
-        (dict(world_size_or_mesh=2.0), TypeError, r"must be an int or a 1-D DeviceMesh, got float"),
+        (dict(world_size_or_mesh=2.0), TypeError, r"must be an int, an \(replicas, shard\) pair, or a 1-D or 2-D \(dp_replicate, dp_shard\) DeviceMesh, got float"),
         (dict(policy="lpt"), ValueError, r"plan_owners: policy must be one of .* got policy='lpt'"),
         (dict(cost="time"), ValueError, r"plan_owners: cost must be one of .* got cost='time'"),
         (dict(optimizer="sgd"), ValueError, r"plan_owners: optimizer must be one of .* got optimizer='sgd'"),
@@ -353,3 +357,73 @@ def test_full_tensor_is_exported():
     from matrixfsdp.placement.owned import full_tensor
 
     assert matrixfsdp.full_tensor is full_tensor and "full_tensor" in matrixfsdp.__all__
+
+
+# ------------------------------------------------------------------------------------ HSDP replicas
+def test_flat_plan_digests_unchanged_by_replicas():
+    """``OwnerPlan.digest`` is a public contract: flat plans hash as before replicas existed
+    (digests computed at bac28fb, before the HSDP fields)."""
+    with torch.device("meta"):
+        m = Decoder(PRESETS["qwen3-0.6b"])
+    assert plan_owners(m, 8, block_types=DecoderLayer).digest == \
+        "e00a5067888e80df447b216e9afbc0d0350f19c088492bddc4348e9f9b33f38a"
+    assert plan_owners(m, 4, block_types=DecoderLayer, policy="alpha_balanced").digest == \
+        "46709ccb94a6e16b946f971222ce8ef60c0543b23d2860f7236f375d112f0192"
+    assert plan_owners(m, (1, 8), block_types=DecoderLayer).digest == plan_owners(m, 8, block_types=DecoderLayer).digest
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=blocks_st, R=st.integers(2, 4), S=st.integers(1, 5), mode=st.sampled_from(["auto", "repeat", "split"]))
+def test_step_replicas_invariants(spec, R, S, mode):
+    """Owners are planned as on a flat S-rank mesh; split parameters get a step replica in range,
+    each (block, owner)'s split parameters in plan order take replicas in non-decreasing order
+    (one whole-tensor interval per replica), auto splits exactly the matrices, the plan
+    round-trips through JSON and its digest covers the replica assignment."""
+    model = _net(spec)
+    flat = plan_owners(model, S, block_types=Block)
+    plan = plan_owners(model, (R, S), block_types=Block, replica_step=mode)
+    assert plan.replicas == R and plan.world_size == S
+    assert [(p.fqn, p.owner, p.placement) for p in plan.params] == [(p.fqn, p.owner, p.placement) for p in flat.params]
+    for p in plan.params:
+        split = p.step_replica is not None
+        want = p.owner is not None and (mode == "split" or (mode == "auto" and p.placement == "matrix"))
+        assert split == want, p
+        assert not split or 0 <= p.step_replica < R
+    for b in (*plan.blocks, ""):
+        for s in range(S):
+            seq = [p.step_replica for p in plan.params_of_block(b) if p.owner == s and p.step_replica is not None]
+            assert seq == sorted(seq), (b, s, seq)
+    assert OwnerPlan.from_json(plan.to_json()) == plan
+    assert plan.digest != flat.digest
+    if any(p.step_replica is not None for p in plan.params):
+        import dataclasses
+
+        moved = next(p for p in plan.params if p.step_replica is not None)
+        other = dataclasses.replace(moved, step_replica=(moved.step_replica + 1) % R)
+        tampered = dataclasses.replace(plan, params=tuple(other if p is moved else p for p in plan.params))
+        assert tampered.digest != plan.digest
+
+
+def test_split_balances_step_cost_across_replicas():
+    """On Qwen3-0.6B at 4 x 8, each owner's matrix work splits evenly across its replicas: the
+    busiest replica's step cost is within 10% of the owner's total / R, and split's per-replica
+    state is about 1/R of repeat's."""
+    with torch.device("meta"):
+        m = Decoder(PRESETS["qwen3-0.6b"])
+    R, S = 4, 8
+    split = plan_owners(m, (R, S), block_types=DecoderLayer, replica_step="split")
+    repeat = plan_owners(m, (R, S), block_types=DecoderLayer, replica_step="repeat")
+    cost, state = split.replica_stats
+    rcost, rstate = repeat.replica_stats
+    assert max(cost) <= 1.10 * sum(cost) / R
+    assert max(state) <= max(rstate) / R + max(p.state_nbytes for p in split.params)
+    assert split.replica_step == "split" and repeat.replica_step == "repeat"
+    assert plan_owners(m, (R, S), block_types=DecoderLayer).replica_step == "mixed"  # auto: tails repeat
+
+
+def test_replica_step_bad_input():
+    model = Net([Block([(4, 4)])])
+    with pytest.raises(ValueError, match=r"plan_owners: replica_step must be one of \('auto', 'repeat', 'split'\), got replica_step='halve'"):
+        plan_owners(model, (2, 2), block_types=Block, replica_step="halve")
+    with pytest.raises(ValueError, match=r"plan_owners: an \(replicas, shard\) pair needs two ints >= 1, got \(0, 2\)"):
+        plan_owners(model, (0, 2), block_types=Block)

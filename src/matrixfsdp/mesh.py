@@ -6,15 +6,18 @@ A :class:`MeshInfo` names three roles, as FSDP2's ``FSDPMeshInfo``/``HSDPMeshInf
 
 * **shard** (``dp_shard``): the ranks among which owners are planned; every parameter's owner is
   a rank of this dimension, and the reductions run over it;
-* **replicate** (``dp_replicate``): copies of the shard group (HSDP); size 1 today;
+* **replicate** (``dp_replicate``): copies of the shard group (HSDP); every replica group has
+  the same owner layout, and gradients are combined across replicas after the shard reduction;
 * **tp**: tensor parallelism inside a rank's model shard; size 1 today.
 
-The planner, both front-ends and checkpoints read meshes only through this object. Its sizes and
-ranks come from the ``DeviceMesh`` alone (no process group), so the planner can use it offline;
-``shard_group`` is the one place a front-end takes the process group of its role.
-
-Only 1-D meshes (shard only) are accepted today: :func:`mesh_info` refuses others with a
-``ValueError`` on every rank alike (the check reads the mesh's shape only).
+A 1-D mesh is the shard dimension alone. A 2-D mesh is HSDP, as torch's ``fully_shard`` takes it:
+dimension 0 replicates, dimension 1 shards, so ``init_device_mesh(dev, (R, S),
+mesh_dim_names=("dp_replicate", "dp_shard"))`` puts the ``S`` ranks of one node in a shard
+group. The planner, both front-ends and checkpoints read meshes only through this object. Its
+sizes come from the mesh's shape alone (no process group), so the planner can use it offline;
+``shard_group``/``replicate_group`` are the one place a front-end takes the process groups of its
+roles. Meshes of three or more dimensions (TP) are refused with a ``ValueError`` on every rank
+alike (the check reads the mesh's shape only).
 """
 
 from __future__ import annotations
@@ -71,26 +74,43 @@ class MeshInfo:
 
     Example::
 
-        info = mesh_info(init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",)), api="fully_shard")
-        info.shard_size, info.shard_rank, info.replicate_size   # 4, this rank, 1
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp_replicate", "dp_shard"))
+        info = mesh_info(mesh, api="fully_shard")
+        info.shard_size, info.shard_rank, info.replicate_size   # 4, this rank's column, 2
     """
 
     mesh: DeviceMesh
-    #: the 1-D mesh of this rank's shard (owner) group
-    shard_mesh: DeviceMesh
+    #: the 1-D mesh of this rank's shard (owner) group (``None`` for a planner-only view)
+    shard_mesh: DeviceMesh | None
+    #: the 1-D mesh of this rank's replicate group (HSDP), else ``None``
+    replicate_mesh: DeviceMesh | None = None
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.mesh.ndim == 2
 
     @property
     def shard_size(self) -> int:
-        return self.shard_mesh.size()
+        return int(self.mesh.size(self.mesh.ndim - 1))
+
+    @property
+    def replicate_size(self) -> int:
+        return int(self.mesh.size(0)) if self.is_hsdp else 1
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks in all: ``replicate_size * shard_size`` (the gradient average's divisor)."""
+        return self.shard_size * self.replicate_size
 
     @property
     def shard_rank(self) -> int:
         """This rank's coordinate in the shard dimension (the owner index space)."""
-        return self.shard_mesh.get_local_rank()
+        return self._member(self.shard_mesh).get_local_rank()
 
     @property
-    def replicate_size(self) -> int:
-        return 1
+    def replicate_rank(self) -> int:
+        """This rank's coordinate in the replicate dimension (0 without HSDP)."""
+        return self.replicate_mesh.get_local_rank() if self.replicate_mesh is not None else 0
 
     @property
     def tp_size(self) -> int:
@@ -99,28 +119,57 @@ class MeshInfo:
     @property
     def shard_group(self) -> Any:
         """The process group of the shard dimension (created with the mesh)."""
-        return self.shard_mesh.get_group()
+        return self._member(self.shard_mesh).get_group()
+
+    @property
+    def replicate_group(self) -> Any:
+        """The process group of the replicate dimension (HSDP), else ``None``."""
+        return self.replicate_mesh.get_group() if self.replicate_mesh is not None else None
 
     @property
     def device(self) -> torch.device:
         return mesh_device(self.mesh)
 
+    def ranks_of_shard(self, s: int) -> list[int]:
+        """The global ranks at shard coordinate ``s``, one per replica, in replica order."""
+        grid = self.mesh.mesh.reshape(self.replicate_size, self.shard_size)
+        return grid[:, s].tolist()
 
-def mesh_info(mesh: Any, *, api: str, member: bool = True) -> MeshInfo:
+    @staticmethod
+    def _member(mesh: DeviceMesh | None) -> DeviceMesh:
+        if mesh is None:
+            raise ValueError("matrixfsdp: this mesh view was built for planning only (member=False)")
+        return mesh
+
+
+def mesh_info(mesh: Any, *, api: str, member: bool = True, hsdp: bool = True) -> MeshInfo:
     """Check ``mesh`` and name its roles; ``api`` prefixes the errors.
 
-    Raises ``TypeError`` for a non-mesh and ``ValueError`` for a mesh of more than one dimension
-    (HSDP and TP are not supported yet) or, with ``member`` (the front-ends), one this rank is not
-    part of. The planner passes ``member=False``: it reads shapes only.
+    Raises ``TypeError`` for a non-mesh and ``ValueError`` for a mesh of more than two dimensions
+    (TP is not supported yet), a 2-D mesh without dimension names or where ``hsdp`` is False (an
+    API without HSDP), or, with ``member`` (the front-ends), one this rank is not part of. The
+    planner passes ``member=False``: it reads shapes only.
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{api}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        shape = f" of shape {tuple(mesh.shape)}" if hasattr(mesh, "shape") else ""
-        raise ValueError(
-            f"{api}: mesh must be 1-D (the data-parallel shard dimension), got a {mesh.ndim}-D "
-            f"mesh{shape}; pass mesh['dp_shard'] or a 1-D mesh"
-        )
+    shape = f" of shape {tuple(mesh.shape)}" if hasattr(mesh, "shape") else ""
+    if mesh.ndim not in (1, 2) or (mesh.ndim == 2 and not hsdp):
+        allowed = ("a 1-D mesh (the data-parallel shard dimension) or a 2-D HSDP mesh "
+                   "(dp_replicate, dp_shard)") if hsdp else "1-D (the data-parallel shard dimension)"
+        hint = "pass mesh['dp_shard'] or a 1-D mesh" if not hsdp or mesh.ndim > 2 else ""
+        raise ValueError(f"{api}: mesh must be {allowed}, got a {mesh.ndim}-D mesh{shape}"
+                         + (f"; {hint}" if hint else ""))
     if member and mesh.get_coordinate() is None:
         raise ValueError(f"{api}: this rank is not part of the mesh {mesh}")
-    return MeshInfo(mesh=mesh, shard_mesh=mesh)
+    if mesh.ndim == 1:
+        return MeshInfo(mesh=mesh, shard_mesh=mesh)
+    names = mesh.mesh_dim_names
+    if not names:
+        raise ValueError(
+            f"{api}: a 2-D (HSDP) mesh{shape} needs dimension names (dimension 0 replicates, "
+            "dimension 1 shards); build it with init_device_mesh(device_type, (R, S), "
+            "mesh_dim_names=(\"dp_replicate\", \"dp_shard\"))"
+        )
+    if not member:
+        return MeshInfo(mesh=mesh, shard_mesh=None)
+    return MeshInfo(mesh=mesh, shard_mesh=mesh[names[1]], replicate_mesh=mesh[names[0]])

@@ -98,7 +98,7 @@ def fully_shard(
     if plan is not None:
         verify_plan_digest(plan, info, api=API)  # collective: before any plan-dependent check
         check_world_size(plan, info, api=API)
-    owner_meshes(mesh)
+    owner_meshes(mesh)  # collective on an HSDP mesh (the flattened group), every rank calls
 
     params = _collect_managed(module, set(ignored_params or ()))
     config = ShardConfig(info=info, reshard_after_forward=reshard_after_forward,
@@ -117,6 +117,7 @@ def fully_shard(
         # state dicts always see the sharded parameters, also between a forward that kept its
         # unsharded leaves in the slots and its backward (as FSDP2)
         module.register_state_dict_pre_hook(to_sharded),
+        module.register_state_dict_pre_hook(functools.partial(_settle_hook, state)),
         module._register_load_state_dict_pre_hook(to_sharded),
     ]
     swap_class(module, MatrixFSDPModule, API)
@@ -130,8 +131,9 @@ def fully_shard(
     return module
 
 
-def comm_counter(module: nn.Module) -> CommCounter:
-    """The call/byte counter of the collectives ``module``'s blocks use (shared per mesh).
+def comm_counter(module: nn.Module, role: str = "shard") -> CommCounter:
+    """The call/byte counter of the collectives ``module``'s blocks use (shared per mesh) over
+    the ``role`` dimension: ``"shard"`` (the owner group) or, on an HSDP mesh, ``"replicate"``.
 
     Example::
 
@@ -139,7 +141,13 @@ def comm_counter(module: nn.Module) -> CommCounter:
         loss.backward(); print(c.calls["reduce_scatter"], c.bytes_sent)
     """
     state = _state_of(module, "matrixfsdp.comm_counter")
-    return collectives_for(state.config.info.shard_group, state.config.collectives).counter
+    info = state.config.info
+    if role not in ("shard", "replicate"):
+        raise ValueError(f"matrixfsdp.comm_counter: role must be 'shard' or 'replicate', got {role!r}")
+    if role == "replicate" and not info.is_hsdp:
+        raise ValueError("matrixfsdp.comm_counter: role='replicate' needs an HSDP (2-D) mesh")
+    group = info.shard_group if role == "shard" else info.replicate_group
+    return collectives_for(group, state.config.collectives).counter
 
 
 def drop_stale_state(module: nn.Module) -> None:
@@ -211,6 +219,14 @@ class MatrixFSDPModule:
             return handle
         handle.wait()
         return None
+
+    def sync_params(self) -> None:
+        """Bring every replica's parameters up to date now (HSDP ``split``: the step replicas'
+        values since the last ``step()``; a collective then, a no-op otherwise). Call on every
+        rank; ``state_dict()``, checkpoints and ``full_tensor()`` do it themselves."""
+        state = _state_of(self, "sync_params")  # type: ignore[arg-type]
+        if state.ctx is not None and state.ctx.exchange is not None and not in_backward():
+            state.ctx.exchange.settle()
 
     def reshard(self) -> None:
         """Free the materialized parameters (owners keep their own storage)."""
@@ -358,6 +374,12 @@ def _pre_forward_hook(state: BlockState, module: nn.Module, args: tuple, kwargs:
 
 def _post_forward_hook(state: BlockState, module: nn.Module, args: Any, output: Any) -> Any:
     return state.post_forward(output)
+
+
+def _settle_hook(state: BlockState, *args: Any, **kwargs: Any) -> None:
+    """State dicts see every replica's current values (HSDP split, see [Note: deferred gathers])."""
+    if state.ctx is not None and state.ctx.exchange is not None and not in_backward():
+        state.ctx.exchange.settle()
 
 
 def _to_sharded_hook(state: BlockState, *args: Any, **kwargs: Any) -> None:

@@ -43,7 +43,7 @@ from ..comm.collectives import SegmentCollectives, collectives_for
 from ..planner.record import OwnerPlan, ParamPlan
 from ..mesh import MeshInfo
 from .param import ManagedParam, shard_param
-from .param_group import CommContext
+from .param_group import CommContext, ReplicaComm
 from .state import BlockState, RootContext
 
 API = "matrixfsdp.fully_shard"
@@ -129,7 +129,7 @@ def plan_call(params: list[ManagedParam], info: MeshInfo) -> OwnerPlan:
         orig = mp.orig
         m.register_parameter(attr, nn.Parameter(torch.empty(orig.shape, dtype=orig.dtype, device="meta"),
                                                 requires_grad=orig.requires_grad))
-    plan = plan_owners(holder, W, blocks=[holder])
+    plan = plan_owners(holder, (info.replicate_size, W) if info.is_hsdp else W, blocks=[holder])
     loads = [0.0] * W
     for pp in plan.params:
         if pp.owner is not None:
@@ -145,6 +145,44 @@ def plan_call(params: list[ManagedParam], info: MeshInfo) -> OwnerPlan:
         dataclasses.replace(pp, owner=None if pp.owner is None else perm[pp.owner]) for pp in plan.params))
 
 
+def chunk_order(params: list[ManagedParam], plan_order: dict[str, int]) -> None:
+    """Order a block's parameters as its chunks travel: ``split`` parameters first (by plan
+    order, which puts each owner's in step-replica order), then the rest (see [Note: replica
+    phase] in ``param_group.py``). Without HSDP split this is plan order."""
+    params.sort(key=lambda mp: (mp.plan.step_replica is None, plan_order[mp.fqn]))  # type: ignore[union-attr]
+
+
+def replica_comm(info: MeshInfo, kind: str) -> ReplicaComm | None:
+    """The replicate group's collectives (HSDP), else ``None``."""
+    if not info.is_hsdp:
+        return None
+    return ReplicaComm(collectives_for(info.replicate_group, kind), info.replicate_rank, info.replicate_size)
+
+
+def attach_exchange(ctx: RootContext, info: MeshInfo) -> None:
+    """HSDP split: one deferred gather per block holding split parameters on this rank, and the
+    exchange on every split parameter's descriptor (see [Note: deferred gathers])."""
+    import dataclasses
+
+    from ..engine.exchange import Exchange, GatherUnit, watch_optimizer_steps
+    from ..placement.owner import owner_of, set_owner
+
+    split = [mp for s in ctx.states for mp in s.params if mp.plan.step_replica is not None]  # type: ignore[union-attr]
+    if not info.is_hsdp or not split:
+        return
+    ex = Exchange(params=[mp.sharded for s in ctx.states for mp in s.params])
+    for s in ctx.states:
+        g = s.group
+        if any(mp.plan.step_replica is not None and mp.plan.owner == info.shard_rank for mp in s.params):  # type: ignore[union-attr]
+            unit = GatherUnit(g.replica_gather)
+            ex.units.append(unit)
+            g.exchange = (ex, unit)
+    for mp in split:
+        set_owner(mp.sharded, dataclasses.replace(owner_of(mp.sharded), exchange=ex))  # type: ignore[arg-type]
+    ctx.exchange = ex
+    watch_optimizer_steps(ex)
+
+
 def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, info: MeshInfo,
                  coll: SegmentCollectives) -> None:
     """Shard one plan-less call's parameters and make its module the root of every wrapped module
@@ -156,9 +194,10 @@ def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, i
                          "mp_policy.param_dtype to materialize them in one dtype")
     if plan is not None:  # None: the module manages no parameter of its own
         order = {p.fqn: i for i, p in enumerate(plan.params)}
-        state.params.sort(key=lambda mp: order[mp.fqn])
         for mp in state.params:
             mp.plan = plan[mp.fqn]
+        chunk_order(state.params, order)
+        for mp in state.params:
             shard_param(mp, info)
     entries = [(name, s) for name, m in module.named_modules() if (s := get_state(m)) is not None]
     for name, s in entries:
@@ -171,12 +210,16 @@ def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, i
             raise ValueError(f"{API}: {name!r} was wrapped with mesh {s.config.mesh} but its root "
                              f"{type(module).__name__} with {mesh}; use one data-parallel mesh")
     comm = CommContext(info.device)
-    state.resolve(fqn="", rank=rank, coll=coll, comm=comm)
+    state.resolve(fqn="", rank=rank, coll=coll, comm=comm,
+                  replicas=replica_comm(info, state.config.collectives))
     ctx = RootContext(root=state, states=[s for _, s in entries], comm=comm)
     for name, s in entries:
         s.ctx, s.is_root, s.fqn = ctx, s is state, name
         s.group.comm = comm
         s.group.fqn = name
+    for _, s in entries:  # one exchange for the new root (earlier calls' blocks included)
+        s.group.exchange = None
+    attach_exchange(ctx, info)
     names: dict[int, str] = {}
     for n, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), n)
@@ -245,7 +288,7 @@ def _resolve(root: nn.Module, plan: OwnerPlan, info: MeshInfo) -> None:
     order = {p.fqn: i for i, p in enumerate(plan.params)}
     rank = info.shard_rank
     for name, _, s in entries:
-        s.params.sort(key=lambda mp: order[mp.fqn])  # plan order: identical on every rank
+        chunk_order(s.params, order)  # identical on every rank
         for mp in s.params:
             shard_param(mp, info)
     # The planned model is the root of every state under it (FSDP2 picks its root lazily, at the
@@ -253,12 +296,13 @@ def _resolve(root: nn.Module, plan: OwnerPlan, info: MeshInfo) -> None:
     comm = CommContext(info.device)
     for name, _, s in entries:
         s.resolve(fqn=name, rank=rank, coll=collectives_for(info.shard_group, s.config.collectives),
-                  comm=comm)
+                  comm=comm, replicas=replica_comm(info, s.config.collectives))
     root_state = entries[0][2]
     ctx = RootContext(root=root_state, states=[s for _, _, s in entries], comm=comm)
     for _, _, s in entries:
         s.ctx = ctx
         s.is_root = s is root_state
+    attach_exchange(ctx, info)
 
 
 # ================================================================================ checks

@@ -23,6 +23,7 @@ across a reshard-after-forward (see [Note: buffer lifetime] in ``param_group.py`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..mesh import MeshInfo
-from ..placement.owner import FQN_ATTR
+from ..placement.owner import FQN_ATTR, owner_of, set_owner
 from ..placement.owned import local_tensor, make_sharded_param, owned_of
 
 if TYPE_CHECKING:
@@ -89,7 +90,12 @@ class ManagedParam:
         """
         pp, old = self.plan, self.sharded
         new = make_sharded_param(local, shape=tuple(pp.shape), mesh=mesh, owner=pp.owner,
-                                 kind=pp.placement, requires_grad=old.requires_grad)
+                                 kind=pp.placement, requires_grad=old.requires_grad,
+                                 step_replica=pp.step_replica)
+        info = owner_of(old)
+        if info is not None and info.exchange is not None:  # the runtime's, set at resolution
+            set_owner(new, dataclasses.replace(owner_of(new), exchange=info.exchange))  # type: ignore[arg-type]
+        setattr(new, FQN_ATTR, self.fqn)
         if old.grad is not None:
             old.grad = None  # a use of the old storage would block the swap; it is stale anyway
         torch.utils.swap_tensors(old, new)
@@ -141,7 +147,8 @@ def shard_param(mp: ManagedParam, info: MeshInfo) -> None:
         else:
             local = data.new_empty(pp.local_shape(rank, W))
     mp.sharded = make_sharded_param(local, shape=tuple(pp.shape), mesh=mesh, owner=pp.owner,
-                                    kind=pp.placement, requires_grad=orig.requires_grad)
+                                    kind=pp.placement, requires_grad=orig.requires_grad,
+                                    step_replica=pp.step_replica)
     setattr(mp.sharded, FQN_ATTR, mp.fqn)  # optimizers' warnings name it
     mp.orig = None
     mp.to_sharded()

@@ -63,6 +63,18 @@ tensors are its norms) the copy would cost more than the duplicate it saves, and
 stays until reshard. Either way the duplicate held is at most ``min(single, multi)`` peer
 elements, and only when ``recv`` is kept.
 
+[Note: replica phase]
+On an HSDP mesh the shard reduction is followed by a second phase over this rank's replicate
+group (see [Note: replicas and step replicas] in ``planner/record.py``). A block's parameters are
+ordered so that every chunk starts with its ``split`` pieces, in step-replica order, and ends with
+the rest; the replicas then reduce-scatter the split prefix in whole-tensor intervals (the step
+replica alone receives each sum) and all-reduce the remainder (``repeat`` pieces, evenly sharded
+rows, usage flags and padding). On an accelerator the phase follows the shard reduction on the
+reduce stream; on the CPU it runs when the reduction is finished. Divisions use the whole
+data-parallel world (``R * S``), as HSDP's average. After ``step()`` the step replica's new values
+go back to the other owners through the engine's deferred gathers ([Note: deferred gathers]),
+awaited by :meth:`ParamGroup.unshard` before the block's own gather sends them.
+
 [Note: usage flags in a block]
 The engine's [Note: unused parameters] rule, in a block's wire format: every destination's chunk
 ends with one flag per reduced parameter of the block (evenly sharded parameters have rows on
@@ -83,12 +95,13 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..comm.collectives import Handle, SegmentCollectives
+from ..engine.exchange import Exchange, GatherUnit
 from ..engine.layout import BlockLayout
 from ..engine.reduce import divide_factors
 from ..placement.owned import make_sharded_grad
 from .param import ManagedParam
 
-__all__ = ["CommContext", "ParamGroup", "PendingReduce", "accumulate_grad"]
+__all__ = ["CommContext", "ParamGroup", "PendingReduce", "ReplicaComm", "accumulate_grad"]
 
 
 def _free(t: torch.Tensor | None) -> None:
@@ -130,6 +143,15 @@ class CommContext:
         return torch.get_device_module(self.device.type).stream(stream)
 
 
+@dataclass(frozen=True, eq=False)
+class ReplicaComm:
+    """This rank's replicate group (HSDP): its collectives, coordinate and size."""
+
+    coll: SegmentCollectives
+    rank: int
+    size: int
+
+
 @dataclass(eq=False)
 class PendingReduce:
     """One issued reduction: what ``ParamGroup.finish`` needs once it completed."""
@@ -144,7 +166,7 @@ class PendingReduce:
     local_used: tuple[bool, ...]  #: per reduced param: this rank contributed a gradient
     #: on an accelerator: the sharded gradients (and the tensors behind them) the reduce stream
     #: produced after the collective; ``None`` on the CPU (made by ``finish``)
-    reduced: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    reduced: tuple[list[torch.Tensor | None], list[torch.Tensor]] | None = None
 
 
 class ParamGroup:
@@ -163,10 +185,15 @@ class ParamGroup:
         #: read the summed usage flags of parameters this rank did not use (see [Note: usage-flag
         #: host read] in ``engine/reduce.py``); ``set_find_unused_parameters(False)`` clears it
         self.find_unused = True
+        self.replicas: ReplicaComm | None = None
+        #: HSDP split: the deferred gather of the step replicas' new values (see [Note: replica phase])
+        self.exchange: tuple[Exchange, GatherUnit] | None = None
 
     # ============================================================================ resolution
-    def resolve(self, *, fqn: str, rank: int, coll: SegmentCollectives, comm: CommContext) -> None:
+    def resolve(self, *, fqn: str, rank: int, coll: SegmentCollectives, comm: CommContext,
+                replicas: ReplicaComm | None = None) -> None:
         self.fqn, self.rank, self.coll, self.comm = fqn, rank, coll, comm
+        self.replicas = replicas if replicas is not None and replicas.size > 1 else None
         self.world_size = coll.world_size
         self.layout = BlockLayout.from_plans([p.plan for p in self.params], self.world_size)
         self._splits = self.layout.gather_splits(rank)
@@ -309,6 +336,8 @@ class ParamGroup:
         """Issue the block's materialization (no-op if in flight or done)."""
         if not self.is_resharded:
             return
+        if self.exchange is not None:  # the step replica's new values first (sent below)
+            self.exchange[0].wait(self.exchange[1])
         if self.layout.numel == 0 or self.world_size == 1 and not self._own_copy[0]:
             self._pending_gather = (Handle(), None)
             return
@@ -408,7 +437,19 @@ class ParamGroup:
                divide_factor: float | None) -> PendingReduce | None:
         """Copy the gradients rank-major into one buffer and issue its reduce-scatter (``sync``),
         or add it to the no-sync accumulation. No host sync: the usage flags are built on the
-        device from constant ones and zeros (see [Note: usage flags in a block]); the copy-in runs
+        device from constant ones and zeros (see [Note: replica phase]
+On an HSDP mesh the shard reduction is followed by a second phase over this rank's replicate
+group (see [Note: replicas and step replicas] in ``planner/record.py``). A block's parameters are
+ordered so that every chunk starts with its ``split`` pieces, in step-replica order, and ends with
+the rest; the replicas then reduce-scatter the split prefix in whole-tensor intervals (the step
+replica alone receives each sum) and all-reduce the remainder (``repeat`` pieces, evenly sharded
+rows, usage flags and padding). On an accelerator the phase follows the shard reduction on the
+reduce stream; on the CPU it runs when the reduction is finished. Divisions use the whole
+data-parallel world (``R * S``), as HSDP's average. After ``step()`` the step replica's new values
+go back to the other owners through the engine's deferred gathers ([Note: deferred gathers]),
+awaited by :meth:`ParamGroup.unshard` before the block's own gather sends them.
+
+[Note: usage flags in a block]); the copy-in runs
         on the compute stream and the reduction on the reduce stream (see [Note: reduce
         streams])."""
         rl, W = self.reduce_layout, self.world_size
@@ -446,7 +487,7 @@ class ParamGroup:
             if not sync:
                 self.accum, self.accum_used = buf, used
                 return None
-            pre, post = divide_factors(W, divide_factor, dt)
+            pre, post = divide_factors(W * (self.replicas.size if self.replicas else 1), divide_factor, dt)
             with comm.use(comm.reduce):  # the reduce stream waits for the copy-in
                 if pre != 1:
                     buf.div_(pre)
@@ -454,37 +495,92 @@ class ParamGroup:
                 handle = self.coll.reduce_scatter_segments(out, buf, splits, async_op=not comm.on_device)
                 reduced = None
                 if comm.on_device:
-                    # the division and the cast to the parameters' dtype follow the collective on
-                    # the reduce stream, off the compute stream (FSDP2's post-reduce)
-                    reduced = self._reduced_grads(out, post, self.trainable, rl)
+                    # the replica phase, the division and the cast to the parameters' dtype
+                    # follow the collective on the reduce stream, off the compute stream
+                    # (FSDP2's post-reduce; see [Note: replica phase])
+                    mine = self._combine_replicas(out, rl, async_op=False)
+                    reduced = self._reduced_grads(out, post, self.trainable, rl, mine)
                     handle = Handle(event=comm.reduce.record_event())
         return PendingReduce(self, handle, out, buf, post, self.trainable, rl, used, reduced)
 
+    def replica_splits(self, rl: BlockLayout) -> tuple[int, list[int]]:
+        """``(m, splits)``: the first ``m`` elements of this rank's chunk are its ``split`` pieces,
+        ``splits[q]`` of them stepped by replica ``q`` (see [Note: replica phase])."""
+        R = self.replicas.size if self.replicas else 1
+        splits = [0] * R
+        m, last, rest = 0, 0, False
+        for q in rl.pieces_of_rank(self.rank):
+            st = self.params[self.trainable[q.param]].plan.step_replica  # type: ignore[union-attr]
+            if st is None:
+                rest = True
+                continue
+            if rest or st < last or q.offset != m:
+                raise RuntimeError(f"matrixfsdp.fully_shard: internal error, block {self.fqn!r} chunk "
+                                   "is not ordered by step replica")
+            splits[st] += q.numel
+            m += q.numel
+            last = st
+        return m, splits
+
+    def _combine_replicas(self, out: torch.Tensor, rl: BlockLayout, *, async_op: bool) -> torch.Tensor | None:
+        """The replica phase (see [Note: replica phase]); returns this replica's reduced split
+        interval (``None`` without HSDP or split pieces). Waited for before returning."""
+        if self.replicas is None:
+            return None
+        rep = self.replicas
+        m, splits = self.replica_splits(rl)
+        handles = []
+        mine = None
+        if m:
+            mine = out.new_empty(splits[rep.rank])
+            handles.append(rep.coll.reduce_scatter_segments(mine, out[:m], splits, async_op=async_op))
+        handles.append(rep.coll.all_reduce(out[m:], async_op=async_op))
+        for h in handles:
+            h.wait()
+        return mine
+
     def _reduced_grads(self, out: torch.Tensor, post: float, trainable: tuple[int, ...],
-                       rl: BlockLayout) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                       rl: BlockLayout, split_mine: torch.Tensor | None = None
+                       ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
         """Divide this rank's reduced chunk by ``post`` and cast it to the parameters' dtype, once
         for the whole chunk when they share one (an elementwise cast: the same bits as per
-        parameter). Returns the sharded gradients per trainable parameter and the tensors the
-        compute stream must keep alive (``record_stream``)."""
+        parameter). Returns the sharded gradients per trainable parameter (``None`` for a
+        ``split`` parameter another replica steps) and the tensors the compute stream must keep
+        alive (``record_stream``)."""
         n = rl.chunk_numel[self.rank]
-        data = out[:n]
-        if post != 1:
-            data.div_(post)
+        m, splits = self.replica_splits(rl) if self.replicas is not None else (0, [0])
+        start = sum(splits[: self.replicas.rank]) if self.replicas is not None else 0
         targets = {self.params[i].sharded.dtype for i in trainable}
         made: list[torch.Tensor] = []
-        if len(targets) == 1 and data.dtype not in targets:
-            data = data.to(targets.pop())
-            made.append(data)
+
+        def finish(t: torch.Tensor) -> torch.Tensor:
+            if post != 1:
+                t.div_(post)
+            if len(targets) == 1 and t.dtype not in targets:
+                t = t.to(next(iter(targets)))
+                made.append(t)
+            return t
+
+        data = finish(out[m:n])  # the split prefix, reduce-scattered, is in split_mine
+        own = finish(split_mine) if split_mine is not None and split_mine.numel() else None
         mine = {q.param: q for q in rl.pieces_of_rank(self.rank)}
-        grads = []
+        grads: list[torch.Tensor | None] = []
         for j, i in enumerate(trainable):
             sharded = self.params[i].sharded
             shape = rl.params[j].local_shape(self.rank)
             q = mine.get(j)
             if q is None:  # no rows on this rank: an empty gradient
                 g = torch.empty(shape, dtype=sharded.dtype, device=out.device)
+            elif q.offset < m:  # split: only the step replica holds the sum
+                if self.params[i].plan.step_replica != self.replicas.rank:  # type: ignore[union-attr]
+                    grads.append(None)
+                    continue
+                g = own[q.offset - start: q.offset - start + q.numel].view(shape)  # type: ignore[index]
+                if g.dtype != sharded.dtype:
+                    g = g.to(sharded.dtype)
+                    made.append(g)
             else:
-                g = data[q.offset: q.offset + q.numel].view(shape)
+                g = data[q.offset - m: q.offset - m + q.numel].view(shape)
                 if g.dtype != sharded.dtype:  # mixed parameter dtypes: one cast each
                     g = g.to(sharded.dtype)
                     made.append(g)
@@ -499,7 +595,8 @@ class ParamGroup:
         rl, out = pending.layout, pending.out
         with torch.no_grad():
             if pending.reduced is None:  # CPU: the host waited for the collective, divide now
-                grads, made = self._reduced_grads(out, pending.post, pending.trainable, rl)
+                mine = self._combine_replicas(out, rl, async_op=True)
+                grads, made = self._reduced_grads(out, pending.post, pending.trainable, rl, mine)
             else:
                 grads, made = pending.reduced
                 # allocated on the reduce stream, read by the compute stream from now on
@@ -511,11 +608,30 @@ class ParamGroup:
         undecided = []
         for j, i in enumerate(pending.trainable):
             sharded = self.params[i].sharded
+            if grads[j] is None:
+                continue  # HSDP split: another replica steps it (and only it gets the gradient)
             if pending.local_used[j]:
                 accumulate_grad(sharded, grads[j])
             else:
                 undecided.append((sharded, grads[j], out[n + j: n + j + 1]))
         return undecided
+
+
+    # ============================================================================ replicas
+    def replica_gather(self) -> Handle:
+        """Issue the step replicas' new values of this block's ``split`` parameters to the other
+        owners (see [Note: replica phase]): one whole-tensor exchange over the replicate group."""
+        rep = self.replicas
+        if rep is None:
+            return Handle()
+        by_source: list[list[torch.Tensor]] = [[] for _ in range(rep.size)]
+        for mp in self.params:
+            pp = mp.plan
+            if pp.step_replica is not None and pp.owner == self.rank and mp.requires_grad:  # type: ignore[union-attr]
+                by_source[pp.step_replica].append(mp.local)  # type: ignore[union-attr]
+        if not any(by_source):
+            return Handle()
+        return rep.coll.all_gather_tensors(by_source, async_op=True)
 
 
 def accumulate_grad(param: Any, grad: torch.Tensor) -> None:

@@ -69,12 +69,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
+from ..engine.exchange import Exchange
 from ..engine.reduce import read_flags
 from ..mesh import MeshInfo
 
 from ..comm.collectives import SegmentCollectives
 from .param import ManagedParam
-from .param_group import CommContext, ParamGroup, PendingReduce, accumulate_grad
+from .param_group import CommContext, ParamGroup, PendingReduce, ReplicaComm, accumulate_grad
 
 __all__ = ["ShardConfig", "BlockState", "RootContext", "TrainingState", "MAX_REDUCES_IN_FLIGHT"]
 
@@ -123,6 +124,8 @@ class RootContext:
     pending: list[PendingReduce] = field(default_factory=list)
     #: gradients of parameters this rank did not use, awaiting the summed usage flags
     undecided: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: HSDP split: the step replicas' values to the other owners (see [Note: deferred gathers])
+    exchange: Exchange | None = None
 
     def __post_init__(self) -> None:
         #: the anchor, the running backward and its final callback (see [Note: backward tracking])
@@ -190,6 +193,8 @@ class RootContext:
                     s.group.reshard()
                 s.training_state = TrainingState.IDLE
             read.resolve(accumulate_grad)
+            if self.exchange is not None and self.accumulating:
+                self.exchange.mark_stale()  # a step may follow (see [Note: deferred gathers])
         finally:
             self.backward.finished()
             self.awaiting_backward = self.pinned
@@ -241,9 +246,10 @@ class BlockState:
                                "model passed to matrixfsdp.fully_shard?")
         return self.ctx
 
-    def resolve(self, *, fqn: str, rank: int, coll: SegmentCollectives, comm: CommContext) -> None:
+    def resolve(self, *, fqn: str, rank: int, coll: SegmentCollectives, comm: CommContext,
+                replicas: ReplicaComm | None = None) -> None:
         self.fqn = fqn
-        self.group.resolve(fqn=fqn, rank=rank, coll=coll, comm=comm)
+        self.group.resolve(fqn=fqn, rank=rank, coll=coll, comm=comm, replicas=replicas)
         self.resolved = True
 
     # ============================================================================ prefetch order
@@ -280,6 +286,8 @@ class BlockState:
             return args, kwargs
         if self.is_root and not in_bwd:
             ctx.begin_iteration()
+            if ctx.exchange is not None:
+                ctx.exchange.issue()  # every block's, now; each unshard waits for its own
         self.training_state = TrainingState.FORWARD
         if not ctx.order_complete and self not in ctx.forward_order:
             ctx.forward_order.append(self)
@@ -381,6 +389,8 @@ class BlockState:
         for mp in self.params:
             local = mp.local
             mp.swap_local(torch.empty(local.shape, dtype=local.dtype, device=device), self.config.mesh)
+        if self.ctx is not None and self.ctx.exchange is not None:
+            self.ctx.exchange.stale = False  # fresh storage: initialized (or loaded) on every replica
         self.group.accum = None
         self.group.realloc(device)
 

@@ -85,7 +85,8 @@ def replicate(
     if reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype):
         raise TypeError(f"{API}: reduce_dtype must be a torch.dtype or None, got {reduce_dtype!r}")
     _check_not_sharded(module)
-    info = mesh_info(mesh if mesh is not None else default_mesh(API), api=API)
+    # HSDP for replicate would be a third reduction form; fully_shard takes 2-D meshes
+    info = mesh_info(mesh if mesh is not None else default_mesh(API), api=API, hsdp=False)
     mesh = info.mesh
     if plan is None:
         from ..planner.planner import plan_owners

@@ -155,6 +155,15 @@ class SegmentCollectives(Protocol):
         """All-gather a small tensor of identical shape on every rank -> ``[W, *t.shape]``."""
         ...
 
+    def all_reduce(self, t: torch.Tensor, *, async_op: bool) -> Handle:
+        """Sum the 1-D ``t`` over the group in place (HSDP's cross-replica reduction)."""
+        ...
+
+    def all_gather_tensors(self, tensors: Sequence[Sequence[torch.Tensor]], *, async_op: bool) -> Handle:
+        """``tensors[q]`` hold group rank ``q``'s values on rank ``q``; fill them in place on every
+        other rank (HSDP ``split``'s parameter exchange: whole tensors, nothing packed)."""
+        ...
+
     def broadcast(self, t: torch.Tensor, src: int) -> None:
         """Broadcast ``t`` from group rank ``src`` in place."""
         ...
@@ -263,6 +272,39 @@ class _Base:
                 out.add_(parts[s])
 
         h = Handle(dist.batch_isend_irecv(ops) if ops else [], then=reduce if own else None)
+        if not async_op:
+            h.wait()
+        return h
+
+    def all_reduce(self, t: torch.Tensor, *, async_op: bool) -> Handle:
+        W, n = self.world_size, t.nbytes
+        # a ring all-reduce's payload: a reduce-scatter plus an all-gather of (W-1)/W of t each way
+        moved = 2 * (W - 1) * n // W if W > 1 else 0
+        self.counter.record("all_reduce", moved, moved)
+        if W == 1 or t.numel() == 0:
+            return Handle()
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return Handle([work] if async_op else [])
+
+    def all_gather_tensors(self, tensors: Sequence[Sequence[torch.Tensor]], *, async_op: bool) -> Handle:
+        """One ``batch_isend_irecv`` on every backend: rank ``q`` sends each of its tensors to every
+        peer, which receives it into its own copy. Whole tensors travel as they are (no staging
+        buffer, no padding); NCCL coalesces the batch into one group call."""
+        W, r = self.world_size, self.rank
+        if len(tensors) != W:
+            raise ValueError(f"all_gather_tensors: expected {W} tensor lists (one per rank), got {len(tensors)}")
+        mine = sum(t.nbytes for t in tensors[r])
+        self.counter.record("all_gather_tensors", mine * (W - 1),
+                            sum(t.nbytes for q, ts in enumerate(tensors) if q != r for t in ts))
+        if W == 1:
+            return Handle()
+        ops = [dist.P2POp(dist.irecv, t, group=self.group, group_peer=q)
+               for q, ts in enumerate(tensors) if q != r for t in ts if t.numel()]
+        ops += [dist.P2POp(dist.isend, t, group=self.group, group_peer=d)
+                for t in tensors[r] if t.numel() for d in range(W) if d != r]
+        if not ops:
+            return Handle()
+        h = Handle(dist.batch_isend_irecv(ops))
         if not async_op:
             h.wait()
         return h

@@ -24,10 +24,14 @@ _VERIFIED: dict[tuple[int, tuple[int, ...]], Any] = {}
 
 def check_world_size(plan: OwnerPlan, info: MeshInfo, *, api: str) -> None:
     """A plan is executed on the world size it was built for (local check, no collective)."""
-    if plan.world_size != info.shard_size:
+    if plan.world_size != info.shard_size or plan.replicas != info.replicate_size:
+        built = (f"world_size={plan.world_size}" if plan.replicas == 1 else
+                 f"{plan.replicas} replicas x {plan.world_size} shard ranks")
+        has = (f"{info.shard_size} ranks" if not info.is_hsdp else
+               f"{info.replicate_size} replicas x {info.shard_size} shard ranks")
         raise ValueError(
-            f"{api}: the plan was built for world_size={plan.world_size} but the mesh has "
-            f"{info.shard_size} ranks; rebuild it with matrixfsdp.plan_owners(model, mesh, ...)"
+            f"{api}: the plan was built for {built} but the mesh has {has}; rebuild it with "
+            "matrixfsdp.plan_owners(model, mesh, ...) on this mesh"
         )
 
 
@@ -39,6 +43,8 @@ def verify_plan_digest(plan: OwnerPlan, info: MeshInfo, *, api: str) -> None:
     if key in _VERIFIED:
         return
     digests = agree(fingerprint=plan.digest, group=info.shard_group, device=info.device)
+    if info.is_hsdp:  # and across replicas: the two exchanges cover every rank of the grid
+        digests = [*digests, *agree(fingerprint=plan.digest, group=info.replicate_group, device=info.device)]
     if len(set(digests)) != 1:
         by_rank = ", ".join(f"rank {r}: {(d or '')[:12]}" for r, d in enumerate(digests))
         raise RuntimeError(

@@ -12,6 +12,10 @@ group's backend serves. Both are therefore taken from the *parameters'* data-par
 every rank shares, never from the gradients: under ``replicate`` a rank that owns nothing has no
 gradient at all, and a CPU scalar (the old fallback) handed to an NCCL group raises on that rank
 while the others hang in the all-reduce.
+
+On an HSDP mesh the all-reduce spans every data-parallel rank (the flattened mesh), and each
+gradient element counts once: a ``split`` gradient on its step replica (the only one holding
+it), every other sharded gradient (identical in every replica) on replica 0.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from ..comm.agree import agreement_device
 from ..mesh import mesh_device
 from .owned import local_tensor
-from .owner import owner_of
+from .owner import coordinates, flat_mesh, owner_of
 
 __all__ = ["clip_grad_norm_", "reduction_device_and_group"]
 
@@ -49,7 +53,7 @@ def reduction_device_and_group(params: Iterable[torch.Tensor], process_group: di
             plain = p.device
     group = process_group
     if group is None and mesh is not None and mesh.size() > 1:
-        group = mesh.get_group()
+        group = flat_mesh(mesh).get_group()
     if mesh is not None:
         return mesh_device(mesh), group
     if plain is not None:
@@ -57,6 +61,20 @@ def reduction_device_and_group(params: Iterable[torch.Tensor], process_group: di
     if dist.is_available() and dist.is_initialized():
         return agreement_device(group), group
     return torch.device("cpu"), group
+
+
+def _replica_copy(p: torch.Tensor) -> bool:
+    """Whether ``p``'s gradient here is an HSDP replica's copy of one counted on replica 0."""
+    info = owner_of(p)
+    if info is not None:
+        if info.step_replica is not None or info.mesh is None or info.mesh.ndim == 1:
+            return False
+        return coordinates(info.mesh)[0] != 0
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None or mesh.ndim != 2:
+        return False
+    c = mesh.get_coordinate()
+    return c is not None and c[0] != 0
 
 
 def clip_grad_norm_(
@@ -101,7 +119,7 @@ def clip_grad_norm_(
     for p, g in zip(params, grads):
         # owned gradients (DTensor, or replicate's: only the owner has one) count on their rank
         sharded = isinstance(p.grad, DTensor) or owner_of(p) is not None
-        if g.numel() == 0 or (not sharded and not first):
+        if g.numel() == 0 or (not sharded and not first) or (sharded and not inf and _replica_copy(p)):
             continue
         if inf:
             local = torch.maximum(local, g.abs().max().float())

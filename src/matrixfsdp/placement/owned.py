@@ -45,7 +45,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._compat import called_from
-from .owner import _OWNER_OF, Owned, is_owned, owned_of, owner_meshes, set_owner
+from .owner import _OWNER_OF, Owned, is_owned, owned_of, owner_meshes, owner_of, set_owner
 
 __all__ = [
     "Owned",
@@ -132,6 +132,9 @@ class OwnedDTensor(DTensor):
 
     def full_tensor(self, *, grad_placements: Any = None) -> torch.Tensor:  # type: ignore[override]
         """The whole tensor on every rank of the data-parallel mesh (broadcast from the owner)."""
+        info = owner_of(self)
+        if info is not None:
+            info.settle()  # HSDP split: no replica may broadcast a value it has not received yet
         dp, owner = self._dp()
         local = self._local_tensor.detach()
         out = local if dp.get_local_rank() == owner else torch.empty(
@@ -240,21 +243,24 @@ def make_sharded_param(
     owner: int | None,
     kind: str,
     requires_grad: bool,
+    step_replica: int | None = None,
 ) -> nn.Parameter:
     """Wrap ``local`` (this rank's row segment) as the sharded parameter.
 
-    ``owner=None``: an evenly sharded ``Shard(0)`` DTensor on ``mesh``; otherwise an owned
-    parameter (see [Note: owned parameter representation]) carrying :class:`Owned`.
+    ``owner=None``: an evenly sharded ``Shard(0)`` DTensor on ``mesh`` (``(Replicate(),
+    Shard(0))`` on an HSDP mesh, as torch's HSDP); otherwise an owned parameter (see [Note: owned
+    parameter representation]) carrying :class:`Owned`.
     ``local`` is used as is (no copy): on the owner it may be the original parameter's storage.
     """
     if owner is None:
-        dt = wrap_dtensor(local.detach(), mesh, (Shard(0),), shape, requires_grad=requires_grad)
+        placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+        dt = wrap_dtensor(local.detach(), mesh, placements, shape, requires_grad=requires_grad)
     else:
         dt = wrap_dtensor(local.detach(), owner_meshes(mesh)[owner], (Replicate(),), shape,
                           requires_grad=requires_grad)
     dt._is_param = True  # makes isinstance(dt, nn.Parameter) true, as nn.Parameter(dt) would
     if owner is not None:
-        set_owner(dt, Owned(owner=owner, kind=kind, mesh=mesh))
+        set_owner(dt, Owned(owner=owner, kind=kind, mesh=mesh, step_replica=step_replica))
     return dt  # type: ignore[return-value]
 
 

@@ -12,7 +12,14 @@ with :func:`owner_of`. Its ``storage`` says what the other ranks hold:
 
 Optimizers, clipping and checkpoints consult this descriptor alone (``is_local``: this rank steps
 it and keeps its state; ``owner_mesh``: where that state is presented in state dicts), whichever
-front-end placed the parameter. :func:`owned_of`, the public lookup, answers for ``"sharded"``
+front-end placed the parameter.
+
+On an HSDP mesh (``replicas x S``) the owner is a shard coordinate: the owner's rank in *every*
+replica holds the parameter whole (``holds``), and its owner sub-mesh spans those ``R`` ranks. With
+a ``step_replica`` (``split``, see [Note: replicas and step replicas] in ``planner/record.py``) only
+that replica's owner steps it and keeps its state (``is_local``), presented on a one-rank *step
+mesh*; the others receive the new value from it (``exchange``, which the runtime sets, brings
+them up to date on demand: ``settle()``). :func:`owned_of`, the public lookup, answers for ``"sharded"``
 parameters only: they are the ones whose local tensor is empty on non-owners.
 """
 
@@ -24,7 +31,8 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Owned", "owner_of", "owned_of", "is_owned", "keeps_state", "set_owner", "owner_meshes", "STORAGES"]
+__all__ = ["Owned", "owner_of", "owned_of", "is_owned", "keeps_state", "set_owner", "owner_meshes",
+           "step_meshes", "flat_mesh", "coordinates", "STORAGES"]
 
 _ATTR = "_matrixfsdp_owned"
 #: set by fully_shard on each sharded parameter (owned or even): its fqn, for messages
@@ -52,18 +60,47 @@ class Owned:
     kind: str
     mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
     storage: str = "sharded"
+    #: the replica whose owner alone steps it (HSDP ``split``), else ``None``
+    step_replica: int | None = None
+    #: the runtime's pending replica exchange (an object with ``settle()``), if any
+    exchange: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def holds(self) -> bool:
+        """Whether this rank holds the whole parameter (it is the owner in its replica)."""
+        return self.mesh is not None and coordinates(self.mesh)[1] == self.owner
 
     @property
     def is_local(self) -> bool:
-        """Whether this rank is the owner (it steps the parameter and keeps its state)."""
-        return self.mesh is not None and self.mesh.get_local_rank() == self.owner
+        """Whether this rank steps the parameter and keeps its state (the owner, in the step
+        replica if it has one)."""
+        if self.mesh is None:
+            return False
+        r, s = coordinates(self.mesh)
+        return s == self.owner and (self.step_replica is None or r == self.step_replica)
 
     @property
     def owner_mesh(self) -> DeviceMesh:
-        """The owner's one-rank sub-mesh, on which its state is presented in state dicts."""
+        """The mesh its state is presented on in state dicts: the owner sub-mesh (one rank, or the
+        owner of every replica), or under ``split`` the step replica's one-rank step mesh."""
         if self.mesh is None:
             raise ValueError(f"matrixfsdp: owner descriptor {self!r} has no data-parallel mesh")
+        if self.step_replica is not None:
+            return step_meshes(self.mesh)[self.step_replica][self.owner]
         return owner_meshes(self.mesh)[self.owner]
+
+    def settle(self) -> None:
+        """Finish a pending replica exchange (a collective over the replicas; no-op otherwise)."""
+        if self.exchange is not None:
+            self.exchange.settle()
+
+
+def coordinates(mesh: DeviceMesh) -> tuple[int | None, int | None]:
+    """This rank's ``(replica, shard)`` coordinate in a 1-D or 2-D data-parallel mesh."""
+    c = mesh.get_coordinate()
+    if c is None:
+        return None, None
+    return (0, c[0]) if len(c) == 1 else (c[0], c[1])
 
 
 def owner_of(t: Any) -> Owned | None:
@@ -103,33 +140,89 @@ def set_owner(t: Any, info: Owned) -> None:
 
 
 _OWNER_MESHES: dict[DeviceMesh, tuple[DeviceMesh, ...]] = {}
+_STEP_MESHES: dict[DeviceMesh, tuple[tuple[DeviceMesh, ...], ...]] = {}
+
+
+def _tag(mesh: DeviceMesh) -> str:
+    # Named after the data-parallel mesh: two meshes over the same ranks that differ only in their
+    # dimension names (or two groups sharing a rank) must not share an owner sub-mesh, which
+    # DeviceMesh compares by ranks and names (the inverse map below would mix them up).
+    ranks = mesh.mesh.flatten().tolist()
+    return hashlib.sha1(repr((ranks, tuple(mesh.shape), mesh.mesh_dim_names, mesh.device_type))
+                        .encode()).hexdigest()[:8]
+
+
+def _grid(mesh: DeviceMesh) -> list[list[int]]:
+    """Global ranks as ``[replica][shard]`` (one replica for a 1-D mesh)."""
+    return mesh.mesh.reshape(-1, int(mesh.shape[-1])).tolist()
 
 
 def owner_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
-    """The one-rank sub-meshes ``[mesh.mesh[r]]`` for every ``r`` (created once, collectively).
+    """The owner sub-meshes for every shard coordinate ``s``: the ranks holding what ``s`` owns,
+    one per replica (one rank on a 1-D mesh). Created once per mesh, collectively.
 
     Every rank must call this the first time for a given ``mesh`` (``fully_shard`` does).
     """
     subs = _OWNER_MESHES.get(mesh)
     if subs is None:
-        ranks = mesh.mesh.flatten().tolist()
-        # Named after the owner, so DTensor's errors tell the meshes apart ("owned_by_rank3@..."),
-        # and after the data-parallel mesh: two meshes over the same ranks that differ only in
-        # their dimension names (or two groups sharing a rank) must not share an owner sub-mesh,
-        # which DeviceMesh compares by ranks and names (the inverse map below would mix them up).
-        tag = hashlib.sha1(repr((ranks, tuple(mesh.shape), mesh.mesh_dim_names, mesh.device_type))
-                           .encode()).hexdigest()[:8]
-        # No communicator: a one-rank [Replicate()] mesh never communicates (W new_group
-        # calls would mean W communicator splits, with eager NCCL init, for nothing).
+        tag, grid = _tag(mesh), _grid(mesh)
+        # No communicator: a [Replicate()] tensor on these meshes never communicates (W new_group
+        # calls would mean W communicator splits, with eager NCCL init, for nothing). Named after
+        # the owner, so DTensor's errors tell the meshes apart ("owned_by_rank3@...").
         subs = tuple(
-            DeviceMesh(mesh.device_type, [g], mesh_dim_names=(f"owned_by_rank{r}@{tag}",), _init_backend=False)
-            for r, g in enumerate(ranks)
+            DeviceMesh(mesh.device_type, [row[s] for row in grid], mesh_dim_names=(f"owned_by_rank{s}@{tag}",),
+                       _init_backend=False)
+            for s in range(len(grid[0]))
         )
+        shard = mesh if mesh.ndim == 1 or mesh.get_coordinate() is None else mesh[mesh.mesh_dim_names[1]]
         _OWNER_MESHES[mesh] = subs
-        for r, sub in enumerate(subs):
-            _OWNER_OF[sub] = (mesh, r)
+        for s, sub in enumerate(subs):
+            _OWNER_OF[sub] = (shard, s)  # full_tensor broadcasts within this rank's shard group
+        if mesh.ndim == 2:
+            _make_step_meshes(mesh, tag, grid)
     return subs
 
 
-# owner sub-mesh -> (data-parallel mesh, owner rank); filled by owner_meshes
+def step_meshes(mesh: DeviceMesh) -> tuple[tuple[DeviceMesh, ...], ...]:
+    """``[replica][shard]`` one-rank meshes, on which ``split`` state is presented (HSDP only;
+    created by :func:`owner_meshes`)."""
+    owner_meshes(mesh)
+    try:
+        return _STEP_MESHES[mesh]
+    except KeyError:
+        raise ValueError(f"matrixfsdp: step meshes exist for 2-D (HSDP) meshes only, got {mesh}") from None
+
+
+def _make_step_meshes(mesh: DeviceMesh, tag: str, grid: list[list[int]]) -> None:
+    # The full value of a step-mesh tensor is broadcast over every data-parallel rank: one
+    # flattened group, created here, where every rank calls (collective).
+    flat = mesh._flatten(f"dp_all_{tag}") if mesh.get_coordinate() is not None else None
+    _FLAT[mesh] = flat
+    out = []
+    for q, row in enumerate(grid):
+        subs = tuple(DeviceMesh(mesh.device_type, [g], mesh_dim_names=(f"stepped_by_rank{q}.{s}@{tag}",),
+                                _init_backend=False) for s, g in enumerate(row))
+        for s, sub in enumerate(subs):
+            if flat is not None:
+                _OWNER_OF[sub] = (flat, q * len(row) + s)
+        out.append(subs)
+    _STEP_MESHES[mesh] = tuple(out)
+
+
+def flat_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """Every data-parallel rank as one 1-D mesh: ``mesh`` itself, or an HSDP mesh flattened (by
+    :func:`owner_meshes`)."""
+    if mesh.ndim == 1:
+        return mesh
+    owner_meshes(mesh)
+    flat = _FLAT.get(mesh)
+    if flat is None:
+        raise ValueError(f"matrixfsdp: this rank is not part of the mesh {mesh}")
+    return flat
+
+
+_FLAT: dict[DeviceMesh, DeviceMesh | None] = {}
+
+# owner sub-mesh -> (the mesh to broadcast its full value over, the owner's rank in it); filled
+# by owner_meshes
 _OWNER_OF: dict[DeviceMesh, tuple[DeviceMesh, int]] = {}

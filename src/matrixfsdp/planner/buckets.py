@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["partition_buckets", "make_buckets"]
+__all__ = ["partition_buckets", "make_buckets", "partition_replicas"]
 
 
 def make_buckets(numels: list[int], bucket_numel: int) -> list[tuple[int, int]]:
@@ -119,3 +119,24 @@ def partition_buckets(
         ("buckets", tuple((tuple(fqns[a:b]), tuple(c)) for (a, b), c in zip(buckets, cuts))),
     )
     return owners, meta
+
+
+def partition_replicas(groups: list[list[tuple[str, float]]], R: int, *, alpha: float = 1.0) -> dict[str, int]:
+    """Step replica of every parameter of one owner (see [Note: replicas and step replicas] in
+    ``record.py``): Algorithm 1 across the replicate dimension, with each of the owner's blocks as
+    a bucket. ``groups`` holds, per block, ``(fqn, cost)`` in the block's chunk order; each block
+    is cut into ``R`` contiguous runs, replica ``q`` taking run ``q``, so a block's reduce-scatter
+    across replicas is one interval per replica, in replica order. Blocks are visited heaviest
+    first and every cut fills the replicas' deficits to the owner's mean (``alpha`` blends in an
+    even split), so the owner's total cost is balanced across its replicas."""
+    out: dict[str, int] = {}
+    mean = sum(c for g in groups for _, c in g) / R
+    acc = [0.0] * R
+    loads = [sum(c for _, c in g) for g in groups]
+    for i in sorted(range(len(groups)), key=lambda i: (-loads[i], i)):
+        g = groups[i]
+        cuts = _alpha_cuts([c for _, c in g], acc, mean, alpha) if R > 1 else [0, len(g)]
+        for q in range(R):
+            for j in range(cuts[q], cuts[q + 1]):
+                out[g[j][0]] = q
+    return out

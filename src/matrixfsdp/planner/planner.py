@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from ..mesh import mesh_info
 from .cost import ParamInfo, resolve_cost, state_nbytes
-from .record import OwnerPlan, ParamPlan, _three_term_bound, even_rows
+from .record import REPLICA_STEPS, OwnerPlan, ParamPlan, _three_term_bound, even_rows
 from .rules import default_matrix_filter
 
 __all__ = ["plan_owners", "POLICIES", "ELEMENTWISE", "default_matrix_filter"]
@@ -57,20 +57,26 @@ class _Role:
     cost: float
 
 
-def _world_size(world_size_or_mesh: Any) -> int:
+def _world_size(world_size_or_mesh: Any) -> tuple[int, int]:
+    """``(replicas, shard size)`` of an int (flat), an ``(R, S)`` pair or a 1-D/2-D mesh."""
+    what = "an int, an (replicas, shard) pair, or a 1-D or 2-D (dp_replicate, dp_shard) DeviceMesh"
     if isinstance(world_size_or_mesh, bool):
-        raise TypeError(f"plan_owners: world_size_or_mesh must be an int or a 1-D DeviceMesh, got {world_size_or_mesh!r}")
+        raise TypeError(f"plan_owners: world_size_or_mesh must be {what}, got {world_size_or_mesh!r}")
     if isinstance(world_size_or_mesh, int):
         if world_size_or_mesh < 1:
             raise ValueError(f"plan_owners: world size must be >= 1, got world_size={world_size_or_mesh}")
-        return world_size_or_mesh
+        return 1, world_size_or_mesh
+    if isinstance(world_size_or_mesh, tuple) and len(world_size_or_mesh) == 2:
+        R, S = world_size_or_mesh
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in (R, S)):
+            raise ValueError(f"plan_owners: an (replicas, shard) pair needs two ints >= 1, got {world_size_or_mesh!r}")
+        return R, S
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(world_size_or_mesh, DeviceMesh):
-        return mesh_info(world_size_or_mesh, api="plan_owners", member=False).shard_size
-    raise TypeError(
-        f"plan_owners: world_size_or_mesh must be an int or a 1-D DeviceMesh, got {type(world_size_or_mesh).__name__}"
-    )
+        info = mesh_info(world_size_or_mesh, api="plan_owners", member=False)
+        return info.replicate_size, info.shard_size
+    raise TypeError(f"plan_owners: world_size_or_mesh must be {what}, got {type(world_size_or_mesh).__name__}")
 
 
 def _block_fqns(model: nn.Module, blocks: Iterable[Any] | None, block_types: Any) -> list[str]:
@@ -174,6 +180,7 @@ def plan_owners(
     precondition_frequency: int = 10,
     alpha: float = 1.0,
     bucket_numel: int | None = None,
+    replica_step: str = "auto",
 ) -> OwnerPlan:
     """Plan which data-parallel rank owns each parameter of ``model``.
 
@@ -182,7 +189,10 @@ def plan_owners(
 
     Args:
         model: the model to plan (any device, ``meta`` included).
-        world_size_or_mesh: the number of data-parallel ranks, or a 1-D ``DeviceMesh``.
+        world_size_or_mesh: the number of data-parallel ranks, a 1-D ``DeviceMesh``, or an HSDP
+            mesh ``init_device_mesh(dev, (R, S), mesh_dim_names=("dp_replicate", "dp_shard"))``
+            (or the pair ``(R, S)`` offline): owners are planned among the ``S`` ranks of the
+            shard dimension, identically in every replica.
         blocks: modules (or fqns) that will be wrapped with ``fully_shard``; each is a scope of
             roles and a unit of materialization.
         block_types: module classes whose instances are blocks (added to ``blocks``).
@@ -206,8 +216,12 @@ def plan_owners(
         precondition_frequency: amortization of Shampoo/SOAP eigendecompositions in ``"flops"``.
         alpha, bucket_numel: ``alpha_balanced`` blend factor in [0, 1] and ZeRO-1 bucket size in
             elements (default: Megatron's ``max(40M, 1M * W)``).
-
-    Returns:
+        replica_step: on an HSDP mesh, how owned parameters combine across the ``R`` replicas
+            (see [Note: replicas and step replicas]): ``"repeat"`` (all-reduce, every replica's
+            owner steps), ``"split"`` (each gets one step replica, balanced by cost; state and
+            matrix work shrink ``R``-fold at the same bytes), or ``"auto"`` (default): ``split``
+            for matrices, whose step costs superlinear work per element, ``repeat`` for
+            element-wise tails, whose step costs about what re-gathering them would.
         A frozen :class:`OwnerPlan`.
 
     Example::
@@ -219,7 +233,9 @@ def plan_owners(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan_owners: model must be an nn.Module, got {type(model).__name__}")
-    W = _world_size(world_size_or_mesh)
+    R, W = _world_size(world_size_or_mesh)
+    if replica_step not in REPLICA_STEPS:
+        raise ValueError(f"plan_owners: replica_step must be one of {REPLICA_STEPS}, got {replica_step=!r}")
     if policy not in POLICIES:
         raise ValueError(f"plan_owners: policy must be one of {POLICIES}, got {policy=!r}")
     if elementwise not in ELEMENTWISE:
@@ -273,6 +289,9 @@ def plan_owners(
         for role in roles:
             params += [make(s, role.placement, owners[role.key]) for s in role.members]
     params.sort(key=lambda p: p.fqn)
+    if R > 1:
+        params = _assign_step_replicas(params, R, replica_step)
+        meta = (*meta, ("replica_step", replica_step))
     return OwnerPlan(
         world_size=W,
         policy=policy,
@@ -281,7 +300,28 @@ def plan_owners(
         blocks=tuple(block_fqns),
         params=tuple(params),
         meta=meta,
+        replicas=R,
     )
+
+
+def _assign_step_replicas(params: list[ParamPlan], R: int, mode: str) -> list[ParamPlan]:
+    """Give ``split`` parameters their step replica (see ``partition_replicas``); ``params`` are
+    in plan order, which is each block's chunk order for one owner."""
+    import dataclasses
+
+    from .buckets import partition_replicas
+
+    def splits(p: ParamPlan) -> bool:
+        return p.owner is not None and (mode == "split" or (mode == "auto" and p.placement == "matrix"))
+
+    step: dict[str, int] = {}
+    for s in sorted({p.owner for p in params if p.owner is not None}):
+        by_block: dict[str, list[tuple[str, float]]] = {}
+        for p in params:
+            if p.owner == s and splits(p):
+                by_block.setdefault(p.block, []).append((p.fqn, p.cost))
+        step.update(partition_replicas([by_block[b] for b in sorted(by_block)], R))
+    return [dataclasses.replace(p, step_replica=step[p.fqn]) if p.fqn in step else p for p in params]
 
 
 def _build_roles(

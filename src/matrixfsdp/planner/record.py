@@ -14,6 +14,22 @@ one per rank, in rank order:
 
 0-dim parameters cannot be split and are always owned. Because both cases are "row ranges in rank
 order", materialization and reduction are one piece of segment math for both (see ``local_rows``).
+
+[Note: replicas and step replicas]
+On an HSDP mesh of ``replicas`` x ``world_size`` ranks, owners are planned within the shard
+dimension (``world_size`` ranks, an owner group, typically one node) and every replica group has
+the same layout: shard rank ``s`` of *each* replica holds what the plan gives ``s``. An owned
+parameter's gradient is combined across its ``replicas`` owners in one of two ways:
+
+* ``step_replica is None`` (``repeat``): all-reduced; every replica's owner steps it (the matrix
+  work is ``replicas``-fold redundant, the step makes no collective);
+* ``step_replica = q`` (``split``): reduce-scattered across the owners in whole-tensor intervals,
+  so replica ``q``'s owner alone receives the full sum, steps it and keeps its optimizer state;
+  the new value is all-gathered back to the other owners at the next forward.
+
+Evenly sharded parameters are reduce-scattered within the group and all-reduced across replicas,
+as in torch's HSDP. A flat plan has ``replicas == 1`` and no step replica; its digest is the one
+it had before replicas existed.
 """
 
 from __future__ import annotations
@@ -34,10 +50,13 @@ __all__ = [
     "RankStats",
     "OwnerPlan",
     "even_rows",
+    "REPLICA_STEPS",
 ]
 
 #: The three placements a parameter can have.
 PLACEMENTS = ("matrix", "tail", "even")
+#: How owned parameters combine across replicas (see [Note: replicas and step replicas]).
+REPLICA_STEPS = ("auto", "repeat", "split")
 
 _FORMAT_VERSION = 1
 
@@ -56,6 +75,8 @@ class ParamPlan:
     ``"even"``. ``block`` is the fqn of the wrapped block the parameter belongs to, ``""`` for the
     root scope. ``nbytes`` is the parameter's storage, ``state_nbytes`` the optimizer state the
     plan's optimizer keeps for it, ``cost`` its optimizer cost in the plan's cost model.
+    ``step_replica`` is the one replica whose owner steps it under ``split`` (``None``: every
+    replica's owner steps it; see [Note: replicas and step replicas]).
     """
 
     fqn: str
@@ -67,6 +88,7 @@ class ParamPlan:
     nbytes: int
     state_nbytes: int
     cost: float
+    step_replica: int | None = None
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -78,6 +100,12 @@ class ParamPlan:
             raise ValueError(
                 f"ParamPlan {self.fqn!r}: {self.placement!r} placement "
                 f"{'needs an owner rank' if owned else 'takes no owner'}, got {self.owner=!r}"
+            )
+        if self.step_replica is not None and (self.owner is None or isinstance(self.step_replica, bool)
+                                              or not isinstance(self.step_replica, int) or self.step_replica < 0):
+            raise ValueError(
+                f"ParamPlan {self.fqn!r}: step_replica must be None or a replica index >= 0 of an "
+                f"owned parameter, got {self.step_replica=!r} with {self.placement!r} placement"
             )
         if self.placement == "even" and len(self.shape) == 0:
             raise ValueError(f"ParamPlan {self.fqn!r}: a 0-dim parameter cannot be evenly sharded")
@@ -271,11 +299,16 @@ class OwnerPlan:
     params: tuple[ParamPlan, ...]
     #: Extra policy output, e.g. the bucket cut points of ``alpha_balanced``; JSON-able values.
     meta: tuple[tuple[str, Any], ...] = ()
+    #: copies of the ``world_size`` owner group (HSDP's replicate dimension; see [Note: replicas
+    #: and step replicas]); the mesh is ``replicas x world_size`` ranks
+    replicas: int = 1
     digest: str = dataclasses.field(init=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"OwnerPlan: world_size must be an int >= 1, got {self.world_size=!r}")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"OwnerPlan: replicas must be an int >= 1, got {self.replicas=!r}")
         seen: set[str] = set()
         for p in self.params:
             if p.fqn in seen:
@@ -287,6 +320,11 @@ class OwnerPlan:
                 )
             if p.block not in self.blocks and p.block != "":
                 raise ValueError(f"OwnerPlan: {p.fqn!r} names unknown block {p.block!r}")
+            if p.step_replica is not None and not p.step_replica < self.replicas:
+                raise ValueError(
+                    f"OwnerPlan: {p.fqn!r} step_replica must be in [0, {self.replicas}), got "
+                    f"{p.step_replica=}"
+                )
         payload = json.dumps(self._canonical(), sort_keys=True, separators=(",", ":"))
         object.__setattr__(self, "digest", hashlib.sha256(payload.encode()).hexdigest())
 
@@ -315,6 +353,31 @@ class OwnerPlan:
     def owned_by(self, rank: int) -> tuple[ParamPlan, ...]:
         """The parameters ``rank`` owns whole."""
         return tuple(p for p in self.params if p.owner == rank)
+
+    @property
+    def replica_step(self) -> str:
+        """``"repeat"``, ``"split"`` or ``"mixed"``: how owned parameters combine across replicas
+        (``"repeat"`` for a flat plan; see [Note: replicas and step replicas])."""
+        owned = [p for p in self.params if p.owner is not None]
+        split = sum(p.step_replica is not None for p in owned)
+        return "repeat" if split == 0 else "split" if split == len(owned) else "mixed"
+
+    @functools.cached_property
+    def replica_stats(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """``(cost, state bytes)`` per replica of the most loaded shard rank's owner set: what
+        each replica's owner steps and keeps (``repeat`` parameters count on every replica)."""
+        R, W = self.replicas, self.world_size
+        cost = [[0.0] * R for _ in range(W)]
+        state = [[0.0] * R for _ in range(W)]
+        for p in self.params:
+            if p.owner is None:
+                continue
+            targets = range(R) if p.step_replica is None else (p.step_replica,)
+            for q in targets:
+                cost[p.owner][q] += p.cost
+                state[p.owner][q] += p.state_nbytes
+        worst = max(range(W), key=lambda s: (max(cost[s]), -s))
+        return tuple(cost[worst]), tuple(state[worst])
 
     # ----------------------------------------------------------------------------- statistics
     @functools.cached_property
@@ -408,6 +471,8 @@ class OwnerPlan:
         """The headline numbers as a flat dict (used by the CLI and the quality table)."""
         return {
             "world_size": self.world_size,
+            "replicas": self.replicas,
+            "replica_step": self.replica_step,
             "policy": self.policy,
             "cost_model": self.cost_model,
             "optimizer": self.optimizer,
@@ -443,10 +508,13 @@ class OwnerPlan:
                     "nbytes": p.nbytes,
                     "state_nbytes": p.state_nbytes,
                     "cost": p.cost,
+                    # only where set: a flat plan keeps the digest it had before replicas existed
+                    **({"step_replica": p.step_replica} if p.step_replica is not None else {}),
                 }
                 for p in self.params
             ],
             "meta": [[k, v] for k, v in self.meta],
+            **({"replicas": self.replicas} if self.replicas != 1 else {}),
         }
 
     def to_json(self, **kwargs: Any) -> str:
@@ -475,6 +543,7 @@ class OwnerPlan:
                     ParamPlan(**{**p, "shape": tuple(p["shape"])}) for p in d["params"]
                 ),
                 meta=tuple((k, _freeze(v)) for k, v in d.get("meta", [])),
+                replicas=d.get("replicas", 1),
             )
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise ValueError(f"OwnerPlan.from_json: malformed plan: {e!r}") from None
