@@ -502,7 +502,7 @@ def markdown(result: dict[str, Any], command: str) -> str:
     L.append("")
     L.append(f"# Step benchmark, world {meta['world']} ({backend}, {where}{', netns' if meta.get('netns') else ''})")
     L.append("")
-    if meta.get("netns"):
+    if meta.get("netns") and not meta.get("link_qdisc"):  # flat setup.sh (two-level: _hsdp_header)
         L.append(f"Emulated interconnect: each rank in its own network namespace (benchmarks/netns/setup.sh), "
                  f"gloo over a veth pair into a bridge, token-bucket shaping on both ends of every veth; "
                  f"rank 0's qdisc: `{meta.get('netns_qdisc', '?')}`. No latency emulation (netem is not in "
@@ -768,9 +768,10 @@ def _hsdp_header(meta: dict[str, Any]) -> list[str]:
          + ", ".join(str(list(range(r * S, (r + 1) * S))) for r in range(R)) + "; replicate groups "
          + ", ".join(str(list(range(s, R * S, S))) for s in range(S)) + ".  "]
     if meta.get("link_qdisc"):
-        L.append(f"Two-level network (benchmarks/netns/setup_two_level.sh): ranks of a shard group on one bridge "
-                 f"(unshaped veths), the bridges joined by one veth pair shaped on both ends, shared by all "
-                 f"cross-replica traffic: `{meta['link_qdisc']}`.  ")
+        L.append(f"Emulated two-level network (benchmarks/netns/setup_two_level.sh): each rank in its own network "
+                 f"namespace, the ranks of a shard group on one bridge (unshaped veths), the two bridges joined by "
+                 f"one veth pair shaped with tbf on both ends, shared by all cross-replica traffic: "
+                 f"`{meta['link_qdisc']}`. No latency emulation (netem is not in this kernel).  ")
     lc = meta.get("link_check")
     if lc:
         L.append("Measured link throughput (gloo send/recv of "
@@ -989,7 +990,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def render(jsonl: str) -> int:
+    """Rewrite ``X.md`` from ``X.jsonl`` (after a change to the report; the rows are not touched)."""
+    with open(jsonl) as f:
+        lines = [json.loads(ln) for ln in f if ln.strip()]
+    result = {"meta": lines[0]["meta"], "rows": lines[1:]}
+    a = result["meta"]["args"]
+    with open(jsonl[: -len(".jsonl")] + ".md") as f:  # keep the command the results were produced by
+        first = f.readline()
+    command = first.split("produced by: ", 1)[1].rsplit(" -->", 1)[0] if "produced by: " in first else "?"
+    with open(jsonl[: -len(".jsonl")] + ".md", "w") as f:
+        f.write(markdown(result, command))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if len(argv) == 2 and argv[0] == "--render":
+        return render(argv[1])
     args = parse_args(argv)
     if args._worker or ("RANK" in os.environ and "WORLD_SIZE" in os.environ and args.world is None):
         return worker_main(args)
