@@ -823,10 +823,15 @@ class MatrixFSDP(Impl):
                           f"(source={self.ctx.matrixfsdp_source})")
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        sync = getattr(self.model, "sync_params", None)  # split: finish a pending replica exchange
+        # the parity gather reads values: under split, finish a pending replica exchange first
+        sync = getattr(self.model, "sync_params", None)
         if self.replica_step is not None and callable(sync):
             sync()
         return super().named_parameters()
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        # byte counts only (also read inside the last step's timing window): no exchange
+        return list(self.model.parameters())
 
 
 # ================================================================================ ZeRO-1/2 (issue 12)
