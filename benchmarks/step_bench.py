@@ -52,6 +52,8 @@ network of ``benchmarks/netns/setup_two_level.sh``:
     sudo benchmarks/netns/setup_two_level.sh 1gbit
     python benchmarks/step_bench.py --world 4 --mesh 2,2 --netns --out benchmarks/results/hsdp_two_level_1gbit
 
+``--render X.jsonl`` (alone) rewrites ``X.md`` from the rows of an earlier run, keeping its command line.
+
 Memory: per rank, the sum of local tensor bytes (parameters, gradients, optimizer state and
 scratch; any device); on CUDA also ``torch.cuda.max_memory_allocated`` from the start of each
 implementation's setup to the end of its measured steps.
