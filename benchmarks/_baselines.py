@@ -323,6 +323,13 @@ class DDPMuon(Impl):
 
 
 # ================================================================================ FSDP2 helpers
+def shard_group(mesh: Any) -> Any:
+    """The process group of the ``dp_shard`` dimension: the whole 1-D mesh, or under HSDP (a 2-D
+    ``("dp_replicate", "dp_shard")`` mesh) this rank's shard group, where each replica repeats the
+    baselines' optimizer collectives and Newton-Schulz."""
+    return mesh.get_group() if mesh.ndim == 1 else mesh["dp_shard"].get_group()
+
+
 def _fsdp2_wrap(model: Decoder, mesh: Any) -> Decoder:
     from torch.distributed.fsdp import fully_shard
 
@@ -422,7 +429,7 @@ class FSDP2GatherMuon(Impl):
         model = _fsdp2_wrap(build_model(self.cfg, self.ctx.device), self.ctx.mesh)
         self.model = model
         self.opts = [GatherMuon(muon_param_groups(model.named_parameters()),
-                                group=self.ctx.mesh.get_group(), **self.cfg.muon_kwargs())]
+                                group=shard_group(self.ctx.mesh), **self.cfg.muon_kwargs())]
         self.notes.append(check_routes(self.opts[0], model.named_parameters()))
         self.notes.append("stock fully_shard per DecoderLayer + root; per matrix one async "
                           "all_gather_single of the momentum-updated shard (padded to "
@@ -782,11 +789,27 @@ class MatrixFSDP(Impl):
             return fully_shard, mf.plan_owners
         raise ValueError(f"unknown matrixfsdp source {source!r}")
 
+    #: issue 17's ``plan_owners(..., replica_step=...)`` on a 2-D (HSDP) mesh; None: the flat API
+    replica_step: str | None = None
+
+    def _plan_kwargs(self, plan_owners: Any) -> dict[str, Any]:
+        if self.replica_step is None:
+            return {}
+        import inspect
+
+        if self.ctx.mesh.ndim != 2:
+            raise ValueError(f"{self.name} needs a 2-D (dp_replicate, dp_shard) mesh: run step_bench with --mesh R,S")
+        if "replica_step" not in inspect.signature(plan_owners).parameters:
+            raise ImportError("matrixfsdp's HSDP API (issue 17) is not in this checkout: plan_owners() has no "
+                              "replica_step argument; merge the 'HSDP runtime' commit to run this row")
+        return {"replica_step": self.replica_step}
+
     def setup(self) -> None:
         fully_shard, plan_owners = self.resolve_api(self.ctx.matrixfsdp_source)
+        extra = self._plan_kwargs(plan_owners)
         model = build_model(self.cfg)
         mesh = self.ctx.mesh
-        plan = plan_owners(model, mesh, block_types=(DecoderLayer,))
+        plan = plan_owners(model, mesh, block_types=(DecoderLayer,), **extra)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, plan=plan)
         fully_shard(model, mesh=mesh, plan=plan)
@@ -794,9 +817,21 @@ class MatrixFSDP(Impl):
         self.plan = plan
         self.opts = [Muon(muon_param_groups(model.named_parameters(), auto=True), **self.cfg.muon_kwargs())]
         self.notes.append(check_routes(self.opts[0], model.named_parameters()))
-        self.notes.append(f"plan_owners(model, mesh, block_types=(DecoderLayer,)) digest="
-                          f"{getattr(plan, 'digest', '?')}; fully_shard per DecoderLayer + root "
+        kw = "".join(f", {k}={v!r}" for k, v in extra.items())
+        self.notes.append(f"plan_owners(model, mesh{' (2-D)' if mesh.ndim == 2 else ''}, block_types=(DecoderLayer,){kw}) "
+                          f"digest={getattr(plan, 'digest', '?')}; fully_shard per DecoderLayer + root "
                           f"(source={self.ctx.matrixfsdp_source})")
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        # the parity gather reads values: under split, finish a pending replica exchange first
+        sync = getattr(self.model, "sync_params", None)
+        if self.replica_step is not None and callable(sync):
+            sync()
+        return super().named_parameters()
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        # byte counts only (also read inside the last step's timing window): no exchange
+        return list(self.model.parameters())
 
 
 # ================================================================================ ZeRO-1/2 (issue 12)
@@ -880,11 +915,62 @@ class ZeroRedundancyMuon(Impl):
         return [o.optim for o in self.opts]  # the local optimizer holds this rank's state
 
 
+# ================================================================================ HSDP (issue 17)
+class SingleMuon(Impl):
+    """The single-process run, on every rank at once: the plain model on the whole global batch
+    and ``matrixfsdp.optim.Muon`` over every parameter, no communication. Its parameters are the
+    HSDP rows' parity reference; its step is the total matrix work (every matrix stepped once),
+    timed under the same CPU contention as the distributed rows (every rank runs it)."""
+
+    name = "single_muon"
+
+    def setup(self) -> None:
+        self.model = build_model(self.cfg, self.ctx.device)
+        self.opts = [Muon(muon_param_groups(self.model.named_parameters()), **self.cfg.muon_kwargs())]
+        self.notes.append(check_routes(self.opts[0], self.model.named_parameters()))
+        self.notes.append("no process group: every rank runs the whole model on the whole global batch and "
+                          "steps every parameter (the total step work, under the same CPU contention)")
+        self._step = 0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = batch_for_step(self.cfg, self._step, 0, 1, self.ctx.device)  # the global batch
+        self._step += 1
+        return lm_loss(self.model, tokens)
+
+
+def _hsdp_impl(name: str, base: type[Impl], doc: str) -> type[Impl]:
+    """``base`` on the 2-D ``(dp_replicate, dp_shard)`` mesh: torch's ``fully_shard(mesh=mesh_2d)``
+    is HSDP, and the optimizer collectives of the Muon baselines run within the shard group."""
+
+    def setup(self: Impl) -> None:
+        if self.ctx.mesh.ndim != 2:
+            raise ValueError(f"{self.name} needs a 2-D (dp_replicate, dp_shard) mesh: run step_bench with --mesh R,S")
+        base.setup(self)
+        self.notes.append(doc)
+
+    return type(f"HSDP_{base.__name__}", (base,), {"name": name, "setup": setup})
+
+
+def _mfsdp_impl(name: str, replica_step: str) -> type[Impl]:
+    return type(f"MatrixFSDP_{replica_step}", (MatrixFSDP,), {"name": name, "replica_step": replica_step})
+
+
+HSDP_IMPLS: tuple[type[Impl], ...] = (
+    SingleMuon,
+    _hsdp_impl("hsdp_adamw", FSDP2AdamW, "torch HSDP: fully_shard(mesh=2-D): reduce-scatter in the shard group, "
+               "all-reduce of the shard across replicas"),
+    _hsdp_impl("hsdp_distmuon", FSDP2DistMuon, "HSDP: DistMuon's all-to-alls and Newton-Schulz within the shard "
+               "group (dp_shard), repeated by every replica"),
+    _hsdp_impl("hsdp_gather_muon", FSDP2GatherMuon, "HSDP: gather-Muon on the shard group, repeated by every replica"),
+    _mfsdp_impl("mfsdp_repeat", "repeat"),
+    _mfsdp_impl("mfsdp_split", "split"),
+)
+
 IMPLS: dict[str, type[Impl]] = {
     c.name: c for c in (DDPMuon, FSDP2GatherMuon, FSDP2DistMuon, Zero1Owner, FSDP2AdamW, MatrixFSDP,
                         _replicate_impl("replicate_a0", "alpha_balanced", 0.0),
                         _replicate_impl("replicate_a0.5", "alpha_balanced", 0.5),
                         _replicate_impl("replicate_a1", "alpha_balanced", 1.0),
                         _replicate_impl("replicate_naive", "naive_static", 0.0),
-                        ZeroRedundancyMuon)
+                        ZeroRedundancyMuon, *HSDP_IMPLS)
 }

@@ -58,6 +58,7 @@ __all__ = [
     "foreign_cpu_share",
     "wait_quiet",
     "nic_bytes",
+    "p2p_throughput",
     "BACKENDS",
     "resolve_device",
     "device_sync",
@@ -593,6 +594,29 @@ def nic_bytes(ifname: str | None) -> tuple[int, int] | None:
         return tx, rx
     except OSError:
         return None
+
+
+def p2p_throughput(pairs: Sequence[tuple[int, int]], nbytes: int, reps: int = 3) -> dict[str, Any]:
+    """Collective (every rank calls it): each ``(src, dst)`` in ``pairs`` sends ``nbytes`` at the same
+    time (gloo send/recv, after a barrier), ``reps`` times. Returns, on every rank, the per-rep wall
+    seconds (max over the ranks involved) and the median achieved throughput per pair in Mbit/s."""
+    rank = dist.get_rank()
+    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+    times: list[float] = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for src, dst in pairs:
+            if rank == src:
+                dist.send(buf, dst=dst)
+            elif rank == dst:
+                dist.recv(buf, src=src)
+        dt = torch.tensor([time.perf_counter() - t0 if any(rank in pr for pr in pairs) else 0.0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        times.append(float(dt))
+    med = statistics.median(times)
+    return {"pairs": [list(pr) for pr in pairs], "bytes": buf.numel() * 4, "seconds": [round(t, 4) for t in times],
+            "mbit_s_per_pair": round(buf.numel() * 4 * 8 / med / 1e6, 1)}
 
 
 # ================================================================================ stats

@@ -39,6 +39,21 @@ uses only clean repeats. CPU seconds per phase (summed over ranks) are reported 
 ``benchmarks/netns/setup.sh`` (GLOO_SOCKET_IFNAME=mfb0); needs root and the setup script first.
 gloo only (with the NIC byte counters it enables).
 
+``--mesh R,S`` (issue 17, HSDP): every implementation gets the 2-D mesh
+``init_device_mesh(dev, (R, S), mesh_dim_names=("dp_replicate", "dp_shard"))`` (rank = r*S + s) and
+the default rows become the HSDP ones (``HSDP_DEFAULT_IMPLS``): ``single_muon`` (the single-process
+run on every rank: parity reference and total step work), torch HSDP + AdamW (the ratio reference),
+HSDP + DistMuon and HSDP + gather-Muon (optimizer collectives within the shard group, repeated by
+every replica), matrixfsdp ``repeat`` and ``split``. Before the rows it measures gloo send/recv
+throughput within a shard group and across replicas (``--link-check-mb``), and after each round
+rank 0 times the single-process step alone (the other ranks idle in a barrier). With the two-node
+network of ``benchmarks/netns/setup_two_level.sh``:
+
+    sudo benchmarks/netns/setup_two_level.sh 1gbit
+    python benchmarks/step_bench.py --world 4 --mesh 2,2 --netns --out benchmarks/results/hsdp_two_level_1gbit
+
+``--render X.jsonl`` (alone) rewrites ``X.md`` from the rows of an earlier run, keeping its command line.
+
 Memory: per rank, the sum of local tensor bytes (parameters, gradients, optimizer state and
 scratch; any device); on CUDA also ``torch.cuda.max_memory_allocated`` from the start of each
 implementation's setup to the end of its measured steps.
@@ -75,6 +90,9 @@ from _baselines import IMPLS, BenchConfig, Context, batch_for_step  # noqa: E402
 
 DEFAULT_IMPLS = ("ddp_muon", "fsdp2_gather_muon", "fsdp2_distmuon", "zero1_owner", "fsdp2_adamw", "matrixfsdp")
 REFERENCE = "ddp_muon"
+HSDP_DEFAULT_IMPLS = ("single_muon", "hsdp_adamw", "hsdp_distmuon", "hsdp_gather_muon", "mfsdp_repeat", "mfsdp_split")
+#: --mesh defaults: ratios against stock HSDP + AdamW, parity against the single-process run
+HSDP_REFERENCE, HSDP_PARITY_REF = "hsdp_adamw", "single_muon"
 MB = 1 << 20
 
 
@@ -289,7 +307,7 @@ def run_one(name: str, cfg: BenchConfig, ctx: Context, args: argparse.Namespace,
     row["foreign_cpu_share"] = None if share is None else round(share, 3)
     # parity against ddp_muon after --parity-steps steps
     if parity_full is not None:
-        if name == REFERENCE and "ref" not in ref_state:
+        if name == args.parity_ref and "ref" not in ref_state:
             ref_state["ref"] = parity_full
         ref = ref_state.get("ref")
         if ref is not None:
@@ -299,7 +317,7 @@ def run_one(name: str, cfg: BenchConfig, ctx: Context, args: argparse.Namespace,
             row["parity"] = {"steps": args.parity_steps, "max_abs_diff": d, "worst_param": worst,
                              "max_abs_diff_muon_matrices": dm, "nan_count": nans,
                              "max_abs_param": max(float(v.abs().max()) for v in ref.values()),
-                             "reference": REFERENCE + (" (repeat 0)" if name != REFERENCE or repeat else "")}
+                             "reference": args.parity_ref + (" (repeat 0)" if name != args.parity_ref or repeat else "")}
         del parity_full
     return row
 
@@ -319,18 +337,27 @@ def worker_main(args: argparse.Namespace) -> int:
     rank, world = _init_dist(args, device)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
+    if args.mesh:
+        R, S = args.mesh
+        if R * S != world:
+            raise SystemExit(f"--mesh {R},{S} needs {R * S} ranks, not {world}")
+        mesh = init_device_mesh(device.type, (R, S), mesh_dim_names=("dp_replicate", "dp_shard"))
+        link_check = _link_check(args, S) if args.link_check_mb > 0 else None
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
     cfg = _config(args)
     ctx = Context(rank=rank, world=world, mesh=mesh, matrixfsdp_source=args.matrixfsdp_source, device=device)
     impls = _impl_list(args)
     rows: list[dict[str, Any]] = []
     ref_state: dict[str, Any] = {}
     dead: dict[str, dict[str, Any]] = {}
+    alone: list[float | None] = []
     t_start = time.perf_counter()
     for rep in range(args.repeats):
-        others = [i for i in impls if i != REFERENCE]
+        first = args.parity_ref  # its parameters are the parity reference: first in every round
+        others = [i for i in impls if i != first]
         k = rep % max(1, len(others))
-        order = ([REFERENCE] if REFERENCE in impls else []) + others[k:] + others[:k]
+        order = ([first] if first in impls else []) + others[k:] + others[:k]
         for name in order:
             if name in dead:
                 continue
@@ -366,6 +393,8 @@ def worker_main(args: argparse.Namespace) -> int:
             if row.get("status") != "ok":
                 dead[name] = row
             rows.append(row)
+        if args.mesh and "single_muon" in impls:
+            alone.append(_time_alone_step(cfg, ctx, args))
     if rank == 0:
         meta = {"world": world, "backend": args.backend, "device": device.type,
                 "threads_per_rank": threads, "config": cfg.to_dict(),
@@ -373,6 +402,9 @@ def worker_main(args: argparse.Namespace) -> int:
                 "env": bc.env_info(device), "bytes_doc": bc.BYTES_DOC,
                 "run_s": round(time.perf_counter() - t_start, 1),
                 "netns": bool(os.environ.get("GLOO_SOCKET_IFNAME")) and args.netns}
+        if args.mesh:
+            meta.update(mesh=list(args.mesh), mesh_dim_names=["dp_replicate", "dp_shard"], link_check=link_check,
+                        alone_step_s=alone)
         if meta["netns"]:  # rank 0 runs inside mfb-r0: record the shaping of its veth
             import subprocess
 
@@ -395,6 +427,43 @@ def worker_main(args: argparse.Namespace) -> int:
 
 def _world_hint(args: argparse.Namespace) -> int:
     return int(os.environ.get("MFB_WORLD") or os.environ.get("WORLD_SIZE") or args.world or 1)
+
+
+def _link_check(args: argparse.Namespace, S: int) -> dict[str, Any]:
+    """gloo send/recv throughput: within a shard group (rank 0 -> 1), across replicas (0 -> S) and
+    every replica pair at once (r -> r + S for r < S: what HSDP's cross-replica all-reduce puts on
+    a shared inter-node link)."""
+    n = int(args.link_check_mb * MB)
+    out = {"within shard group 0->1": bc.p2p_throughput([(0, 1)], n),
+           f"across replicas 0->{S}": bc.p2p_throughput([(0, S)], n),
+           "across replicas, all pairs at once": bc.p2p_throughput([(r, r + S) for r in range(S)], n)}
+    if dist.get_rank() == 0:
+        print("[rank0] link check (Mbit/s per pair): "
+              + ", ".join(f"{k}: {v['mbit_s_per_pair']}" for k, v in out.items()), file=sys.stderr, flush=True)
+    return out
+
+
+def _time_alone_step(cfg: BenchConfig, ctx: Context, args: argparse.Namespace) -> float | None:
+    """Rank 0 alone (the others wait in a barrier): the single-process optimizer step over every
+    parameter, median of ``--steps`` steps after ``--warmup``; None on the other ranks."""
+    t = None
+    if ctx.rank == 0:
+        impl = IMPLS["single_muon"](cfg, ctx)
+        impl.setup()
+        impl.forward_backward(batch_for_step(cfg, 0, 0, 1, ctx.device))
+        times = []
+        for s in range(args.warmup + args.steps):
+            bc.device_sync(ctx.device)
+            t0 = time.perf_counter()
+            impl.step()
+            bc.device_sync(ctx.device)
+            if s >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        impl.teardown()
+        t = statistics.median(times)
+        print(f"[rank0] single-process step alone: {t:.4f} s", file=sys.stderr, flush=True)
+    dist.barrier()
+    return t
 
 
 # ================================================================================ reporting
@@ -435,11 +504,13 @@ def markdown(result: dict[str, Any], command: str) -> str:
     L.append("")
     L.append(f"# Step benchmark, world {meta['world']} ({backend}, {where}{', netns' if meta.get('netns') else ''})")
     L.append("")
-    if meta.get("netns"):
+    if meta.get("netns") and not meta.get("link_qdisc"):  # flat setup.sh (two-level: _hsdp_header)
         L.append(f"Emulated interconnect: each rank in its own network namespace (benchmarks/netns/setup.sh), "
                  f"gloo over a veth pair into a bridge, token-bucket shaping on both ends of every veth; "
                  f"rank 0's qdisc: `{meta.get('netns_qdisc', '?')}`. No latency emulation (netem is not in "
                  f"this kernel).  ")
+    if meta.get("mesh"):
+        L.extend(_hsdp_header(meta))
     L.append(f"Command: `{command}`  ")
     L.append(f"Date: {env['date']}; torch {env['torch']}; torchtitan {env.get('torchtitan')}; python {env['python']}; "
              f"git {env.get('git')}; {env['cpus']} CPUs, {meta['threads_per_rank']} intra-op thread(s) per rank; "
@@ -511,15 +582,17 @@ def markdown(result: dict[str, Any], command: str) -> str:
         return out
 
     ok_names = [n for n in names if any(r["impl"] == n for r in ok)]
+    REF = a.get("reference") or REFERENCE  # ratio reference (results written before --reference: ddp_muon)
+    PARITY_REF = a.get("parity_ref") or REF  # parameters compared with; its step = every rank steps everything
     L.append("## Time per step (seconds)")
     L.append("")
-    L.append(f"| implementation | fwd+bwd s | optimizer step s | total s | total / {REFERENCE} | step / {REFERENCE} | fwd+bwd / {REFERENCE} | clean repeats | foreign CPU (max) |")
+    L.append(f"| implementation | fwd+bwd s | optimizer step s | total s | total / {REF} | step / {REF} | fwd+bwd / {REF} | clean repeats | foreign CPU (max) |")
     L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in ok_names:
         cells = [_fmt3(stats(n, k)) for k in ("fb_s", "step_s", "total_s")]
         rs = []
         for k in ("total_s", "step_s", "fb_s"):
-            s = ratio_stats(n, k, REFERENCE) if n != REFERENCE else {"median": 1, "min": 1, "max": 1}
+            s = ratio_stats(n, k, REF) if n != REF else {"median": 1, "min": 1, "max": 1}
             rs.append(_fmt3(s, nd=2) if s else "n/a")
         fc = [r.get("foreign_cpu_share") for r in ok if r["impl"] == n and r.get("foreign_cpu_share") is not None]
         st_ = stats(n, "total_s")
@@ -538,14 +611,14 @@ def markdown(result: dict[str, Any], command: str) -> str:
     L.append(f"Process CPU time (all threads, {backend}'s included) per phase, summed over the ranks, median over measured "
              "steps; median (min-max) over all repeats. Blind to waiting, less sensitive to other processes than wall time.")
     L.append("")
-    L.append(f"| implementation | fwd+bwd CPU s | step CPU s | total CPU s | total / {REFERENCE} | step / {REFERENCE} |")
+    L.append(f"| implementation | fwd+bwd CPU s | step CPU s | total CPU s | total / {REF} | step / {REF} |")
     L.append("|---|---:|---:|---:|---:|---:|")
     for n in ok_names:
         if stats(n, "cpu_total_s", clean_only=False) is None:
             continue
         cells = [_fmt3(stats(n, k, clean_only=False)) for k in ("cpu_fb_s", "cpu_step_s", "cpu_total_s")]
         for k in ("cpu_total_s", "cpu_step_s"):
-            s_ = ratio_stats(n, k, REFERENCE, clean_only=False) if n != REFERENCE else {"median": 1, "min": 1, "max": 1}
+            s_ = ratio_stats(n, k, REF, clean_only=False) if n != REF else {"median": 1, "min": 1, "max": 1}
             cells.append(_fmt3(s_, nd=2) if s_ else "n/a")
         L.append(f"| {n} | " + " | ".join(cells) + " |")
     L.append("")
@@ -559,19 +632,21 @@ def markdown(result: dict[str, Any], command: str) -> str:
             L.append(f"| {n} | " + " | ".join(cells) + " |")
         L.append("")
 
+    if meta.get("mesh"):
+        L.extend(_hsdp_section(meta, ok, ok_names, stats, ratio_stats, REF))
     ratio_matrix("### Total-time ratios, row / column (same repeat; median over repeats)", "total_s")
     balanced = [n for n in ok_names if any("step_balance" in r for r in ok if r["impl"] == n)]
-    if balanced and REFERENCE in ok_names:
+    if balanced and PARITY_REF in ok_names:
         L.append("### Sharded optimizer steps against their balance limit")
         L.append("")
         L.append(f"balance = largest per-rank step work / mean (Muon Newton-Schulz FLOPs, ~12 FLOPs per AdamW "
-                 f"element); limit = {REFERENCE} step (every rank steps everything) x balance / W, the step time "
+                 f"element); limit = {PARITY_REF} step (every rank steps everything) x balance / W, the step time "
                  "of a perfectly parallel split with this imbalance; medians over clean repeats.")
         L.append("")
-        L.append(f"| implementation | balance | step s | limit s | step / limit | fwd+bwd / {REFERENCE} fwd+bwd |")
+        L.append(f"| implementation | balance | step s | limit s | step / limit | fwd+bwd / {PARITY_REF} fwd+bwd |")
         L.append("|---|---:|---:|---:|---:|---:|")
-        ref_step = stats(REFERENCE, "step_s")
-        ref_fb = stats(REFERENCE, "fb_s")
+        ref_step = stats(PARITY_REF, "step_s")
+        ref_fb = stats(PARITY_REF, "fb_s")
         W = meta["world"]
         for n in balanced:
             b = next(r["step_balance"] for r in ok if r["impl"] == n and "step_balance" in r)
@@ -659,7 +734,7 @@ def markdown(result: dict[str, Any], command: str) -> str:
         L.append(f"| {n} | {rng('params')} | {rng('grads')} | {rng('opt_state')} | {rng('opt_scratch')} | "
                  f"{min(sums):.2f}-{max(sums):.2f} |" + peak)
     L.append("")
-    L.append(f"## Parity: max |param - {REFERENCE}| after {a['parity_steps']} steps (same data)")
+    L.append(f"## Parity: max |param - {PARITY_REF}| after {a['parity_steps']} steps (same data)")
     L.append("")
     L.append("| implementation | max abs diff (all, worst over repeats) | worst parameter | Muon matrices only | max abs param | note |")
     L.append("|---|---:|---|---:|---:|---|")
@@ -670,9 +745,9 @@ def markdown(result: dict[str, Any], command: str) -> str:
         worst = max(rs, key=lambda r: r["parity"]["max_abs_diff"])
         p = worst["parity"]
         note = ""
-        if n == REFERENCE:
+        if n == PARITY_REF:
             note = "repeat k vs repeat 0: run-to-run determinism"
-        elif n == "fsdp2_adamw":
+        elif n in ("fsdp2_adamw", "hsdp_adamw"):
             note = "different optimizer (AdamW everywhere): not a correctness check"
         if p.get("nan_count"):
             note += f" {p['nan_count']} NaN/unfilled entries!"
@@ -687,6 +762,72 @@ def markdown(result: dict[str, Any], command: str) -> str:
             L.append(f"- **{n}**: " + " | ".join(r["notes"]))
     L.append("")
     return "\n".join(L)
+
+
+def _hsdp_header(meta: dict[str, Any]) -> list[str]:
+    R, S = meta["mesh"]
+    L = [f"HSDP mesh ({R}, {S}) = (dp_replicate, dp_shard), rank = r*{S} + s: shard groups "
+         + ", ".join(str(list(range(r * S, (r + 1) * S))) for r in range(R)) + "; replicate groups "
+         + ", ".join(str(list(range(s, R * S, S))) for s in range(S)) + ".  "]
+    if meta.get("link_qdisc"):
+        L.append(f"Emulated two-level network (benchmarks/netns/setup_two_level.sh): each rank in its own network "
+                 f"namespace, the ranks of a shard group on one bridge (unshaped veths), the two bridges joined by "
+                 f"one veth pair shaped with tbf on both ends, shared by all cross-replica traffic: "
+                 f"`{meta['link_qdisc']}`. No latency emulation (netem is not in this kernel).  ")
+    lc = meta.get("link_check")
+    if lc:
+        L.append("Measured link throughput (gloo send/recv of "
+                 f"{next(iter(lc.values()))['bytes'] / MB:.0f} MB, median of "
+                 f"{len(next(iter(lc.values()))['seconds'])}, Mbit/s per pair): "
+                 + "; ".join(f"{k} **{v['mbit_s_per_pair']}**" for k, v in lc.items()) + ".  ")
+    return L
+
+
+def _hsdp_section(meta: dict[str, Any], ok: list[dict[str, Any]], ok_names: list[str], stats: Any,
+                  ratio_stats: Any, ref: str) -> list[str]:
+    """Issue 17's targets: step bytes 0, fwd+bwd <= 1.05x stock HSDP + AdamW, split's step within
+    1.10x of the total step work / W."""
+    W = meta["world"]
+    single = stats("single_muon", "step_s") if "single_muon" in ok_names else None
+    alone = [x for x in meta.get("alone_step_s") or [] if x]
+    alone_med = statistics.median(alone) if alone else None
+    L = ["### HSDP targets (issue 17)", "",
+         "work/W: the single-process optimizer step over every parameter (the total step work) / W, "
+         f"W = {W}. Two measures of the total: `single_muon`'s step (every rank runs it at once: the same CPU "
+         "contention as the distributed rows) "
+         + (f"= {single['median']:.4f} s; " if single else "(not run); ")
+         + "and rank 0 alone while the others idle "
+         + (f"= {alone_med:.4f} s (median over {len(alone)} rounds: {', '.join(f'{x:.4f}' for x in alone)}). "
+            if alone_med else "(not run). ")
+         + f"{W} ranks share {meta['env']['cpus']} CPUs, so wall-clock step times depend on how the ranks' steps "
+         "overlap; the contention-free measure of the step's work is its CPU time: `step work` = the step's CPU "
+         "seconds summed over ranks / `single_muon`'s per rank (1 = every matrix stepped once in all, as split "
+         "should; R = every replica repeats it).",
+         "",
+         f"| implementation | fwd+bwd / {ref} (target <= 1.05) | step s | step calls | step wire MB (target 0) | "
+         "step / (single_muon step / W) | step / (alone / W) (target <= 1.10) | step work | total / " + ref + " |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    single_cpu = stats("single_muon", "cpu_step_s") if "single_muon" in ok_names else None
+    for n in ok_names:
+        r = next(r for r in ok if r["impl"] == n)
+        cpr = r["comm_per_rank"]
+        calls = max(c["step"]["calls"] for c in cpr)
+        wire = max(c["step"]["wire"] for c in cpr)
+        st = stats(n, "step_s")
+        fb = ratio_stats(n, "fb_s", ref) if n != ref else {"median": 1.0, "dirty": False}
+        tot = ratio_stats(n, "total_s", ref) if n != ref else {"median": 1.0, "dirty": False}
+
+        def cell(x: dict[str, Any] | None) -> str:
+            return "n/a" if x is None else f"{x['median']:.3f}" + ("†" if x.get("dirty") else "")
+
+        vs_single = f"{st['median'] / (single['median'] / W):.2f}" if single and n != "single_muon" else "-"
+        vs_alone = f"{st['median'] / (alone_med / W):.2f}" if alone_med and n != "single_muon" else "-"
+        cs = stats(n, "cpu_step_s")
+        work = f"{cs['median'] / (single_cpu['median'] / W):.2f}" if single_cpu and cs else "n/a"
+        L.append(f"| {n} | {cell(fb)} | {st['median']:.4f} | {calls:g} | {wire / MB:.2f} | {vs_single} | "
+                 f"{vs_alone} | {work} | {cell(tot)} |")
+    L.append("")
+    return L
 
 
 def emit(result: dict[str, Any], args: argparse.Namespace, command: str) -> None:
@@ -738,7 +879,10 @@ def driver_main(args: argparse.Namespace) -> int:
         v = getattr(args, k)
         if v is not None:
             argv += [f"--{k.replace('_', '-')}", str(v)]
-    argv += ["--matrixfsdp-source", args.matrixfsdp_source, "--backend", args.backend, "--ns-dtype", args.ns_dtype]
+    argv += ["--matrixfsdp-source", args.matrixfsdp_source, "--backend", args.backend, "--ns-dtype", args.ns_dtype,
+             "--reference", args.reference, "--parity-ref", args.parity_ref, "--link-check-mb", str(args.link_check_mb)]
+    if args.mesh:
+        argv += ["--mesh", ",".join(map(str, args.mesh))]
     if args.netns:
         argv += ["--netns"]
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
@@ -754,6 +898,11 @@ def driver_main(args: argparse.Namespace) -> int:
         return 1
     with open(result_path) as f:
         result = json.load(f)
+    if args.netns and args.mesh:  # the driver is in the root namespace: the inter-node link's shaping
+        import subprocess
+
+        qd = subprocess.run(["tc", "qdisc", "show", "dev", "mfbla"], capture_output=True, text=True).stdout.strip()
+        result["meta"]["link_qdisc"] = qd or "mfbla absent (not the setup_two_level.sh network)"
     shutil.rmtree(tmp, ignore_errors=True)
     command = "python benchmarks/step_bench.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     emit(result, args, command)
@@ -761,7 +910,8 @@ def driver_main(args: argparse.Namespace) -> int:
 
 
 def _impl_list(args: argparse.Namespace) -> list[str]:
-    names = [s.strip() for s in (args.impls or args.impl or ",".join(DEFAULT_IMPLS)).split(",") if s.strip()]
+    default = HSDP_DEFAULT_IMPLS if args.mesh else DEFAULT_IMPLS
+    names = [s.strip() for s in (args.impls or args.impl or ",".join(default)).split(",") if s.strip()]
     bad = [n for n in names if n not in IMPLS]
     if bad:
         raise SystemExit(f"unknown implementation(s) {bad}; choose from {list(IMPLS)}")
@@ -777,6 +927,14 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         if v is not None:
             kw[f] = v
     return BenchConfig(**kw)
+
+
+def _mesh_arg(v: str) -> tuple[int, int]:
+    try:
+        R, S = (int(x) for x in v.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mesh takes R,S (two integers), not {v!r}") from None
+    return R, S
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -810,6 +968,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="write OUT.jsonl and OUT.md")
     p.add_argument("--netns", action="store_true", help="ranks in namespaces mfb-r<k> (benchmarks/netns/setup.sh)")
     p.add_argument("--gloo-ifname", default=None, help="GLOO_SOCKET_IFNAME for the ranks")
+    p.add_argument("--mesh", default=None, type=_mesh_arg,
+                   help="R,S: HSDP on the 2-D (dp_replicate, dp_shard) mesh (issue 17); default rows "
+                        f"{','.join(HSDP_DEFAULT_IMPLS)}")
+    p.add_argument("--reference", default=None,
+                   help=f"ratio reference (default {REFERENCE}; with --mesh {HSDP_REFERENCE})")
+    p.add_argument("--parity-ref", default=None,
+                   help=f"parity reference, run first in every round (default {REFERENCE}; with --mesh {HSDP_PARITY_REF})")
+    p.add_argument("--link-check-mb", type=float, default=8.0,
+                   help="--mesh: MB per gloo send/recv of the link check before the rows (0: none)")
     p.add_argument("--matrixfsdp-source", default="public", choices=("public", "_runtime"),
                    help="where the matrixfsdp slot gets fully_shard: the public matrixfsdp.fully_shard "
                         "(default) or the in-progress private matrixfsdp._fully_shard (development only)")
@@ -824,12 +991,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"not --backend {args.backend}")
     if args.ns_dtype is None:
         args.ns_dtype = "bfloat16" if args.backend == "nccl" else "float32"
+    args.reference = args.reference or (HSDP_REFERENCE if args.mesh else REFERENCE)
+    args.parity_ref = args.parity_ref or (HSDP_PARITY_REF if args.mesh else REFERENCE)
     if args.warmup < 2 or args.steps < 5:
         print("step_bench: note: the protocol asks for >= 2 warm-up and >= 5 measured steps", file=sys.stderr)
     return args
 
 
+def render(jsonl: str) -> int:
+    """Rewrite ``X.md`` from ``X.jsonl`` (after a change to the report; the rows are not touched)."""
+    with open(jsonl) as f:
+        lines = [json.loads(ln) for ln in f if ln.strip()]
+    result = {"meta": lines[0]["meta"], "rows": lines[1:]}
+    a = result["meta"]["args"]
+    with open(jsonl[: -len(".jsonl")] + ".md") as f:  # keep the command the results were produced by
+        first = f.readline()
+    command = first.split("produced by: ", 1)[1].rsplit(" -->", 1)[0] if "produced by: " in first else "?"
+    with open(jsonl[: -len(".jsonl")] + ".md", "w") as f:
+        f.write(markdown(result, command))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if len(argv) == 2 and argv[0] == "--render":
+        return render(argv[1])
     args = parse_args(argv)
     if args._worker or ("RANK" in os.environ and "WORLD_SIZE" in os.environ and args.world is None):
         return worker_main(args)
