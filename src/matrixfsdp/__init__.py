@@ -11,7 +11,7 @@ locally with zero communication.
     opt = matrixfsdp.optim.Muon(model, lr=0.02)
 """
 
-from . import checkpoint, optim
+from . import checkpoint, optim, tp
 from ._fully_shard import MatrixFSDPModule, fully_shard
 from ._replicate import MatrixReplicateModule, replicate
 from .placement import Owned, clip_grad_norm_, full_tensor, owned_of, set_full_
@@ -58,4 +58,5 @@ __all__ = [
     "full_tensor",
     "optim",
     "checkpoint",
+    "tp",
 ]

@@ -73,6 +73,7 @@ from torch.optim import Optimizer
 
 from ..placement.owned import local_tensor, owned_of  # one local-tensor helper for the package
 from ..placement.owner import keeps_state
+from ..placement.tp_host import tp_host_of
 from ._adamw import adamw_foreach, adamw_foreach_capturable, adamw_step, lr_tensor, new_step_counter
 
 try:  # torch builds without distributed have no DTensor; then nothing is one.
@@ -154,6 +155,8 @@ class MatrixOptimizer(Optimizer):
             info = owned_of(p)
             if info is not None:
                 is_matrix = info.kind == "matrix"
+            elif tp_host_of(p) is not None:
+                is_matrix = True  # a TP-sharded matrix with a host (see [Note: TP hosts])
             elif _DTensor is not None and isinstance(p, _DTensor):
                 is_matrix = False  # evenly sharded: element-wise for the plan
             else:
@@ -260,6 +263,8 @@ class MatrixOptimizer(Optimizer):
         """
         algorithm = group["algorithm"]
         if algorithm == "auto":
+            if tp_host_of(p) is not None:
+                return self.rule  # a TP-sharded matrix stepped whole on its host
             info = owned_of(p)
             if info is not None:
                 return self.rule if info.kind == "matrix" else "adamw"
@@ -269,6 +274,8 @@ class MatrixOptimizer(Optimizer):
         return algorithm
 
     def _check_whole(self, p: Tensor, local: Tensor, index: int) -> None:
+        if tp_host_of(p) is not None:
+            return  # stepped whole on its TP host (see [Note: TP hosts])
         if local.numel() != 0 and local.shape != p.shape:
             raise ValueError(
                 f"{type(self).__name__}: the {self.rule!r} rule needs the whole matrix on one rank "
@@ -302,9 +309,14 @@ class MatrixOptimizer(Optimizer):
         return loss
 
     def _loop_step(self, index: int, group: dict[str, Any]) -> None:
-        """The default step of one group: one parameter at a time."""
+        """The default step of one group: one parameter at a time; TP-hosted matrices go to
+        their executor (see [Note: TP hosts])."""
+        hosted = []
         for p in group["params"]:
             route = self._route(group, p)
+            if route != "adamw" and tp_host_of(p) is not None:
+                hosted.append(p)
+                continue
             if not keeps_state(p):  # another rank owns it: no state, no compute here
                 if p.grad is not None:
                     self._note_remote(p)
@@ -320,11 +332,19 @@ class MatrixOptimizer(Optimizer):
             else:
                 self._check_whole(p, param, index)
                 self._matrix_step(param, grad, self.state[p], group)
+        for executor in {id(e): e for e in (tp_host_of(p).executor for p in hosted)}.values():
+            executor.step(self, group, [p for p in hosted if tp_host_of(p).executor is executor])
 
     def _group_step(self, index: int, group: dict[str, Any]) -> None:
         """A capturable and/or batched group (see [Note: capturable and batched steps])."""
         adamw: list[tuple[Tensor, Tensor, Tensor]] = []
         matrix: list[tuple[Tensor, Tensor, Tensor]] = []
+        if any(tp_host_of(p) is not None for p in group["params"]):
+            raise ValueError(
+                f"{type(self).__name__}: param group {index} holds TP-hosted matrices "
+                "(matrixfsdp.tp.host_matrices), which the capturable and batched steps do not "
+                "support yet; use capturable=False, batched=False for that group"
+            )
         for p in group["params"]:
             if p.grad is None or not keeps_state(p):
                 if p.grad is not None:  # another rank owns it: no state, no compute here

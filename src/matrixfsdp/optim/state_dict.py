@@ -45,6 +45,7 @@ from torch import Tensor
 
 from ..placement.owned import empty_local, local_tensor, owned_of, wrap_dtensor
 from ..placement.owner import keeps_state, owner_of
+from ..placement.tp_host import tp_host_of
 
 if TYPE_CHECKING:
     from ._base import MatrixOptimizer
@@ -68,6 +69,11 @@ def _as_dtensor(opt_name: str, key: str, p: Tensor, value: Any) -> Any:
     if not isinstance(value, Tensor) or isinstance(value, DTensor):
         return value
     info = owned_of(p)
+    host = tp_host_of(p)
+    if host is not None and host.host_mesh is not None:  # whole on its TP host (placement/tp_host.py)
+        if value.ndim == 0:
+            return value
+        return wrap_dtensor(value, host.host_mesh, (Replicate(),), tuple(value.shape))
     if value.ndim == 0 and info is None:
         return value  # an even parameter's step counter: the same on every rank with a shard
     if info is not None:

@@ -126,7 +126,8 @@ def keeps_state(t: Any) -> bool:
     placed it. The one rule optimizers, checkpoint loaders and ``replicate`` apply."""
     info = owner_of(t)
     if info is None:
-        return True
+        host = getattr(t, "_matrixfsdp_tp_host", None)  # placement/tp_host.py: the host keeps it
+        return True if host is None else host.is_local
     if info.mesh is None:  # a descriptor built without its mesh: the local tensor tells
         return getattr(t, "_local_tensor", t).numel() != 0
     return info.is_local

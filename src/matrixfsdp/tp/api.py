@@ -1,0 +1,125 @@
+"""``matrixfsdp.tp.host_matrices``: give every TP-sharded matrix a host rank and a micro-group."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ..placement.owner import _OWNER_OF
+from ..placement.tp_host import TPHosted, set_tp_host, tp_host_of
+from ..planner.rules import default_matrix_filter
+from .host_step import TPHostStep
+
+__all__ = ["host_matrices"]
+
+API = "matrixfsdp.tp.host_matrices"
+_HOST_MESHES: dict[DeviceMesh, tuple[DeviceMesh, ...]] = {}
+
+
+def _tp_mesh(mesh: Any) -> DeviceMesh:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{API}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim == 1:
+        return mesh
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        raise ValueError(f"{API}: a {mesh.ndim}-D mesh needs a dimension named 'tp', got names {names}; "
+                         "pass the tp mesh itself (mesh['tp'])")
+    return mesh["tp"]
+
+
+def _host_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
+    """One-rank meshes, one per TP rank, on which a host's state is presented in state dicts
+    (registered as owner meshes: ``full_tensor()`` broadcasts their value over the TP group)."""
+    subs = _HOST_MESHES.get(mesh)
+    if subs is None:
+        ranks = mesh.mesh.flatten().tolist()
+        tag = hashlib.sha1(repr((ranks, mesh.mesh_dim_names, mesh.device_type)).encode()).hexdigest()[:8]
+        subs = tuple(DeviceMesh(mesh.device_type, [g], mesh_dim_names=(f"tp_host{r}@{tag}",),
+                                _init_backend=False) for r, g in enumerate(ranks))
+        for r, sub in enumerate(subs):
+            _OWNER_OF[sub] = (mesh, r)
+        _HOST_MESHES[mesh] = subs
+    return subs
+
+
+def host_matrices(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    groups: Sequence[Sequence[tuple[str, int]]] | None = None,
+    c_max: int | None = None,
+    optimizer: str = "muon",
+    precondition_frequency: int = 10,
+    matrix_filter: Callable[[str, torch.Tensor, nn.Module, frozenset[int]], bool] | None = None,
+) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """Give each TP-sharded matrix of ``model`` (a 2D ``Shard(0)``/``Shard(1)`` DTensor on the TP
+    mesh, as ``parallelize_module``'s ``ColwiseParallel``/``RowwiseParallel`` make them, that
+    ``matrix_filter`` selects) a host TP rank and a micro-group; a ``matrixfsdp.optim``
+    optimizer then steps them whole on their hosts (see [Note: TP hosts]). Call on every TP rank,
+    after ``parallelize_module`` and before building the optimizer.
+
+    ``groups`` (``[[(fqn, host), ...], ...]``) gives the micro-groups and hosts; by default the
+    planner's :func:`~matrixfsdp.planner.micro_groups.plan_micro_groups` packs them by optimizer
+    cost (``optimizer``, ``precondition_frequency``) into fused buffers of at most ``c_max`` bytes.
+    Returns the groups used. No collective.
+
+    Example::
+
+        tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        for b in model.blocks:
+            parallelize_module(b, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        matrixfsdp.tp.host_matrices(model, tp)
+        opt = matrixfsdp.optim.Muon(model, lr=0.02, ns_dtype=torch.float32)
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{API}: model must be an nn.Module, got {type(model).__name__}")
+    tp = _tp_mesh(mesh)
+    filt = matrix_filter or default_matrix_filter
+    head_rows = frozenset(m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding))
+    found: dict[str, Any] = {}
+    for mod_name, mod in model.named_modules():
+        for attr, p in mod.named_parameters(recurse=False):
+            fqn = f"{mod_name}.{attr}" if mod_name else attr
+            if not (isinstance(p, DTensor) and p.ndim == 2 and p.requires_grad):
+                continue
+            if p.device_mesh != tp or len(p.placements) != 1 or not isinstance(p.placements[0], Shard):
+                continue
+            if tp_host_of(p) is not None:
+                raise ValueError(f"{API}: {fqn!r} already has a TP host; call host_matrices once per model")
+            if filt(fqn, p, mod, head_rows) and id(p) not in {id(q) for q in found.values()}:
+                found[fqn] = p
+    if groups is None:
+        from ..planner.cost import ParamInfo, resolve_cost
+        from ..planner.micro_groups import plan_micro_groups
+
+        _, cost_fn = resolve_cost("flops", optimizer, precondition_frequency)
+        rows = []
+        for fqn, p in found.items():
+            dt = str(p.dtype).removeprefix("torch.")
+            info = ParamInfo(fqn=fqn, shape=tuple(p.shape), dtype=dt, itemsize=p.element_size(),
+                             is_matrix=True, requires_grad=True)
+            rows.append((fqn, tuple(p.shape), cost_fn(info), math.prod(p.shape) * p.element_size()))
+        groups = [g.members for g in plan_micro_groups(rows, tp.size(), c_max=c_max)]
+    groups = tuple(tuple((str(f), int(h)) for f, h in g) for g in groups)
+    seen = [f for g in groups for f, _ in g]
+    if sorted(seen) != sorted(found) or len(set(seen)) != len(seen):
+        missing = sorted(set(found) - set(seen))[:3]
+        extra = sorted(set(seen) - set(found))[:3]
+        raise ValueError(f"{API}: groups must name every TP-sharded matrix exactly once; missing "
+                         f"{missing}, unknown or repeated {extra or [f for f in seen if seen.count(f) > 1][:3]}")
+    bad = [(f, h) for g in groups for f, h in g if not 0 <= h < tp.size()]
+    if bad:
+        raise ValueError(f"{API}: host ranks must be in [0, {tp.size()}), got {bad[:3]}")
+    executor = TPHostStep(tp, [[(f, found[f], h) for f, h in g] for g in groups])
+    hosts = _host_meshes(tp)
+    for k, g in enumerate(groups):
+        for f, h in g:
+            set_tp_host(found[f], TPHosted(host=h, group=k, mesh=tp, executor=executor, host_mesh=hosts[h]))
+    return groups

@@ -1,0 +1,189 @@
+"""The TP host step: fused, pipelined all-to-alls around whole-matrix steps on host ranks.
+
+See [Note: TP hosts] in ``placement/tp_host.py``. Per micro-group ``k`` (the planner's
+``plan_micro_groups``: matrices packed by cost into fused buffers, hosts by LPT)::
+
+    gather k     one all_to_all_single: every rank sends each member's gradient shard to its host
+    (issue k+1)  the next group's gather is in flight while k computes (async on gloo; NCCL
+                 queues it on its own stream)
+    host step    each host assembles the whole gradients it hosts and runs the optimizer's
+                 matrix rule on a zero matrix: what that matrix becomes is the additive update
+                 (every rule here is ``W <- W * (1 - lr * wd) + update``; decay is applied below)
+    scatter k    one all_to_all_single: the update shards back to every rank
+    apply        every rank decays its shard and adds its update shard
+
+So a step makes exactly two all-to-alls per micro-group, within the TP group, and moves the
+gradient shards once and the update shards once; optimizer state stays on the hosts, whole.
+Shards follow DTensor's ``Shard(d)`` (``torch.chunk``) sizes, so widths not divisible by the TP
+degree work exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["TPHostStep", "shard_sizes"]
+
+
+def shard_sizes(n: int, tp: int) -> list[int]:
+    """Sizes of ``torch.chunk(n, tp)`` along the sharded dimension, one per rank (0 past the end)."""
+    c = -(-n // tp) if n else 0
+    return [max(0, min(c, n - r * c)) for r in range(tp)]
+
+
+@dataclass(frozen=True)
+class _Member:
+    fqn: str
+    param: Any  # the DTensor parameter
+    host: int
+    dim: int  # its Shard dimension
+
+    def shard_shape(self, r: int, tp: int) -> tuple[int, ...]:
+        shape = list(self.param.shape)
+        shape[self.dim] = shard_sizes(shape[self.dim], tp)[r]
+        return tuple(shape)
+
+    def shard_numel(self, r: int, tp: int) -> int:
+        s = self.shard_shape(r, tp)
+        return s[0] * s[1]
+
+
+class TPHostStep:
+    """Runs the hosted matrices' optimizer step for one TP mesh (see module docstring)."""
+
+    def __init__(self, mesh: DeviceMesh, groups: Sequence[Sequence[tuple[str, Any, int]]]):
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.tp = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self.groups = [[_Member(f, p, h, _shard_dim(p)) for f, p, h in g] for g in groups]
+        self.calls = {"all_to_all": 0}  #: collectives issued (tests, benchmarks)
+        self.bytes_sent = 0
+        self.host_steps = 0  #: whole-matrix steps this rank ran
+
+    # ----------------------------------------------------------------------------- the step
+    @torch.no_grad()
+    def step(self, opt: Any, group: dict[str, Any], params: Sequence[Any]) -> None:
+        """Step ``params`` (hosted parameters of one param group of ``opt``, identical on every
+        TP rank) with ``opt``'s matrix rule and ``group``'s hyperparameters. A collective over the
+        TP group: every TP rank calls it with the same parameters."""
+        wanted = {id(p) for p in params if p.grad is not None}
+        stages = [[m for m in g if id(m.param) in wanted] for g in self.groups]
+        stages = [g for g in stages if g]
+        if not stages:
+            return
+        pending = self._gather(stages[0])
+        scattered: list[tuple[list[_Member], Any, torch.Tensor]] = []
+        for k, members in enumerate(stages):
+            work, recv = pending
+            work.wait()
+            if k + 1 < len(stages):
+                pending = self._gather(stages[k + 1])  # overlaps this group's host steps
+            updates = self._host_steps(opt, group, members, recv)
+            scattered.append((members, *self._scatter(members, updates)))
+            if len(scattered) > 1:  # the previous group's scatter has had this group's compute
+                self._apply(group, *scattered.pop(0))
+        for item in scattered:
+            self._apply(group, *item)
+
+    def _gather(self, members: list[_Member]) -> tuple[Any, torch.Tensor]:
+        T, r = self.tp, self.rank
+        send_parts, in_splits = [], [0] * T
+        for h in range(T):
+            for m in members:
+                if m.host == h:
+                    g = m.param.grad._local_tensor
+                    send_parts.append(g.reshape(-1))
+                    in_splits[h] += g.numel()
+        out_splits = [sum(m.shard_numel(q, T) for m in members if m.host == r) for q in range(T)]
+        dev = members[0].param._local_tensor.device
+        dtype = members[0].param.grad._local_tensor.dtype
+        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=dtype, device=dev)
+        recv = torch.empty(sum(out_splits), dtype=dtype, device=dev)
+        self.calls["all_to_all"] += 1
+        self.bytes_sent += (send.numel() - in_splits[r]) * send.element_size()
+        work = dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                      group=self.group, async_op=True)
+        return work, recv
+
+    def _host_steps(self, opt: Any, group: dict[str, Any], members: list[_Member],
+                    recv: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The whole gradients this rank hosts (assembled from ``recv``, rank-major), stepped:
+        the update of each, by fqn."""
+        T, r = self.tp, self.rank
+        mine = [m for m in members if m.host == r]
+        pieces: dict[str, list[torch.Tensor]] = {m.fqn: [] for m in mine}
+        off = 0
+        for q in range(T):
+            for m in mine:
+                n = m.shard_numel(q, T)
+                pieces[m.fqn].append(recv[off:off + n].view(m.shard_shape(q, T)))
+                off += n
+        no_decay = {**group, "weight_decay": 0.0}
+        out = {}
+        for m in mine:
+            grad = torch.cat(pieces[m.fqn], dim=m.dim)
+            update = torch.zeros(tuple(m.param.shape), dtype=m.param.dtype, device=grad.device)
+            opt._matrix_step(update, grad, opt.state[m.param], no_decay)  # the rule on a zero matrix
+            self.host_steps += 1
+            out[m.fqn] = update
+        return out
+
+    def _scatter(self, members: list[_Member], updates: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        T, r = self.tp, self.rank
+        send_parts, in_splits = [], [0] * T
+        for q in range(T):
+            for m in members:
+                if m.host == r:
+                    u = updates[m.fqn]
+                    part = u.tensor_split(_offsets(u.shape[m.dim], T), dim=m.dim)[q]
+                    send_parts.append(part.reshape(-1))
+                    in_splits[q] += part.numel()
+        out_splits = [sum(m.shard_numel(r, T) for m in members if m.host == h) for h in range(T)]
+        dev = members[0].param._local_tensor.device
+        dtype = members[0].param._local_tensor.dtype
+        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=dtype, device=dev)
+        recv = torch.empty(sum(out_splits), dtype=dtype, device=dev)
+        self.calls["all_to_all"] += 1
+        self.bytes_sent += (send.numel() - in_splits[r]) * send.element_size()
+        work = dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                      group=self.group, async_op=True)
+        return work, recv
+
+    def _apply(self, group: dict[str, Any], members: list[_Member], work: Any, recv: torch.Tensor) -> None:
+        work.wait()
+        T, r = self.tp, self.rank
+        lr, wd = group["lr"], group.get("weight_decay", 0.0)
+        off = 0
+        for h in range(T):
+            for m in members:
+                if m.host != h:
+                    continue
+                local = m.param._local_tensor
+                n = local.numel()
+                if wd:
+                    local.mul_(1 - lr * wd)
+                local.add_(recv[off:off + n].view(local.shape))
+                off += n
+
+
+def _offsets(n: int, tp: int) -> list[int]:
+    out, acc = [], 0
+    for s in shard_sizes(n, tp)[:-1]:
+        acc += s
+        out.append(acc)
+    return out
+
+
+def _shard_dim(p: Any) -> int:
+    if not isinstance(p, DTensor) or len(p.placements) != 1 or not isinstance(p.placements[0], Shard):
+        raise ValueError(f"matrixfsdp.tp: a hosted matrix must be a DTensor with one Shard(d) placement "
+                         f"on the tp mesh, got {getattr(p, 'placements', type(p).__name__)}")
+    d = p.placements[0].dim
+    return d % p.ndim
