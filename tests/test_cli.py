@@ -132,3 +132,23 @@ def test_plan_cli_hsdp_reports_replicas(capsys):
     assert plan["replicas"] == 2 and plan["world_size"] == 8
     assert main(["--world", "6", "--replicas", "4"]) == 2
     assert "error: --replicas must be >= 1 and divide --world, got --replicas 4 with --world 6" in capsys.readouterr().err
+
+
+def test_tp_report_lists_micro_groups(capsys):
+    assert main(["--model", "qwen3-0.6b", "--world", "2", "--tp", "4", "--no-ranks", "--no-blocks"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel: tp=4" in out and "sum of makespans" in out and "sum of bounds" in out
+    assert "group  members      makespan        bound   ratio   buffer" in out
+    assert "owner  groups  sum makespan    sum bound   ratio" in out  # one row per owner at --world 2
+    rows = [line.split() for line in out.splitlines() if line.strip().endswith(("MiB", "KiB", "GiB"))
+            and line.split()[0].isdigit()]
+    assert rows and [int(r[0]) for r in rows] == list(range(len(rows)))
+    assert all(float(r[4]) >= 1.0 for r in rows)  # makespan / bound
+    # --tp-c-max shrinks the buffer: more groups; --json carries them
+    assert main(["--model", "qwen3-0.6b", "--world", "2", "--tp", "4", "--tp-c-max", str(2**20), "--json"]) == 0
+    plan = OwnerPlan.from_json(capsys.readouterr().out)
+    assert plan.tp == 4 and len(plan.micro_groups) == 2
+    assert all(g.buffer_bytes <= 2**20 or len(g.members) == 1 for gs in plan.micro_groups for g in gs)
+    assert sum(len(gs) for gs in plan.micro_groups) > len(rows)
+    assert main(["--model", "qwen3-0.6b", "--world", "2", "--tp", "0"]) == 2
+    assert "plan_owners: tp must be an int >= 1, got tp=0" in capsys.readouterr().err

@@ -427,3 +427,171 @@ def test_replica_step_bad_input():
         plan_owners(model, (2, 2), block_types=Block, replica_step="halve")
     with pytest.raises(ValueError, match=r"plan_owners: an \(replicas, shard\) pair needs two ints >= 1, got \(0, 2\)"):
         plan_owners(model, (0, 2), block_types=Block)
+
+
+# ------------------------------------------------------------------------------------ TP micro-groups
+from matrixfsdp.planner.micro_groups import (  # noqa: E402
+    BALANCE_SLACK,
+    DEFAULT_C_MAX_FLOOR,
+    MicroGroup,
+    default_c_max,
+    plan_micro_groups,
+)
+
+
+def _lpt(costs: list[float], tp: int) -> list[float]:
+    """Host loads of min-heap LPT over ``costs`` in the given order (ties to the lowest rank)."""
+    loads = [0.0] * tp
+    for c in costs:
+        r = min(range(tp), key=lambda k: (loads[k], k))
+        loads[r] += c
+    return loads
+
+
+def test_micro_groups_hand_checked():
+    # tp=2, c_max=100. Order a(10), b(6), c(5), d(4), e(4, after d by fqn), f(1).
+    # g0: a->r0, b->r1, c->r1 (least loaded: 6 < 10): loads 10/11, makespan 11 <= 1.05 * 10.5
+    #     (bound = max(21/2, 10)); d would make the buffer 110 > 100: rolled back to g1.
+    # g1: d->r0, e->r1 (70 B); f (200 B) would overflow: rolled back; g2: f alone, oversized.
+    mats = [("f", (10, 10), 1.0, 200), ("e", (5, 5), 4.0, 50), ("d", (4, 5), 4.0, 20),
+            ("c", (4, 4), 5.0, 20), ("b", (5, 6), 6.0, 30), ("a", (4, 10), 10.0, 40)]
+    assert plan_micro_groups(mats, 2, c_max=100) == (
+        MicroGroup(index=0, members=(("a", 0), ("b", 1), ("c", 1)), makespan=11.0, bound=10.5, buffer_bytes=90),
+        MicroGroup(index=1, members=(("d", 0), ("e", 1)), makespan=4.0, bound=4.0, buffer_bytes=70),
+        MicroGroup(index=2, members=(("f", 0),), makespan=1.0, bound=1.0, buffer_bytes=200),
+    )
+    # balance rollback: d would go to r0 (10 + 4 = 14 > 1.05 * max(25/2, 10) = 13.125)
+    mats = [("a", (4, 4), 10.0, 1), ("b", (4, 4), 6.0, 1), ("c", (4, 4), 5.0, 1), ("d", (4, 4), 4.0, 1)]
+    g = plan_micro_groups(mats, 2)
+    assert [x.members for x in g] == [(("a", 0), ("b", 1), ("c", 1)), (("d", 0),)]
+    assert [x.ratio for x in g] == [pytest.approx(11 / 10.5), 1.0]
+    # tp equal matrices fill a group exactly; the tp+1-th would double its makespan
+    g = plan_micro_groups([(f"m{i}", (2, 2), 3.0, 16) for i in range(7)], 3)
+    assert [len(x.members) for x in g] == [3, 3, 1]
+    assert [h for x in g for _, h in x.members] == [0, 1, 2, 0, 1, 2, 0]
+    assert plan_micro_groups([], 4) == ()
+    assert default_c_max(8, 1) == DEFAULT_C_MAX_FLOOR and default_c_max(8, 2**30) == 8 * 2**30
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    (([], 0), {}, r"plan_micro_groups: tp must be an int >= 1, got tp=0"),
+    (([], True), {}, r"plan_micro_groups: tp must be an int >= 1, got tp=True"),
+    (([], 2), {"c_max": 0}, r"plan_micro_groups: c_max must be an int >= 1, got c_max=0"),
+    (([("a", (2, 2), 1.0, 8), ("a", (2, 2), 2.0, 8)], 2), {}, r"plan_micro_groups: fqns must be unique, got 'a' twice"),
+    (([("a", (2, 2), -1.0, 8)], 2), {}, r"plan_micro_groups: cost must be a finite number >= 0, got 'a' cost=-1.0"),
+    (([("a", (2, 2), float("nan"), 8)], 2), {}, r"plan_micro_groups: cost must be a finite number >= 0, got 'a' cost=nan"),
+    (([("a", (2, 2), 1.0, -8)], 2), {}, r"plan_micro_groups: nbytes must be an int >= 0, got 'a' nbytes=-8"),
+    (([("a", 1.0, 8)], 2), {}, r"plan_micro_groups: each matrix must be \(fqn, shape, cost, nbytes\)"),
+])
+def test_micro_groups_bad_input(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan_micro_groups(*args, **kwargs)
+
+
+mats_st = st.lists(st.tuples(st.one_of(st.integers(0, 60).map(float), st.floats(0, 1e6)), st.integers(0, 400)),
+                   min_size=0, max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(spec=mats_st, tp=st.integers(1, 9), c_max=st.one_of(st.none(), st.integers(1, 2000)), seed=st.integers(0, 10**6))
+def test_micro_groups_invariants(spec, tp, c_max, seed):
+    import random
+
+    mats = [(f"w{i}", (i + 1, 2), c, n) for i, (c, n) in enumerate(spec)]
+    groups = plan_micro_groups(mats, tp, c_max=c_max)
+    cost = {f: c for f, _, c, _ in mats}
+    nbytes = {f: n for f, _, _, n in mats}
+    cap = c_max if c_max is not None else default_c_max(tp, max(nbytes.values(), default=0))
+    order = [f for g in groups for f, _ in g.members]
+    # every matrix exactly once, in consecutive runs of the global (cost desc, fqn) order
+    assert order == [f for f, *_ in sorted(mats, key=lambda m: (-m[2], m[0]))]
+    for k, g in enumerate(groups):
+        assert g.index == k and g.members
+        assert all(0 <= h < tp for _, h in g.members)
+        costs = [cost[f] for f, _ in g.members]
+        loads = _lpt(costs, tp)
+        assert [loads[h] for h in range(tp)] == pytest.approx(
+            [sum(cost[f] for f, x in g.members if x == h) for h in range(tp)])  # hosts are LPT's
+        assert g.makespan == pytest.approx(max(loads))
+        assert g.bound == pytest.approx(max(sum(costs) / tp, max(costs)))
+        assert g.buffer_bytes == sum(nbytes[f] for f, _ in g.members)
+        assert g.buffer_bytes <= cap or len(g.members) == 1  # only an oversized matrix exceeds c_max
+        assert g.makespan >= g.bound * (1 - 1e-9)
+        assert g.makespan <= (1 + BALANCE_SLACK) * g.bound * (1 + 1e-9)
+        if k + 1 < len(groups):  # greedy rollback: the next group's seed did not fit this group
+            nxt, _ = groups[k + 1].members[0]
+            test = costs + [cost[nxt]]
+            fits = g.buffer_bytes + nbytes[nxt] <= cap
+            balanced = max(_lpt(test, tp)) <= (1 + BALANCE_SLACK) * max(sum(test) / tp, max(test)) * (1 + 1e-12)
+            assert not (fits and balanced)
+    # deterministic under input permutation
+    shuffled = list(mats)
+    random.Random(seed).shuffle(shuffled)
+    assert plan_micro_groups(shuffled, tp, c_max=c_max) == groups
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=blocks_st, W=st.integers(1, 4), tp=st.integers(2, 5), c_max=st.one_of(st.none(), st.integers(1, 20000)))
+def test_plan_micro_groups_in_owner_plan(spec, W, tp, c_max):
+    """plan_owners(tp=T): owners as at tp=1, one micro-group sequence per owner over exactly its
+    matrices, JSON round-trip, and the digest covers the groups."""
+    import dataclasses
+
+    model = _net(spec)
+    flat = plan_owners(model, W, block_types=Block)
+    plan = plan_owners(model, W, block_types=Block, tp=tp, tp_c_max=c_max)
+    assert plan.params == flat.params and plan.tp == tp and len(plan.micro_groups) == W
+    for s, groups in enumerate(plan.micro_groups):
+        mats = [(p.fqn, p.shape, p.cost, p.nbytes) for p in plan.params if p.placement == "matrix" and p.owner == s]
+        assert groups == plan_micro_groups(mats, tp, c_max=c_max)
+    back = OwnerPlan.from_json(plan.to_json())
+    assert back == plan and back.digest == plan.digest
+    assert plan.digest != flat.digest
+    if plan.summary()["tp_groups"]:
+        s = next(s for s, gs in enumerate(plan.micro_groups) if gs)
+        g = plan.micro_groups[s][0]
+        (f, h), *rest = g.members
+        moved = dataclasses.replace(g, members=((f, (h + 1) % tp), *rest))
+        groups = tuple((moved, *gs[1:]) if i == s else gs for i, gs in enumerate(plan.micro_groups))
+        assert dataclasses.replace(plan, micro_groups=groups).digest != plan.digest
+
+
+def test_plan_micro_groups_validation():
+    model = Net([Block([(4, 4), (2, 4)])])
+    flat = plan_owners(model, 1, block_types=Block)
+    assert plan_owners(model, 1, block_types=Block, tp=1).digest == flat.digest
+    assert "micro_groups" not in flat.to_json() and '"tp"' not in flat.to_json()
+    with pytest.raises(ValueError, match=r"plan_owners: tp must be an int >= 1, got tp=0"):
+        plan_owners(model, 1, block_types=Block, tp=0)
+    with pytest.raises(ValueError, match=r"plan_owners: tp_c_max needs tp > 1, got tp_c_max=64 with tp=1"):
+        plan_owners(model, 1, block_types=Block, tp_c_max=64)
+    plan = plan_owners(model, 1, block_types=Block, tp=2)
+    import dataclasses
+
+    g = plan.micro_groups[0][0]
+    with pytest.raises(ValueError, match=r"OwnerPlan: owner 0's micro-groups must hold each of its 2 matrices once"):
+        dataclasses.replace(plan, micro_groups=((dataclasses.replace(g, members=g.members[:1]),),))
+    with pytest.raises(ValueError, match=r"host must be in \[0, 2\)"):
+        dataclasses.replace(plan, micro_groups=((dataclasses.replace(g, members=((g.members[0][0], 2), *g.members[1:])),),))
+    with pytest.raises(ValueError, match=r"OwnerPlan: micro_groups need tp > 1"):
+        dataclasses.replace(plan, tp=1)
+    with pytest.raises(ValueError, match=r"OwnerPlan.from_json: malformed plan"):
+        OwnerPlan.from_json(plan.to_json().replace('"buffer_bytes"', '"buffer"'))
+
+
+def test_qwen3_32b_micro_groups_at_tp8(meta_models):
+    """docs/planner.md's TP figures: Qwen3-32B, Muon FLOPs, tp=8. One owner (dp=1): 40 groups,
+    every group at its bound, the sum of makespans equal to the 448 matrices' cost / 8. At dp=32
+    the busiest owner's single group is at its bound, 1.058x its matrices' cost / 8."""
+    model = meta_models["qwen3-32b"]
+    plan = plan_owners(model, 1, block_types=DecoderLayer, tp=8)
+    (groups,) = plan.micro_groups
+    total = sum(p.cost for p in plan.params if p.placement == "matrix")
+    assert len(groups) == 40 and sum(len(g.members) for g in groups) == 448
+    assert max(g.ratio for g in groups) == pytest.approx(1.0)
+    assert sum(g.makespan for g in groups) == pytest.approx(total / 8)
+    assert max(g.buffer_bytes for g in groups) <= default_c_max(8, max(p.nbytes for p in plan.params if p.placement == "matrix"))
+    numel = plan_owners(model, 1, block_types=DecoderLayer, cost="numel", tp=8)
+    assert len(numel.micro_groups[0]) == 56 and max(g.ratio for g in numel.micro_groups[0]) == pytest.approx(1.0)
+    s = plan_owners(model, 32, block_types=DecoderLayer, tp=8).summary()
+    assert s["tp_makespan"] == pytest.approx(s["tp_bound"])

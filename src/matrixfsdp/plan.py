@@ -3,6 +3,7 @@
     python -m matrixfsdp.plan --model qwen3-32b --world 32
     python -m matrixfsdp.plan --hf-config path/to/config.json --world 64 --json > plan.json
     python -m matrixfsdp.plan --model qwen3-8b --world 64 --replicas 8 --replica-step auto   # HSDP 8 x 8
+    python -m matrixfsdp.plan --model qwen3-32b --world 1 --tp 8   # TP micro-groups (planning only)
 
 No process group, no weights: the model is built on the ``meta`` device.
 """
@@ -62,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replica-step", default="auto", choices=REPLICA_STEPS,
                    help="HSDP: how owned parameters combine across replicas: repeat (all-reduce, every "
                         "replica steps), split (one step replica each), auto (split matrices, repeat tails)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree of each owner's TP group: with T > 1 the plan gets "
+                        "micro-groups (fused all-to-all batches, a host TP rank per matrix) and the "
+                        "report a table of them; planning only, the runtime is separate")
+    p.add_argument("--tp-c-max", type=int, default=None, metavar="BYTES",
+                   help="most bytes of one micro-group's fused all-to-all buffer (default: "
+                        "max(512 MiB, tp x the largest matrix))")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (OwnerPlan.to_json)")
     p.add_argument("--no-ranks", action="store_true", help="omit the per-rank table")
     p.add_argument("--no-blocks", action="store_true", help="omit the per-block gamma_B table")
@@ -104,6 +112,8 @@ def _run(args: argparse.Namespace) -> int:
         alpha=args.alpha,
         bucket_numel=args.bucket_numel,
         replica_step=args.replica_step,
+        tp=args.tp,
+        tp_c_max=args.tp_c_max,
     )
     ms = (time.perf_counter() - t0) * 1e3
     if args.json:

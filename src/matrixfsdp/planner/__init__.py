@@ -2,12 +2,15 @@
 
 Pure, deterministic Python: no process group, no tensors beyond shapes. ``record`` holds the
 frozen plan dataclasses and their digest, ``planner`` the global balance-aware assignment,
-``cost`` the per-optimizer cost model, ``buckets`` Canzona's alpha-balanced partition, ``rules``
-the matrix rule shared with the optimizers and ``report`` the human-readable report. The command
-line, ``python -m matrixfsdp.plan``, is :mod:`matrixfsdp.plan`.
+``cost`` the per-optimizer cost model, ``buckets`` Canzona's alpha-balanced partition,
+``micro_groups`` the TP micro-groups (Canzona Algorithm 2), ``rules`` the matrix rule shared with
+the optimizers and ``report`` the human-readable report. The command line,
+``python -m matrixfsdp.plan``, is :mod:`matrixfsdp.plan`.
 """
 
 from .planner import ELEMENTWISE, POLICIES, default_matrix_filter, plan_owners
+from .micro_groups import MicroGroup, plan_micro_groups
 from .record import OwnerPlan, ParamPlan
 
-__all__ = ["plan_owners", "OwnerPlan", "ParamPlan", "POLICIES", "ELEMENTWISE", "default_matrix_filter"]
+__all__ = ["plan_owners", "OwnerPlan", "ParamPlan", "MicroGroup", "plan_micro_groups", "POLICIES", "ELEMENTWISE",
+           "default_matrix_filter"]

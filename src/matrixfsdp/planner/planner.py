@@ -181,6 +181,8 @@ def plan_owners(
     alpha: float = 1.0,
     bucket_numel: int | None = None,
     replica_step: str = "auto",
+    tp: int = 1,
+    tp_c_max: int | None = None,
 ) -> OwnerPlan:
     """Plan which data-parallel rank owns each parameter of ``model``.
 
@@ -222,6 +224,13 @@ def plan_owners(
             matrix work shrink ``R``-fold at the same bytes), or ``"auto"`` (default): ``split``
             for matrices, whose step costs superlinear work per element, ``repeat`` for
             element-wise tails, whose step costs about what re-gathering them would.
+        tp, tp_c_max: tensor-parallel degree of each owner's TP group and the fused all-to-all
+            buffer limit in bytes (default: ``planner.micro_groups.default_c_max``). With
+            ``tp > 1`` every owner's ``"matrix"`` parameters (whole cost and bytes) are packed
+            into micro-groups with a host TP rank each (Canzona Algorithm 2; see
+            [Note: micro-group rule]), stored in ``plan.micro_groups``. This is the planning half
+            of TP only: owners are planned exactly as with ``tp=1``; the runtime is separate.
+    Returns:
         A frozen :class:`OwnerPlan`.
 
     Example::
@@ -240,6 +249,10 @@ def plan_owners(
         raise ValueError(f"plan_owners: policy must be one of {POLICIES}, got {policy=!r}")
     if elementwise not in ELEMENTWISE:
         raise ValueError(f"plan_owners: elementwise must be one of {ELEMENTWISE}, got {elementwise=!r}")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"plan_owners: tp must be an int >= 1, got {tp=!r}")
+    if tp_c_max is not None and tp == 1:
+        raise ValueError(f"plan_owners: tp_c_max needs tp > 1, got {tp_c_max=!r} with tp=1")
     cost_name, cost_fn = resolve_cost(cost, optimizer, precondition_frequency)
     block_fqns = _block_fqns(model, blocks, block_types)
     specs = _collect(model, block_fqns, matrix_filter)
@@ -292,6 +305,15 @@ def plan_owners(
     if R > 1:
         params = _assign_step_replicas(params, R, replica_step)
         meta = (*meta, ("replica_step", replica_step))
+    micro_groups: tuple[tuple[Any, ...], ...] = ()
+    if tp > 1:
+        from .micro_groups import plan_micro_groups
+
+        micro_groups = tuple(
+            plan_micro_groups([(p.fqn, p.shape, p.cost, p.nbytes) for p in params
+                               if p.placement == "matrix" and p.owner == s], tp, c_max=tp_c_max)
+            for s in range(W)
+        )
     return OwnerPlan(
         world_size=W,
         policy=policy,
@@ -301,6 +323,8 @@ def plan_owners(
         params=tuple(params),
         meta=meta,
         replicas=R,
+        tp=tp,
+        micro_groups=micro_groups,
     )
 
 

@@ -30,6 +30,15 @@ parameter's gradient is combined across its ``replicas`` owners in one of two wa
 Evenly sharded parameters are reduce-scattered within the group and all-reduced across replicas,
 as in torch's HSDP. A flat plan has ``replicas == 1`` and no step replica; its digest is the one
 it had before replicas existed.
+
+[Note: tensor-parallel micro-groups]
+With ``tp > 1`` every weight is also split across a TP group of ``tp`` ranks, and each data-parallel
+owner's TP group steps the matrices that owner owns. ``micro_groups[s]`` is owner ``s``'s plan
+(:func:`matrixfsdp.planner.micro_groups.plan_micro_groups` over its ``"matrix"`` parameters, whole
+costs and bytes): the sequence of fused all-to-alls and the TP rank hosting each matrix's step.
+Owners run their sequences in parallel (different TP groups), so the TP step takes about
+``max_s sum(makespan)``. This is the planning half of TP; the executor is separate. A plan with
+``tp == 1`` has no micro-groups and hashes as before they existed.
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ import json
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable
+
+from .micro_groups import MicroGroup
 
 __all__ = [
     "PLACEMENTS",
@@ -302,6 +313,11 @@ class OwnerPlan:
     #: copies of the ``world_size`` owner group (HSDP's replicate dimension; see [Note: replicas
     #: and step replicas]); the mesh is ``replicas x world_size`` ranks
     replicas: int = 1
+    #: tensor-parallel degree of every owner's TP group (see [Note: tensor-parallel micro-groups])
+    tp: int = 1
+    #: per data-parallel owner ``s`` (``world_size`` entries when ``tp > 1``, else empty): its
+    #: matrices' micro-groups in execution order
+    micro_groups: tuple[tuple[MicroGroup, ...], ...] = ()
     digest: str = dataclasses.field(init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -325,8 +341,35 @@ class OwnerPlan:
                     f"OwnerPlan: {p.fqn!r} step_replica must be in [0, {self.replicas}), got "
                     f"{p.step_replica=}"
                 )
+        self._check_micro_groups()
         payload = json.dumps(self._canonical(), sort_keys=True, separators=(",", ":"))
         object.__setattr__(self, "digest", hashlib.sha256(payload.encode()).hexdigest())
+
+    def _check_micro_groups(self) -> None:
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"OwnerPlan: tp must be an int >= 1, got {self.tp=!r}")
+        if self.tp == 1:
+            if self.micro_groups:
+                raise ValueError("OwnerPlan: micro_groups need tp > 1, got tp=1 with "
+                                 f"{len(self.micro_groups)} owner sequences")
+            return
+        if len(self.micro_groups) != self.world_size:
+            raise ValueError(f"OwnerPlan: micro_groups must hold one sequence per owner rank "
+                             f"({self.world_size}), got {len(self.micro_groups)}")
+        for s, groups in enumerate(self.micro_groups):
+            want = sorted(p.fqn for p in self.params if p.placement == "matrix" and p.owner == s)
+            got = []
+            for i, g in enumerate(groups):
+                if not isinstance(g, MicroGroup) or g.index != i:
+                    raise ValueError(f"OwnerPlan: owner {s}'s micro-group {i} must be a MicroGroup "
+                                     f"with index {i}, got {g!r}")
+                for fqn, host in g.members:
+                    if isinstance(host, bool) or not isinstance(host, int) or not 0 <= host < self.tp:
+                        raise ValueError(f"OwnerPlan: {fqn!r} host must be in [0, {self.tp}), got {host=!r}")
+                    got.append(fqn)
+            if sorted(got) != want:
+                raise ValueError(f"OwnerPlan: owner {s}'s micro-groups must hold each of its "
+                                 f"{len(want)} matrices once, got {len(got)} members")
 
     # ----------------------------------------------------------------------------- lookups
     @functools.cached_property
@@ -467,6 +510,13 @@ class OwnerPlan:
         """Worst ``gamma / gamma_lower_bound`` over blocks (1.0 = every block at its bound)."""
         return max((b.gamma / b.gamma_lower_bound for b in self.block_stats), default=1.0)
 
+    @property
+    def tp_stats(self) -> tuple[tuple[int, float, float], ...]:
+        """Per owner rank ``(groups, sum of makespans, sum of bounds)`` of its micro-groups
+        (empty when ``tp == 1``)."""
+        return tuple((len(gs), sum(g.makespan for g in gs), sum(g.bound for g in gs))
+                     for gs in self.micro_groups)
+
     def summary(self) -> dict[str, Any]:
         """The headline numbers as a flat dict (used by the CLI and the quality table)."""
         return {
@@ -486,6 +536,18 @@ class OwnerPlan:
             "max_gamma": max((b.gamma for b in self.block_stats), default=1.0),
             "max_gamma_ratio": self.max_gamma_ratio,
             "digest": self.digest,
+            **(self._tp_summary() if self.tp > 1 else {}),
+        }
+
+    def _tp_summary(self) -> dict[str, Any]:
+        stats = self.tp_stats
+        worst = max(range(len(stats)), key=lambda s: (stats[s][1], -s))
+        return {
+            "tp": self.tp,
+            "tp_groups": sum(n for n, _, _ in stats),
+            "tp_makespan": stats[worst][1],
+            "tp_bound": stats[worst][2],
+            "tp_owner": worst,
         }
 
     # ----------------------------------------------------------------------------- serialization
@@ -515,6 +577,10 @@ class OwnerPlan:
             ],
             "meta": [[k, v] for k, v in self.meta],
             **({"replicas": self.replicas} if self.replicas != 1 else {}),
+            # only with TP: a tp=1 plan keeps the digest it had before micro-groups existed
+            **({"tp": self.tp} if self.tp != 1 else {}),
+            **({"micro_groups": [[_group_json(g) for g in gs] for gs in self.micro_groups]}
+               if self.micro_groups else {}),
         }
 
     def to_json(self, **kwargs: Any) -> str:
@@ -544,6 +610,8 @@ class OwnerPlan:
                 ),
                 meta=tuple((k, _freeze(v)) for k, v in d.get("meta", [])),
                 replicas=d.get("replicas", 1),
+                tp=d.get("tp", 1),
+                micro_groups=tuple(tuple(_group_from_json(g) for g in gs) for gs in d.get("micro_groups", [])),
             )
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise ValueError(f"OwnerPlan.from_json: malformed plan: {e!r}") from None
@@ -559,6 +627,16 @@ class OwnerPlan:
         from .report import format_plan
 
         return format_plan(self, per_rank=per_rank, per_block=per_block)
+
+
+def _group_json(g: MicroGroup) -> dict[str, Any]:
+    return {"index": g.index, "members": [[f, h] for f, h in g.members], "makespan": g.makespan,
+            "bound": g.bound, "buffer_bytes": g.buffer_bytes}
+
+
+def _group_from_json(d: dict[str, Any]) -> MicroGroup:
+    return MicroGroup(index=d["index"], members=tuple((f, h) for f, h in d["members"]),
+                      makespan=d["makespan"], bound=d["bound"], buffer_bytes=d["buffer_bytes"])
 
 
 def _freeze(v: Any) -> Any:

@@ -75,6 +75,8 @@ def format_plan(plan: "OwnerPlan", *, per_rank: bool = True, per_block: bool = T
             "  busiest owner's step per replica:  " + "  ".join(
                 f"r{q}: {c:.3e} cost, {human_bytes(s)} state" for q, (c, s) in enumerate(zip(cost, state))),
         ]
+    if plan.tp > 1:
+        lines += _format_micro_groups(plan)
     if per_rank:
         lines += ["", "  rank  owned   param bytes   +state bytes        cost  owns"]
         for st in plan.rank_stats:
@@ -91,3 +93,29 @@ def format_plan(plan: "OwnerPlan", *, per_rank: bool = True, per_block: bool = T
                 f"{b.gamma / b.gamma_lower_bound:6.3f}"
             )
     return "\n".join(lines)
+
+
+def _format_micro_groups(plan: "OwnerPlan") -> list[str]:
+    """The TP section: per owner its micro-group totals, and the busiest owner's groups."""
+    s = plan.summary()
+    stats = plan.tp_stats
+    worst = s["tp_owner"]
+    ratio = s["tp_makespan"] / s["tp_bound"] if s["tp_bound"] > 0 else 1.0
+    ideal = sum(p.cost for p in plan.params if p.placement == "matrix" and p.owner == worst) / plan.tp
+    lines = [
+        "",
+        f"  tensor parallel: tp={plan.tp}, {s['tp_groups']} micro-groups over {len(stats)} owner "
+        f"TP groups (fused all-to-all each way per group; Canzona Algorithm 2)",
+        f"    busiest owner {worst}: sum of makespans {s['tp_makespan']:.4e} vs sum of bounds "
+        f"{s['tp_bound']:.4e}  (ratio {ratio:.3f}); vs its matrix cost / tp {ideal:.4e} "
+        f"(ratio {s['tp_makespan'] / ideal if ideal > 0 else 1.0:.3f})",
+    ]
+    if len(stats) > 1:
+        lines += ["", "  owner  groups  sum makespan    sum bound   ratio"]
+        for r, (n, mk, bd) in enumerate(stats):
+            lines.append(f"  {r:5d}  {n:6d}  {mk:12.4e}  {bd:11.4e}  {mk / bd if bd > 0 else 1.0:6.3f}")
+    lines += ["", f"  owner {worst} micro-groups", "  group  members      makespan        bound   ratio   buffer"]
+    for g in plan.micro_groups[worst]:
+        lines.append(f"  {g.index:5d}  {len(g.members):7d}  {g.makespan:12.4e}  {g.bound:11.4e}  "
+                     f"{g.ratio:6.3f}  {human_bytes(g.buffer_bytes):>11}")
+    return lines
