@@ -26,6 +26,8 @@ import matrixfsdp
 from _harness import get_pool
 from test_runtime_features import collective_spy
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 VOCAB, D = 64, 48
 
 
@@ -202,6 +204,15 @@ def tp_blockwise_contrast(h):
                 b = _chunk(-adjusted_lr(lr, None, rp.shape) * whole, p)
                 worst = max(worst, ((a - b).abs().max() / b.abs().max()).item())
     return worst
+
+
+def test_tp_planned_micro_groups():
+    """Without ``groups``, the planner's micro-groups (plan_micro_groups) and hosts are used."""
+    res = get_pool(2).run(tp_parity, 80, "muon", 2, None)
+    for r in res:
+        assert r["grad0"] < 1e-6 and r["param"] < 1e-5 and r["state_on_host"], r
+        assert all(s["a2a"] == 2 * r["groups"] for s in r["steps"]), r
+    assert sum(r["steps"][0]["host_steps"] for r in res) == res[0]["hosted"] == 4
 
 
 def test_tp_shard_local_step_is_not_the_whole_matrix_step():

@@ -11,7 +11,7 @@ locally with zero communication.
     opt = matrixfsdp.optim.Muon(model, lr=0.02)
 """
 
-from . import checkpoint, optim, tp
+from . import checkpoint, optim
 from ._fully_shard import MatrixFSDPModule, fully_shard
 from ._replicate import MatrixReplicateModule, replicate
 from .placement import Owned, clip_grad_norm_, full_tensor, owned_of, set_full_
@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 
 #: Submodules loaded on first attribute access (``matrixfsdp.titan`` imports torchtitan, ``train``
 #: tqdm and matplotlib, ``hf_trainer`` transformers; ``import matrixfsdp`` stays light and works without them).
-_LAZY_SUBMODULES = ("titan", "train", "plan", "hf_trainer")
+_LAZY_SUBMODULES = ("titan", "train", "plan", "hf_trainer", "tp")
 
 #: Names kept at the top level for code written against earlier versions: the demo decoder (now
 #: ``matrixfsdp.models``) and torch's ``MixedPrecisionPolicy`` (import it from torch).
@@ -58,5 +58,4 @@ __all__ = [
     "full_tensor",
     "optim",
     "checkpoint",
-    "tp",
 ]

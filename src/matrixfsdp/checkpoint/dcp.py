@@ -67,11 +67,12 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from ..comm.agree import agree, encode_error, is_distributed
 from ..placement.owned import local_tensor, owned_of, wrap_dtensor
 from ..placement.owner import keeps_state
+from ..placement.tp_host import tp_host_of
 
 __all__ = ["save", "load", "model_state_dict", "optimizer_state_dict", "MODEL_KEY", "OPTIM_KEY"]
 
@@ -347,6 +348,12 @@ def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: Tenso
         if not keeps_state(p):
             return None  # matrixfsdp.replicate: the owner keeps (and loads) this state
         return torch.empty(shape, dtype=dtype, device=p.device)
+    host = tp_host_of(p)
+    if host is not None:  # a TP-hosted matrix: its host keeps the whole state (placement/tp_host.py)
+        if not host.is_local:
+            return None
+        buf = torch.empty(shape, dtype=dtype, device=local.device)
+        return buf if len(shape) == 0 or host.host_mesh is None else wrap_dtensor(buf, host.host_mesh, (Replicate(),), shape)
     info = owned_of(p)
     if info is not None:
         if not keeps_state(p):

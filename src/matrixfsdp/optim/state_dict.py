@@ -190,6 +190,8 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
             continue
         is_dt = DTensor is not None and isinstance(p, DTensor)
         info = owned_of(p)
+        if tp_host_of(p) is not None and not keeps_state(p):
+            continue  # its TP host keeps (and loads) the state
         if is_dt and info is not None and not keeps_state(p):
             if st:  # non-owners keep no state for an owned parameter, only that its owner has some
                 opt._remote_state.add(id(p))
@@ -200,7 +202,7 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
                     v = v.full_tensor()  # a sharded state dict into a plain parameter
                 else:
                     v = _check_local(name, key, k, p, v)
-            elif is_dt and isinstance(v, Tensor) and v.ndim > 0 and info is None:
+            elif is_dt and isinstance(v, Tensor) and v.ndim > 0 and info is None and tp_host_of(p) is None:
                 local = local_tensor(p)
                 if tuple(v.shape) != tuple(local.shape):
                     raise ValueError(
@@ -216,6 +218,9 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_local(name: str, key: Any, k: str, p: Tensor, v: Any) -> Tensor:
+    host = tp_host_of(p)
+    if host is not None and v.device_mesh == host.host_mesh:
+        return local_tensor(v)  # a TP host's whole state (placement/tp_host.py)
     info = owned_of(p)
     if info is None and (v.device_mesh != p.device_mesh or tuple(v.placements) != tuple(p.placements)):
         raise ValueError(
