@@ -887,7 +887,10 @@ def main_hsdp(args, argv) -> int:
 #                     the step compute is spread over every rank of the mesh. An owner receives
 #                     (tp-1)/W of its matrix over NVLink and (W-tp)/W over IB. Time: first gather +
 #                     last scatter + max(the other all-to-alls, the largest carried compute load):
-#                     the most favourable pipelining reading (as the flat fsdp2_distmuon row).
+#                     the most favourable pipelining reading (as the flat fsdp2_distmuon row;
+#                     0.3.0's _BucketedRedistributionRuntime keeps two pipeline slots on one
+#                     transfer stream, so the next bucket's all-to-all is prefetched under the
+#                     current compute and the all-to-alls themselves run one after another).
 #                     Reading of torchtitan 0.3.0 (torchtitan/distributed/flex_shard/dist_muon.py):
 #                     ``ComputeLayout({"dp_shard": Owned(), "tp": Owned()})`` selects one owner from
 #                     the Cartesian product, but a parameter sharded on both axes raises "multi-axis
@@ -1298,10 +1301,14 @@ def plot_tp(rows: list[TRow], models, optimizers, path: str) -> None:
         for m in models:
             by = {(r.dp, r.impl): r.step_ms for r in rows if (r.optimizer, r.model) == (o, m)}
             ds = sorted({d for d, _ in by})
-            ax.plot(ds, [by[d, "tp_distmuon"] / by[d, "mf_tp_microgroups"] for d in ds], marker="o", ms=3, label=m)
+            ln, = ax.plot(ds, [by[d, "tp_distmuon"] / by[d, "mf_tp_microgroups"] for d in ds], marker="o", ms=3,
+                          label=m)
+            ax.plot(ds, [by[d, "tp_distmuon_mean"] / by[d, "mf_tp_microgroups"] for d in ds], ls="--", marker="x",
+                    ms=3, color=ln.get_color())
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{o}: step, tp_distmuon / mf_tp_microgroups")
+        ax.set_yscale("log")
+        ax.set_title(f"{o}: step, tp_distmuon (solid) and _mean (dashed) / mf_tp_microgroups", fontsize=9)
         ax.set_xlabel("dp (nodes)")
         ax.set_ylabel("gain (> 1: micro-groups faster)")
     axes[0][0].legend(fontsize=7)
