@@ -437,19 +437,7 @@ class ParamGroup:
                divide_factor: float | None) -> PendingReduce | None:
         """Copy the gradients rank-major into one buffer and issue its reduce-scatter (``sync``),
         or add it to the no-sync accumulation. No host sync: the usage flags are built on the
-        device from constant ones and zeros (see [Note: replica phase]
-On an HSDP mesh the shard reduction is followed by a second phase over this rank's replicate
-group (see [Note: replicas and step replicas] in ``planner/record.py``). A block's parameters are
-ordered so that every chunk starts with its ``split`` pieces, in step-replica order, and ends with
-the rest; the replicas then reduce-scatter the split prefix in whole-tensor intervals (the step
-replica alone receives each sum) and all-reduce the remainder (``repeat`` pieces, evenly sharded
-rows, usage flags and padding). On an accelerator the phase follows the shard reduction on the
-reduce stream; on the CPU it runs when the reduction is finished. Divisions use the whole
-data-parallel world (``R * S``), as HSDP's average. After ``step()`` the step replica's new values
-go back to the other owners through the engine's deferred gathers ([Note: deferred gathers]),
-awaited by :meth:`ParamGroup.unshard` before the block's own gather sends them.
-
-[Note: usage flags in a block]); the copy-in runs
+        device from constant ones and zeros (see [Note: usage flags in a block]); the copy-in runs
         on the compute stream and the reduction on the reduce stream (see [Note: reduce
         streams])."""
         rl, W = self.reduce_layout, self.world_size

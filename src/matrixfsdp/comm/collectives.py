@@ -229,16 +229,7 @@ class _Base:
             ins = [mine if d != r else mine[:0] for d in range(W)]
             work = dist.all_to_all(outs, ins, group=self.group, async_op=async_op)
             return Handle([work] if async_op else [])
-        ops = [dist.P2POp(dist.irecv, v, group=self.group, group_peer=s)
-               for s, v in enumerate(views) if s != r and v.numel()]
-        if mine.numel():
-            ops += [dist.P2POp(dist.isend, mine, group=self.group, group_peer=d) for d in range(W) if d != r]
-        if not ops:
-            return Handle()
-        h = Handle(dist.batch_isend_irecv(ops))
-        if not async_op:
-            h.wait()
-        return h
+        return self._fan_out([[v] for v in views], async_op)
 
     def _check_inplace(self, buf: torch.Tensor, splits: Sequence[int]) -> list[int]:
         splits = list(splits)
@@ -298,6 +289,12 @@ class _Base:
                             sum(t.nbytes for q, ts in enumerate(tensors) if q != r for t in ts))
         if W == 1:
             return Handle()
+        return self._fan_out(tensors, async_op)
+
+    def _fan_out(self, tensors: Sequence[Sequence[torch.Tensor]], async_op: bool) -> Handle:
+        """One ``batch_isend_irecv``: this rank's ``tensors[r]`` to every peer, each peer's
+        ``tensors[q]`` received in place (matched in list order on both sides)."""
+        W, r = self.world_size, self.rank
         ops = [dist.P2POp(dist.irecv, t, group=self.group, group_peer=q)
                for q, ts in enumerate(tensors) if q != r for t in ts if t.numel()]
         ops += [dist.P2POp(dist.isend, t, group=self.group, group_peer=d)

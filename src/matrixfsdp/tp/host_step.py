@@ -102,15 +102,7 @@ class TPHostStep:
                     send_parts.append(g.reshape(-1))
                     in_splits[h] += g.numel()
         out_splits = [sum(m.shard_numel(q, T) for m in members if m.host == r) for q in range(T)]
-        dev = members[0].param._local_tensor.device
-        dtype = members[0].param.grad._local_tensor.dtype
-        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=dtype, device=dev)
-        recv = torch.empty(sum(out_splits), dtype=dtype, device=dev)
-        self.calls["all_to_all"] += 1
-        self.bytes_sent += (send.numel() - in_splits[r]) * send.element_size()
-        work = dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                                      group=self.group, async_op=True)
-        return work, recv
+        return self._all_to_all(send_parts, in_splits, out_splits, members[0].param.grad._local_tensor)
 
     def _host_steps(self, opt: Any, group: dict[str, Any], members: list[_Member],
                     recv: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -146,12 +138,16 @@ class TPHostStep:
                     send_parts.append(part.reshape(-1))
                     in_splits[q] += part.numel()
         out_splits = [sum(m.shard_numel(r, T) for m in members if m.host == h) for h in range(T)]
-        dev = members[0].param._local_tensor.device
-        dtype = members[0].param._local_tensor.dtype
-        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=dtype, device=dev)
-        recv = torch.empty(sum(out_splits), dtype=dtype, device=dev)
+        return self._all_to_all(send_parts, in_splits, out_splits, members[0].param._local_tensor)
+
+    def _all_to_all(self, send_parts: list[torch.Tensor], in_splits: list[int], out_splits: list[int],
+                    like: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """One fused, asynchronous ``all_to_all_single`` within the TP group (counted); its
+        buffers: the packed send (``sum(in_splits)``) and the receive (``sum(out_splits)``)."""
+        send = torch.cat(send_parts) if send_parts else like.new_empty(0)
+        recv = like.new_empty(sum(out_splits))
         self.calls["all_to_all"] += 1
-        self.bytes_sent += (send.numel() - in_splits[r]) * send.element_size()
+        self.bytes_sent += (send.numel() - in_splits[self.rank]) * send.element_size()
         work = dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                       group=self.group, async_op=True)
         return work, recv
