@@ -278,3 +278,78 @@ def test_hsdp_clip_grad_norm_counts_every_gradient_once(mode):
     total norm is the plain model's (an R-fold count would be off by sqrt(R))."""
     for r in get_pool(R * S).run(hsdp_clip, mode):
         assert r[2.0] < 1e-6 and r[float("inf")] < 1e-6, r
+
+
+def _holder_sums(model):
+    """Per owned parameter this rank holds whole: a position-weighted checksum."""
+    from test_hsdp import _owned_checksums
+
+    return {f: cs for f, whole, cs in _owned_checksums(model) if whole}
+
+
+def _replicas_agree(model):
+    """Every rank holding an owned tensor whole holds the same value (gathered over all ranks)."""
+    mine = _holder_sums(model)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    by = {}
+    for d in everyone:
+        for f, cs in d.items():
+            by.setdefault(f, set()).add(cs)
+    return sorted(f for f, v in by.items() if len(v) > 1)
+
+
+def hsdp_review_regressions():
+    """What an outside review broke (fixed): a split parameter frozen between step() and the
+    next forward; a hand-written update after a state_dict(); a plan that differs on one rank."""
+    cfg, model, ref = _setup("split")
+    opt = _opt("muon", model)
+    out = {}
+    for step in range(2):
+        model.loss(*_slice(*make_batch(cfg, step, BATCH))).backward()
+        opt.step()
+        opt.zero_grad()
+    model.blocks[0].wqkv.weight.requires_grad_(False)  # frozen after its last step
+    with torch.no_grad():
+        model(make_batch(cfg, 0, BATCH)[0][:1])
+    out["frozen_after_step"] = _replicas_agree(model)
+    model.blocks[0].wqkv.weight.requires_grad_(True)
+
+    model.loss(*_slice(*make_batch(cfg, 3, BATCH))).backward()
+    model.state_dict()  # settles the exchange
+    with torch.no_grad():  # a hand-written update, no optimizer
+        for p in model.parameters():
+            if p.grad is not None:
+                p._local_tensor.add_(p.grad._local_tensor, alpha=-0.1)
+    with torch.no_grad():
+        model(make_batch(cfg, 0, BATCH)[0][:1])
+    out["manual_after_settle"] = _replicas_agree(model)
+
+    odd = "split" if dist.get_rank() == 3 else "repeat"  # only global rank 3 differs
+    m2 = TinyDecoder(cfg, seed=0)
+    plan = matrixfsdp.plan_owners(m2, _mesh(R, S), block_types=(Block,), replica_step=odd)
+    try:
+        matrixfsdp.fully_shard(m2.blocks[0], mesh=_mesh(R, S), plan=plan)
+        out["plan_error"] = None
+    except RuntimeError as e:
+        out["plan_error"] = str(e)
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        matrixfsdp.fully_shard(TinyDecoder(cfg, seed=0), mesh=init_device_mesh(
+            "cpu", (R, S), mesh_dim_names=("dp_shard", "dp_replicate")))
+        out["swapped"] = None
+    except ValueError as e:
+        out["swapped"] = str(e)
+    return out
+
+
+def test_hsdp_review_regressions():
+    res = get_pool(R * S).run(hsdp_review_regressions)
+    for r in res:
+        assert r["frozen_after_step"] == [] and r["manual_after_settle"] == [], r
+        assert r["plan_error"] is not None and "the plan differs across ranks" in r["plan_error"], r
+        assert "rank 3: " in r["plan_error"], r["plan_error"]  # labels are data-parallel ranks
+        assert "dimension 0 of a 2-D mesh replicates and dimension 1 shards" in r["swapped"], r
+    assert len({r["plan_error"] for r in res}) == 1  # one message, every rank

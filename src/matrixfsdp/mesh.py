@@ -29,7 +29,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["MeshInfo", "mesh_info", "default_mesh", "mesh_device", "backend_map", "backend_devices"]
+__all__ = ["MeshInfo", "mesh_info", "default_mesh", "mesh_device", "backend_map", "backend_devices", "flat_dp_mesh"]
+
+
+def flat_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """Every data-parallel rank of ``mesh`` as one 1-D mesh: ``mesh`` itself, or an HSDP mesh
+    flattened (replica-major, so its group ranks are ``r * S + s``). The first call for a mesh is
+    collective (it creates the group); every rank makes it at the same point."""
+    if mesh.ndim == 1:
+        return mesh
+    import hashlib
+
+    tag = hashlib.sha1(repr((mesh.mesh.flatten().tolist(), tuple(mesh.shape), mesh.mesh_dim_names,
+                             mesh.device_type)).encode()).hexdigest()[:8]
+    return mesh._flatten(f"dp_all_{tag}")
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -168,6 +181,12 @@ def mesh_info(mesh: Any, *, api: str, member: bool = True, hsdp: bool = True) ->
         raise ValueError(
             f"{api}: a 2-D (HSDP) mesh{shape} needs dimension names (dimension 0 replicates, "
             "dimension 1 shards); build it with init_device_mesh(device_type, (R, S), "
+            "mesh_dim_names=(\"dp_replicate\", \"dp_shard\"))"
+        )
+    if names[0] == "dp_shard" or names[1] == "dp_replicate":
+        raise ValueError(
+            f"{api}: dimension 0 of a 2-D mesh replicates and dimension 1 shards (as torch's HSDP), "
+            f"but this mesh is named {tuple(names)}; build it as init_device_mesh(device_type, (R, S), "
             "mesh_dim_names=(\"dp_replicate\", \"dp_shard\"))"
         )
     if not member:

@@ -613,9 +613,13 @@ class ParamGroup:
         if rep is None:
             return Handle()
         by_source: list[list[torch.Tensor]] = [[] for _ in range(rep.size)]
+        # trainable now, or at the last reduction (a parameter frozen after its last step still
+        # carries that step's value); every rank freezes alike, so the lists match
+        last = {id(self.params[i]) for i in self.trainable}
         for mp in self.params:
             pp = mp.plan
-            if pp.step_replica is not None and pp.owner == self.rank and mp.requires_grad:  # type: ignore[union-attr]
+            if (pp.step_replica is not None and pp.owner == self.rank  # type: ignore[union-attr]
+                    and (mp.requires_grad or id(mp) in last)):
                 by_source[pp.step_replica].append(mp.local)  # type: ignore[union-attr]
         if not any(by_source):
             return Handle()

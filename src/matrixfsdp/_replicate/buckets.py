@@ -224,7 +224,8 @@ class ReplicateState:
         if (self.exchange.stale or self.backward.callback_queued) and not in_backward():
             # a forward that did not start at the root (a submodule called directly): the root's
             # pre-forward did not gather; bring every bucket up to date before reading any
-            self.sync_params()
+            self._issue_gathers()
+            self.exchange.settle()
         if self.uncovered_buckets is None:
             self.covered.add(id(module))
         for b in buckets:
@@ -256,16 +257,16 @@ class ReplicateState:
         """Bring every rank's parameters up to date now (a collective when they are stale)."""
         if in_backward():
             return
-        self._issue_gathers()
+        self._issue_gathers(forward=False)  # a settle is collective only when stale, as before
         self.exchange.settle()
 
-    def _issue_gathers(self) -> bool:
+    def _issue_gathers(self, *, forward: bool = True) -> bool:
         """Outside backward: clean up after a backward an exception escaped (its callback is
         gone), then issue every bucket's all-gather if the parameters are stale. Returns whether
         it issued them."""
         if self.backward.take_aborted():
             self._abort_backward()
-        return self.exchange.issue()
+        return self.exchange.issue(forward=forward)
 
     # ----------------------------------------------------------------------------- backward
     def _backward_start_from_output(self) -> None:

@@ -16,7 +16,10 @@ for where its parameters are first read (a module's pre-forward, a block's unsha
 waited for while the exchange is stale (a forward that did not start at the root) issues
 everything first. Everything that reads parameters between ``step()`` and the next forward
 (``state_dict()``, DCP, ``full_tensor()``, ``sync_params()``) calls :meth:`Exchange.settle`: the
-same gathers, waited for at once. Every rank that shares a unit's group decides stale-ness from
+same gathers, waited for at once. A settle leaves the next forward due to gather once more:
+a write after it that no optimizer step announces (a hand-written update, a load into the
+owners' tensors) still reaches every rank, at the cost of one gather per settle that a step did
+not follow (one per checkpoint). Every rank that shares a unit's group decides stale-ness from
 the same events, so the collectives stay matched ([Note: ordering of collectives]).
 """
 
@@ -62,15 +65,20 @@ class Exchange:
         #: ids of the parameters whose optimizer step makes the exchange stale
         self.param_ids = {id(p) for p in params}
         self.stale = False
+        #: a settle happened since the last forward's gathers (see the Note)
+        self.due = False
 
     def mark_stale(self) -> None:
         self.stale = True
 
-    def issue(self) -> bool:
-        """Issue every unit's gather if the exchange is stale; returns whether it did."""
-        if not self.stale:
+    def issue(self, *, forward: bool = True) -> bool:
+        """Issue every unit's gather if the exchange is stale (or, at a forward, due); returns
+        whether it did."""
+        if not (self.stale or (forward and self.due)):
             return False
         self.stale = False
+        if forward:
+            self.due = False
         for u in self.units:
             u.issue()
         return True
@@ -83,9 +91,10 @@ class Exchange:
 
     def settle(self) -> None:
         """Bring every value up to date now (a collective when stale or in flight)."""
-        self.issue()
+        self.issue(forward=False)
         for u in self.units:
             u.wait()
+        self.due = True
 
 
 _WATCHED: "weakref.WeakSet[Exchange]" = weakref.WeakSet()

@@ -14,7 +14,7 @@ import weakref
 from typing import Any
 
 from ..comm.agree import agree
-from ..mesh import MeshInfo
+from ..mesh import MeshInfo, flat_dp_mesh
 from ..planner.record import OwnerPlan
 
 __all__ = ["verify_plan_digest", "check_world_size"]
@@ -42,9 +42,10 @@ def verify_plan_digest(plan: OwnerPlan, info: MeshInfo, *, api: str) -> None:
     key = (id(plan), tuple(info.mesh.mesh.flatten().tolist()))
     if key in _VERIFIED:
         return
-    digests = agree(fingerprint=plan.digest, group=info.shard_group, device=info.device)
-    if info.is_hsdp:  # and across replicas: the two exchanges cover every rank of the grid
-        digests = [*digests, *agree(fingerprint=plan.digest, group=info.replicate_group, device=info.device)]
+    # over every data-parallel rank at once (an HSDP mesh flattened): two exchanges, one per
+    # dimension, would let a rank whose own groups agree pass while the others raise
+    group = flat_dp_mesh(info.mesh).get_group() if info.is_hsdp else info.shard_group
+    digests = agree(fingerprint=plan.digest, group=group, device=info.device)
     if len(set(digests)) != 1:
         by_rank = ", ".join(f"rank {r}: {(d or '')[:12]}" for r, d in enumerate(digests))
         raise RuntimeError(

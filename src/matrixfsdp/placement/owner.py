@@ -31,6 +31,8 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..mesh import flat_dp_mesh
+
 __all__ = ["Owned", "owner_of", "owned_of", "is_owned", "keeps_state", "set_owner", "owner_meshes",
            "step_meshes", "flat_mesh", "coordinates", "STORAGES"]
 
@@ -197,7 +199,7 @@ def step_meshes(mesh: DeviceMesh) -> tuple[tuple[DeviceMesh, ...], ...]:
 def _make_step_meshes(mesh: DeviceMesh, tag: str, grid: list[list[int]]) -> None:
     # The full value of a step-mesh tensor is broadcast over every data-parallel rank: one
     # flattened group, created here, where every rank calls (collective).
-    flat = mesh._flatten(f"dp_all_{tag}") if mesh.get_coordinate() is not None else None
+    flat = flat_dp_mesh(mesh) if mesh.get_coordinate() is not None else None
     _FLAT[mesh] = flat
     out = []
     for q, row in enumerate(grid):
