@@ -138,6 +138,7 @@ class Context:
     matrixfsdp_source: str = "public"  # "public": matrixfsdp.fully_shard; "_runtime": private module
     # where the model, the data and every baseline's buffers live (the mesh's device type)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    tp: int = 1  # step_bench --tp T: the mesh is the 1-D ("tp",) mesh, every rank sees the whole batch
 
 
 def build_model(cfg: BenchConfig, device: torch.device | str | None = None) -> Decoder:
@@ -364,9 +365,10 @@ def _all_gather_single(*args: Any, **kwargs: Any) -> Any:
 
 
 class GatherMuon(Muon):
-    """``matrixfsdp.optim.Muon`` for FSDP2 ``Shard(0)`` DTensors: momentum on the local shard,
-    all-gather each matrix's (Nesterov) update, Newton-Schulz on the whole matrix on every rank,
-    keep this rank's rows. AdamW-routed parameters update their shard locally.
+    """``matrixfsdp.optim.Muon`` for ``Shard(d)`` DTensors (FSDP2's ``Shard(0)``, TP's
+    ``Shard(0)``/``Shard(1)``): momentum on the local shard, all-gather each matrix's (Nesterov)
+    update over ``group``, Newton-Schulz on the whole matrix on every rank, keep this rank's
+    shard (Megatron's ``duplicated`` TP mode). AdamW-routed parameters update their shard locally.
 
     Gathering the momentum-updated shard instead of the raw gradient shard moves the same bytes
     and gives the same matrix (the momentum update is element-wise), while keeping momentum sharded.
@@ -402,23 +404,25 @@ class GatherMuon(Muon):
             buf, m = state["momentum_buffer"], group["momentum"]
             buf.lerp_(grad, 1 - m)
             upd = grad.lerp(buf, m) if group["nesterov"] else buf
-            n, cols = p.shape
+            d = p.placements[0].dim % 2  # gathered along rows: a Shard(1) matrix travels transposed
+            upd = upd if d == 0 else upd.t()
+            n, cols = p.shape[d], p.shape[1 - d]
             rows = -(-n // W)
             _, off = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
             send = torch.zeros(rows, cols, dtype=upd.dtype, device=upd.device)
             send[: upd.shape[0]].copy_(upd)
             out = torch.empty(W * rows, cols, dtype=upd.dtype, device=upd.device)
             work = _all_gather_single(out, send, group=self._pg, async_op=True)
-            pending.append((p, param, group, out, work, int(off[0])))
-        for p, param, group, out, work, off in pending:
+            pending.append((p, param, group, out, work, int(off[d]), d))
+        for p, param, group, out, work, off, d in pending:
             work.wait()
-            full = out[: p.shape[0]]
+            full = out[: p.shape[d]] if d == 0 else out[: p.shape[d]].t()
             ortho = zeropower_via_newtonschulz(full, group["ns_coefficients"], group["ns_steps"],
                                                group["eps"], group["ns_dtype"])
             lr = group["lr"]
             param.mul_(1 - lr * group["weight_decay"])
             if param.numel():
-                param.add_(ortho[off: off + param.shape[0]], alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+                param.add_(ortho.narrow(d, off, param.shape[d]), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
         return None
 
 
@@ -966,11 +970,143 @@ HSDP_IMPLS: tuple[type[Impl], ...] = (
     _mfsdp_impl("mfsdp_split", "split"),
 )
 
+
+# ================================================================================ TP, dp=1 (issue 18)
+def tp_mesh(ctx: Context) -> Any:
+    """The 1-D ``("tp",)`` mesh of step_bench ``--tp T`` (dp=1: every rank is one TP rank)."""
+    if ctx.tp < 2 or ctx.mesh.mesh_dim_names != ("tp",):
+        raise ValueError("the tp_* rows need a TP mesh: run step_bench with --tp T (T >= 2)")
+    return ctx.mesh
+
+
+def tp_parallelize(model: Decoder, mesh: Any) -> list[str]:
+    """torch's Megatron-style TP plan on every decoder layer: q/k/v and gate/up
+    ``ColwiseParallel``, o/down ``RowwiseParallel``; each attention module computes with its
+    local heads (heads / tp, as torchtitan's TP plan does). The q/k norms act on local heads, so
+    their gradients are all-reduced over the TP group (async, in backward; as Megatron does for
+    norms whose inputs are split). Embedding, head and the other norms stay replicated (every
+    rank computes them on the whole batch). Returns the TP-sharded matrices' FQNs."""
+    import dataclasses
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = mesh.size()
+    cfg = model.cfg
+    if cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp:
+        raise ValueError(f"TP {tp} needs heads ({cfg.num_attention_heads}) and KV heads "
+                         f"({cfg.num_key_value_heads}) divisible by it (--heads, --kv-heads)")
+    local = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
+                                num_key_value_heads=cfg.num_key_value_heads // tp)
+    col, row = ("q_proj", "k_proj", "v_proj"), ("o_proj",)
+    pending: list[Any] = []
+    for layer in model.model.layers:
+        parallelize_module(layer.self_attn, mesh, {**{n: ColwiseParallel() for n in col},
+                                                  **{n: RowwiseParallel() for n in row}})
+        parallelize_module(layer.mlp, mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                                             "down_proj": RowwiseParallel()})
+        layer.self_attn.cfg = local
+        if cfg.qk_norm:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.register_post_accumulate_grad_hook(
+                    lambda p: pending.append(dist.all_reduce(p.grad, group=mesh.get_group(), async_op=True)))
+    model._tp_pending = pending  # waited for in TPImpl.step
+    return [f"model.layers.{i}.{m}.{n}.weight" for i in range(cfg.num_hidden_layers)
+            for m, ns in (("self_attn", col + row), ("mlp", ("gate_proj", "up_proj", "down_proj"))) for n in ns]
+
+
+class TPImpl(Impl):
+    """Base of the ``tp_*`` rows: the bench Decoder under :func:`tp_parallelize` on the TP mesh;
+    subclasses build the optimizer (``make_opt``)."""
+
+    def setup(self) -> None:
+        mesh = tp_mesh(self.ctx)
+        self.model = build_model(self.cfg, self.ctx.device)
+        self.tp_fqns = tp_parallelize(self.model, mesh)
+        self.opts = [self.make_opt(mesh)]
+        self.notes.append(check_routes(self.opts[0], self.model.named_parameters()))
+
+    def make_opt(self, mesh: Any) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        for w in self.model._tp_pending:  # the q/k norms' gradient all-reduces, issued in backward
+            w.wait()
+        self.model._tp_pending.clear()
+        super().step()
+
+
+class TPRedundant(TPImpl):
+    name = "tp_redundant"
+
+    def make_opt(self, mesh: Any) -> torch.optim.Optimizer:
+        self.notes.append(f"Megatron TensorParallelMuon 'duplicated': per TP-sharded matrix one async all_gather_single "
+                          f"of the momentum-updated shard over the TP group, {self.cfg.ns_short} Newton-Schulz on the "
+                          "whole matrix on every TP rank, keep own shard (GatherMuon)")
+        return GatherMuon(muon_param_groups(self.model.named_parameters()), group=mesh.get_group(),
+                          **self.cfg.muon_kwargs())
+
+
+class ShardLocalMuon(Muon):
+    """Muon on each local TP shard (Megatron's ``blockwise``, MuonBP): no communication, inexact."""
+
+    def _check_whole(self, p: torch.Tensor, local: torch.Tensor, index: int) -> None:
+        pass  # the shard is the matrix here
+
+
+class TPShardLocal(TPImpl):
+    name = "tp_shard_local"
+    same_numerics = False
+
+    def make_opt(self, mesh: Any) -> torch.optim.Optimizer:
+        self.notes.append("INEXACT (timing only): Newton-Schulz on each rank's local shard, lr adjusted by the "
+                          "shard's shape (Megatron 'blockwise' / MuonBP); no optimizer communication")
+        return ShardLocalMuon(muon_param_groups(self.model.named_parameters()), **self.cfg.muon_kwargs())
+
+
+class TPMicroGroups(TPImpl):
+    """``matrixfsdp.tp.host_matrices`` + ``matrixfsdp.optim.Muon(model)``: each TP-sharded matrix
+    stepped whole on one host, two fused all-to-alls per micro-group."""
+
+    name = "tp_microgroups"
+    pipeline = True
+    per_matrix = False  # True: one micro-group per matrix (unfused), hosts by LPT
+
+    def make_opt(self, mesh: Any) -> torch.optim.Optimizer:
+        import matrixfsdp
+
+        groups = None
+        if self.per_matrix:
+            named = [(f, self.model.get_parameter(f)) for f in self.tp_fqns]
+            host = lpt_owners(named, mesh.size())
+            groups = [[(f, host[f])] for f in self.tp_fqns]
+        wanted = set(self.tp_fqns)  # the benchmark's rule (every TP-split matrix), not a vocab-size heuristic
+        used = matrixfsdp.tp.host_matrices(self.model, mesh, groups=groups, pipeline=self.pipeline,
+                                           matrix_filter=lambda fqn, *_: fqn in wanted)
+        self.executor = matrixfsdp.tp.tp_host_of(self.model.get_parameter(self.tp_fqns[0])).executor
+        load = [0.0] * mesh.size()
+        for g in used:
+            for f, h in g:
+                load[h] += _ns_flops(self.model.get_parameter(f).shape)
+        self.balance = _imbalance(load)
+        self.micro_groups = len(used)
+        self.notes.append(f"host_matrices({'one group per matrix, LPT hosts' if self.per_matrix else 'planner groups'}, "
+                          f"pipeline={self.pipeline}): {len(used)} micro-groups of sizes {[len(g) for g in used]}; "
+                          f"host balance (max/mean NS FLOPs) {self.balance:.3f}")
+        return Muon(self.model, **self.cfg.muon_kwargs())
+
+
+def _tp_hosted(name: str, pipeline: bool, per_matrix: bool) -> type[Impl]:
+    return type(f"TPMicroGroups_{name}", (TPMicroGroups,), {"name": name, "pipeline": pipeline, "per_matrix": per_matrix})
+
+
+TP_IMPLS: tuple[type[Impl], ...] = (TPRedundant, TPMicroGroups, _tp_hosted("tp_sequential", False, False),
+                                    _tp_hosted("tp_unfused", True, True), TPShardLocal)
+
 IMPLS: dict[str, type[Impl]] = {
     c.name: c for c in (DDPMuon, FSDP2GatherMuon, FSDP2DistMuon, Zero1Owner, FSDP2AdamW, MatrixFSDP,
                         _replicate_impl("replicate_a0", "alpha_balanced", 0.0),
                         _replicate_impl("replicate_a0.5", "alpha_balanced", 0.5),
                         _replicate_impl("replicate_a1", "alpha_balanced", 1.0),
                         _replicate_impl("replicate_naive", "naive_static", 0.0),
-                        ZeroRedundancyMuon, *HSDP_IMPLS)
+                        ZeroRedundancyMuon, *HSDP_IMPLS, *TP_IMPLS)
 }

@@ -52,6 +52,19 @@ network of ``benchmarks/netns/setup_two_level.sh``:
     sudo benchmarks/netns/setup_two_level.sh 1gbit
     python benchmarks/step_bench.py --world 4 --mesh 2,2 --netns --out benchmarks/results/hsdp_two_level_1gbit
 
+``--tp T`` (issue 18, dp=1 only: composition of TP with data parallelism is not built yet):
+the T ranks form one 1-D ``("tp",)`` mesh and every rank sees the whole batch; the model is the
+bench Decoder with torch's TP plan on every layer (q/k/v, gate/up ``ColwiseParallel``; o, down
+``RowwiseParallel``; ``_baselines.tp_parallelize``; heads and KV heads must divide by T: the
+defaults become 8 and 4). Default rows (``TP_DEFAULT_IMPLS``), ratios and parity against
+``tp_redundant`` (Megatron's ``duplicated``: all-gather every TP-sharded update, whole-matrix
+Newton-Schulz on every TP rank); ``tp_microgroups`` (``matrixfsdp.tp.host_matrices``, the
+planner's micro-groups, pipelined), ``tp_sequential`` (the same groups, ``pipeline=False``),
+``tp_unfused`` (one micro-group per matrix, LPT hosts) and ``tp_shard_local`` (Newton-Schulz on
+each local shard: inexact, timing only). The report adds the issue's three targets:
+
+    python benchmarks/step_bench.py --tp 4 --out benchmarks/results/tp_step_cpu_tp4
+
 ``--render X.jsonl`` (alone) rewrites ``X.md`` from the rows of an earlier run, keeping its command line.
 
 Memory: per rank, the sum of local tensor bytes (parameters, gradients, optimizer state and
@@ -93,6 +106,8 @@ REFERENCE = "ddp_muon"
 HSDP_DEFAULT_IMPLS = ("single_muon", "hsdp_adamw", "hsdp_distmuon", "hsdp_gather_muon", "mfsdp_repeat", "mfsdp_split")
 #: --mesh defaults: ratios against stock HSDP + AdamW, parity against the single-process run
 HSDP_REFERENCE, HSDP_PARITY_REF = "hsdp_adamw", "single_muon"
+TP_DEFAULT_IMPLS = ("tp_redundant", "tp_microgroups", "tp_sequential", "tp_unfused", "tp_shard_local")
+TP_REFERENCE = "tp_redundant"  #: --tp: ratio and parity reference
 MB = 1 << 20
 
 
@@ -178,6 +193,8 @@ def run_one(name: str, cfg: BenchConfig, ctx: Context, args: argparse.Namespace,
     row.pop("status_if_failed", None)
     if getattr(impl, "balance", None) is not None:  # largest per-rank step work over the mean
         row["step_balance"] = round(float(impl.balance), 4)
+    if getattr(impl, "micro_groups", None) is not None:  # --tp: TP host step's fused groups
+        row["micro_groups"] = impl.micro_groups
 
     n_steps = args.warmup + args.steps
     per_rank_times: list[tuple[float, float, float]] = []
@@ -197,7 +214,8 @@ def run_one(name: str, cfg: BenchConfig, ctx: Context, args: argparse.Namespace,
     measuring = False
     try:
         for s in range(n_steps):
-            tokens = batch_for_step(cfg, s, rank, world, device)
+            # data parallel ranks split the batch; the ranks of a TP group see the same tokens
+            tokens = batch_for_step(cfg, s, rank // ctx.tp, world // ctx.tp, device)
             if s == args.warmup:
                 counter.reset()
                 cpu0, mach0 = bc.proc_cpu_ticks(), bc.machine_cpu_ticks()
@@ -343,10 +361,15 @@ def worker_main(args: argparse.Namespace) -> int:
             raise SystemExit(f"--mesh {R},{S} needs {R * S} ranks, not {world}")
         mesh = init_device_mesh(device.type, (R, S), mesh_dim_names=("dp_replicate", "dp_shard"))
         link_check = _link_check(args, S) if args.link_check_mb > 0 else None
+    elif args.tp:
+        if args.tp != world:
+            raise SystemExit(f"--tp {args.tp} runs at dp=1 (TP x DP is not built yet): needs {args.tp} ranks, not {world}")
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
     else:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
     cfg = _config(args)
-    ctx = Context(rank=rank, world=world, mesh=mesh, matrixfsdp_source=args.matrixfsdp_source, device=device)
+    ctx = Context(rank=rank, world=world, mesh=mesh, matrixfsdp_source=args.matrixfsdp_source, device=device,
+                  tp=args.tp or 1)
     impls = _impl_list(args)
     rows: list[dict[str, Any]] = []
     ref_state: dict[str, Any] = {}
@@ -405,6 +428,8 @@ def worker_main(args: argparse.Namespace) -> int:
         if args.mesh:
             meta.update(mesh=list(args.mesh), mesh_dim_names=["dp_replicate", "dp_shard"], link_check=link_check,
                         alone_step_s=alone)
+        if args.tp:
+            meta.update(tp=args.tp, dp=world // args.tp, mesh_dim_names=["tp"])
         if meta["netns"]:  # rank 0 runs inside mfb-r0: record the shaping of its veth
             import subprocess
 
@@ -502,8 +527,16 @@ def markdown(result: dict[str, Any], command: str) -> str:
     L.append(f"<!-- {env['date']} torch {env['torch']} torchtitan {env.get('torchtitan')} python {env['python']} "
              f"git {env.get('git')} {env['platform']} cpus={env['cpus']}{cuda_env} -->")
     L.append("")
-    L.append(f"# Step benchmark, world {meta['world']} ({backend}, {where}{', netns' if meta.get('netns') else ''})")
+    L.append(f"# Step benchmark, world {meta['world']} ({backend}, {where}{', netns' if meta.get('netns') else ''})"
+             + (f", TP {meta['tp']} x DP {meta['dp']}" if meta.get("tp") else ""))
     L.append("")
+    if meta.get("tp"):
+        L.append(f"Tensor parallelism at dp=1 (issue 18): the {meta['tp']} ranks form one `(\"tp\",)` mesh and every "
+                 "rank sees the whole global batch; the Decoder's q/k/v, gate/up are `ColwiseParallel`, o, down "
+                 "`RowwiseParallel` (torch `parallelize_module`; each attention module computes its local heads; "
+                 "the q/k-norm gradients are all-reduced over TP in backward); embedding, head and the other norms "
+                 "are replicated and stepped by AdamW on every rank in every row. Composition with data "
+                 "parallelism ((dp, tp) meshes) is not built yet, so the issue's (dp=2, tp=2) setting is not run.  ")
     if meta.get("netns") and not meta.get("link_qdisc"):  # flat setup.sh (two-level: _hsdp_header)
         L.append(f"Emulated interconnect: each rank in its own network namespace (benchmarks/netns/setup.sh), "
                  f"gloo over a veth pair into a bridge, token-bucket shaping on both ends of every veth; "
@@ -634,6 +667,8 @@ def markdown(result: dict[str, Any], command: str) -> str:
 
     if meta.get("mesh"):
         L.extend(_hsdp_section(meta, ok, ok_names, stats, ratio_stats, REF))
+    if meta.get("tp"):
+        L.extend(_tp_section(meta, ok, ok_names, stats, ratio_stats, REF))
     ratio_matrix("### Total-time ratios, row / column (same repeat; median over repeats)", "total_s")
     balanced = [n for n in ok_names if any("step_balance" in r for r in ok if r["impl"] == n)]
     if balanced and PARITY_REF in ok_names:
@@ -830,6 +865,55 @@ def _hsdp_section(meta: dict[str, Any], ok: list[dict[str, Any]], ok_names: list
     return L
 
 
+def _tp_section(meta: dict[str, Any], ok: list[dict[str, Any]], ok_names: list[str], stats: Any,
+                ratio_stats: Any, ref: str) -> list[str]:
+    """Issue 18's targets: step >= 2x faster than the redundant baseline, fused faster than
+    unfused, pipelined faster than sequential micro-groups (same-repeat ratios of step_s)."""
+    L = [f"### TP step (issue 18, TP {meta['tp']}, dp=1)", "",
+         "Per rank per step (max over ranks): the optimizer step's all-to-alls, all-gathers and wire bytes as "
+         "counted at the torch.distributed API (matrixfsdp's executor moves the gradient shards to their hosts "
+         "and the update shards back: (tp-1)/tp of every TP-sharded matrix each way, summed over ranks).", "",
+         f"| implementation | step s | step / {ref} | total / {ref} | micro-groups | step all-to-alls | "
+         "step all-gathers | step wire MB | host balance | parity vs " + ref + " (max abs) |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def cell(x: dict[str, Any] | None) -> str:
+        return "n/a" if x is None else f"{x['median']:.3f} ({x['min']:.3f}-{x['max']:.3f})" + ("†" if x.get("dirty") else "")
+
+    for n in ok_names:
+        r = next(r for r in ok if r["impl"] == n)
+        cpr = r["comm_per_rank"]
+        ops = [c["step"]["ops"] for c in cpr]
+        a2a = max(o.get("all_to_all_single", [0])[0] for o in ops)
+        ag = max(sum(v[0] for k, v in o.items() if k.startswith("all_gather")) for o in ops)
+        wire = max(c["step"]["wire"] for c in cpr)
+        one = {"median": 1.0, "min": 1.0, "max": 1.0}
+        st = ratio_stats(n, "step_s", ref) if n != ref else one
+        tot = ratio_stats(n, "total_s", ref) if n != ref else one
+        par = max((x["parity"]["max_abs_diff_muon_matrices"] for x in ok if x["impl"] == n and "parity" in x), default=None)
+        note = " (inexact by design)" if n == "tp_shard_local" else ""
+        L.append(f"| {n} | {stats(n, 'step_s')['median']:.4f} | {cell(st)} | {cell(tot)} | {r.get('micro_groups', '-')} | "
+                 f"{a2a:g} | {ag:g} | {wire / MB:.2f} | {r.get('step_balance', '-')} | "
+                 + ("-" if par is None else f"{par:.2e}") + f"{note} |")
+    L.append("")
+    targets = (("step >= 2x faster than the redundant baseline", "tp_microgroups", ref, 0.5),
+               ("fused faster than unfused", "tp_microgroups", "tp_unfused", 1.0),
+               ("pipelined faster than sequential micro-groups", "tp_microgroups", "tp_sequential", 1.0))
+    L.append("Targets (step-time ratio in the same repeat, median over clean repeats; met when below the bound):")
+    L.append("")
+    for what, a, b, bound in targets:
+        s = ratio_stats(a, "step_s", b) if a in ok_names and b in ok_names else None
+        if s is None:
+            L.append(f"- {what}: not measured ({a} or {b} missing)")
+            continue
+        per = [r["ratios"]["step_s"][b] for r in ok if r["impl"] == a and b in r.get("ratios", {}).get("step_s", {})]
+        wins = sum(1 for x in per if x < bound)
+        L.append(f"- {what}: {a} / {b} step = {cell(s)} (bound {bound}): **{'met' if s['median'] < bound else 'not met'}** "
+                 f"(below the bound in {wins}/{len(per)} repeats)")
+    L.append("")
+    return L
+
+
 def emit(result: dict[str, Any], args: argparse.Namespace, command: str) -> None:
     add_ratios(result["rows"])
     lines = [bc.dumps({"meta": result["meta"]})] + [bc.dumps(r) for r in result["rows"]]
@@ -883,6 +967,8 @@ def driver_main(args: argparse.Namespace) -> int:
              "--reference", args.reference, "--parity-ref", args.parity_ref, "--link-check-mb", str(args.link_check_mb)]
     if args.mesh:
         argv += ["--mesh", ",".join(map(str, args.mesh))]
+    if args.tp:
+        argv += ["--tp", str(args.tp)]
     if args.netns:
         argv += ["--netns"]
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
@@ -910,7 +996,7 @@ def driver_main(args: argparse.Namespace) -> int:
 
 
 def _impl_list(args: argparse.Namespace) -> list[str]:
-    default = HSDP_DEFAULT_IMPLS if args.mesh else DEFAULT_IMPLS
+    default = HSDP_DEFAULT_IMPLS if args.mesh else TP_DEFAULT_IMPLS if args.tp else DEFAULT_IMPLS
     names = [s.strip() for s in (args.impls or args.impl or ",".join(default)).split(",") if s.strip()]
     bad = [n for n in names if n not in IMPLS]
     if bad:
@@ -920,6 +1006,8 @@ def _impl_list(args: argparse.Namespace) -> list[str]:
 
 def _config(args: argparse.Namespace) -> BenchConfig:
     kw: dict[str, Any] = {"ns_dtype": args.ns_dtype}
+    if args.tp:  # heads divisible by every TP degree run here (2, 4, 8)
+        kw.update(num_attention_heads=8, num_key_value_heads=4)
     for a, f in (("hidden", "hidden_size"), ("layers", "num_hidden_layers"), ("intermediate", "intermediate_size"),
                  ("seq", "seq_len"), ("global_batch", "global_batch"), ("heads", "num_attention_heads"),
                  ("kv_heads", "num_key_value_heads"), ("vocab", "vocab_size")):
@@ -971,6 +1059,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mesh", default=None, type=_mesh_arg,
                    help="R,S: HSDP on the 2-D (dp_replicate, dp_shard) mesh (issue 17); default rows "
                         f"{','.join(HSDP_DEFAULT_IMPLS)}")
+    p.add_argument("--tp", type=int, default=None,
+                   help="T: tensor parallelism at dp=1 on a ('tp',) mesh of T ranks (issue 18); default rows "
+                        f"{','.join(TP_DEFAULT_IMPLS)}; --world defaults to T")
     p.add_argument("--reference", default=None,
                    help=f"ratio reference (default {REFERENCE}; with --mesh {HSDP_REFERENCE})")
     p.add_argument("--parity-ref", default=None,
@@ -991,8 +1082,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"not --backend {args.backend}")
     if args.ns_dtype is None:
         args.ns_dtype = "bfloat16" if args.backend == "nccl" else "float32"
-    args.reference = args.reference or (HSDP_REFERENCE if args.mesh else REFERENCE)
-    args.parity_ref = args.parity_ref or (HSDP_PARITY_REF if args.mesh else REFERENCE)
+    if args.tp is not None and (args.tp < 2 or args.mesh):
+        p.error("--tp T needs T >= 2 and no --mesh (TP x DP is not built yet)")
+    if args.tp and not args.world and "WORLD_SIZE" not in os.environ:
+        args.world = args.tp
+    default_ref = HSDP_REFERENCE if args.mesh else TP_REFERENCE if args.tp else REFERENCE
+    args.reference = args.reference or default_ref
+    args.parity_ref = args.parity_ref or (HSDP_PARITY_REF if args.mesh else TP_REFERENCE if args.tp else REFERENCE)
     if args.warmup < 2 or args.steps < 5:
         print("step_bench: note: the protocol asks for >= 2 warm-up and >= 5 measured steps", file=sys.stderr)
     return args

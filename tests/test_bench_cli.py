@@ -135,3 +135,37 @@ def test_step_bench_hsdp_matrixfsdp_rows(hsdp_run):
         assert all(c["step"]["calls"] == 0 for c in r["comm_per_rank"]), r["comm_per_rank"]
         assert r["parity"]["max_abs_diff"] <= 1e-5, r["parity"]
         assert "hsdp_adamw" in r["ratios"]["fb_s"]
+
+
+def test_step_bench_tp_rows_well_formed(tmp_path):
+    """``--tp 2`` (issue 18, dp=1) on a tiny Decoder: the five TP rows run; the hosted rows make
+    two all-to-alls per micro-group in the step (unfused: one group per matrix) and match the
+    redundant baseline, which all-gathers every TP-sharded matrix; the report states the targets."""
+    out = tmp_path / "tp"
+    _bench("step_bench.py", "--tp", "2", "--repeats", "1", "--warmup", "2", "--steps", "1", "--parity-steps", "2",
+           "--retries", "0", "--max-foreign", "1.0", "--quiet-wait", "0", "--hidden", "64", "--intermediate", "128",
+           "--layers", "1", "--vocab", "384", "--seq", "8", "--global-batch", "2", "--out", str(out))
+    lines = [json.loads(line) for line in (tmp_path / "tp.jsonl").read_text().splitlines()]
+    meta, rows = lines[0]["meta"], {r["impl"]: r for r in lines[1:]}
+    assert meta["tp"] == 2 and meta["dp"] == 1 and meta["world"] == 2
+    assert list(rows) == ["tp_redundant", "tp_microgroups", "tp_sequential", "tp_unfused", "tp_shard_local"]
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    n_mats = 7  # q, k, v, o, gate, up, down of the one layer
+
+    def step_ops(r):
+        return r["comm_per_rank"][0]["step"]["ops"]
+
+    assert set(step_ops(rows["tp_redundant"])) == {"all_gather_single"}
+    assert step_ops(rows["tp_redundant"])["all_gather_single"][0] == n_mats
+    assert rows["tp_unfused"]["micro_groups"] == n_mats
+    for name in ("tp_microgroups", "tp_sequential", "tp_unfused"):
+        r = rows[name]
+        assert set(step_ops(r)) == {"all_to_all_single"}, step_ops(r)
+        assert step_ops(r)["all_to_all_single"][0] == 2 * r["micro_groups"]
+        assert r["parity"]["max_abs_diff"] <= 1e-5, r["parity"]
+        assert r["ratios"]["step_s"]["tp_redundant"] > 0
+    assert rows["tp_microgroups"]["micro_groups"] == rows["tp_sequential"]["micro_groups"] < n_mats
+    assert rows["tp_shard_local"]["comm_per_rank"][0]["step"]["calls"] == 0
+    assert rows["tp_shard_local"]["parity"]["max_abs_diff"] > 1e-4  # inexact by design
+    md = (tmp_path / "tp.md").read_text()
+    assert "### TP step (issue 18, TP 2, dp=1)" in md and md.count("(bound ") == 3

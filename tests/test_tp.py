@@ -223,6 +223,39 @@ def test_tp_shard_local_step_is_not_the_whole_matrix_step():
     assert min(res) > 0.05, res
 
 
+def tp_pipeline_vs_sequential(h, steps=3):
+    """The same model and micro-groups stepped with pipeline=True and pipeline=False: the local
+    parameter shards after ``steps`` steps, and the all-to-alls each made."""
+    tp = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    out = {}
+    for pipeline in (True, False):
+        model = TPNet(h)
+        for b in model.blocks:
+            parallelize_module(b, mesh, {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel()})
+        matrixfsdp.tp.host_matrices(model, mesh, groups=_two_groups(h), pipeline=pipeline)
+        executor = matrixfsdp.tp.tp_host_of(model.blocks[0].up.weight).executor
+        assert executor.pipeline is pipeline
+        opt = _opt("muon", model)
+        for step in range(steps):
+            model.loss(*_batch(step)).backward()
+            opt.step()
+            opt.zero_grad()
+        out[pipeline] = ({f: (p._local_tensor if isinstance(p, DTensor) else p).detach().clone()
+                          for f, p in model.named_parameters()}, executor.calls["all_to_all"])
+    return out
+
+
+def test_tp_sequential_micro_groups_match_pipelined_bitwise():
+    """host_matrices(..., pipeline=False) (no overlap between micro-groups) gives bitwise the
+    parameters of the pipelined step, with the same all-to-alls."""
+    for r in get_pool(2).run(tp_pipeline_vs_sequential, 80):
+        (piped, n_piped), (seq, n_seq) = r[True], r[False]
+        assert n_piped == n_seq == 3 * 2 * 2  # 3 steps x 2 micro-groups x (gather + scatter)
+        assert piped.keys() == seq.keys()
+        assert all(torch.equal(piped[f], seq[f]) for f in piped), [f for f in piped if not torch.equal(piped[f], seq[f])]
+
+
 def test_tp_host_matrices_errors():
     model = TPNet(80)
     with pytest.raises(TypeError, match=r"matrixfsdp.tp.host_matrices: mesh must be a DeviceMesh, got int"):

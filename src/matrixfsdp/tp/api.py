@@ -58,6 +58,7 @@ def host_matrices(
     optimizer: str = "muon",
     precondition_frequency: int = 10,
     matrix_filter: Callable[[str, torch.Tensor, nn.Module, frozenset[int]], bool] | None = None,
+    pipeline: bool = True,
 ) -> tuple[tuple[tuple[str, int], ...], ...]:
     """Give each TP-sharded matrix of ``model`` (a 2D ``Shard(0)``/``Shard(1)`` DTensor on the TP
     mesh, as ``parallelize_module``'s ``ColwiseParallel``/``RowwiseParallel`` make them, that
@@ -68,7 +69,8 @@ def host_matrices(
     ``groups`` (``[[(fqn, host), ...], ...]``) gives the micro-groups and hosts; by default the
     planner's :func:`~matrixfsdp.planner.micro_groups.plan_micro_groups` packs them by optimizer
     cost (``optimizer``, ``precondition_frequency``) into fused buffers of at most ``c_max`` bytes.
-    Returns the groups used. No collective.
+    Returns the groups used. No collective. ``pipeline=False`` runs the micro-groups one after
+    another (no overlap of group k+1's gather with group k's step; the same result bitwise).
 
     Example::
 
@@ -117,7 +119,7 @@ def host_matrices(
     bad = [(f, h) for g in groups for f, h in g if not 0 <= h < tp.size()]
     if bad:
         raise ValueError(f"{API}: host ranks must be in [0, {tp.size()}), got {bad[:3]}")
-    executor = TPHostStep(tp, [[(f, found[f], h) for f, h in g] for g in groups])
+    executor = TPHostStep(tp, [[(f, found[f], h) for f, h in g] for g in groups], pipeline=pipeline)
     hosts = _host_meshes(tp)
     for k, g in enumerate(groups):
         for f, h in g:

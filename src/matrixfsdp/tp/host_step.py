@@ -12,6 +12,10 @@ See [Note: TP hosts] in ``placement/tp_host.py``. Per micro-group ``k`` (the pla
     scatter k    one all_to_all_single: the update shards back to every rank
     apply        every rank decays its shard and adds its update shard
 
+With ``pipeline=False`` the groups run one after another, as Canzona's own code does: each
+group's gather and scatter are waited for before the next group's gather is issued (the same
+collectives and arithmetic, so the same parameters bitwise; for benchmarks).
+
 So a step makes exactly two all-to-alls per micro-group, within the TP group, and moves the
 gradient shards once and the update shards once; optimizer state stays on the hosts, whole.
 Shards follow DTensor's ``Shard(d)`` (``torch.chunk``) sizes, so widths not divisible by the TP
@@ -57,8 +61,10 @@ class _Member:
 class TPHostStep:
     """Runs the hosted matrices' optimizer step for one TP mesh (see module docstring)."""
 
-    def __init__(self, mesh: DeviceMesh, groups: Sequence[Sequence[tuple[str, Any, int]]]):
+    def __init__(self, mesh: DeviceMesh, groups: Sequence[Sequence[tuple[str, Any, int]]], *,
+                 pipeline: bool = True):
         self.mesh = mesh
+        self.pipeline = bool(pipeline)  #: False: no overlap between micro-groups
         self.group = mesh.get_group()
         self.tp = mesh.size()
         self.rank = mesh.get_local_rank()
@@ -77,6 +83,13 @@ class TPHostStep:
         stages = [[m for m in g if id(m.param) in wanted] for g in self.groups]
         stages = [g for g in stages if g]
         if not stages:
+            return
+        if not self.pipeline:  # sequential micro-groups: nothing of group k+1 starts before k is applied
+            for members in stages:
+                work, recv = self._gather(members)
+                work.wait()
+                updates = self._host_steps(opt, group, members, recv)
+                self._apply(group, members, *self._scatter(members, updates))
             return
         pending = self._gather(stages[0])
         scattered: list[tuple[list[_Member], Any, torch.Tensor]] = []
