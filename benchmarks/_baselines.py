@@ -404,7 +404,8 @@ class GatherMuon(Muon):
             buf, m = state["momentum_buffer"], group["momentum"]
             buf.lerp_(grad, 1 - m)
             upd = grad.lerp(buf, m) if group["nesterov"] else buf
-            d = p.placements[0].dim % 2  # gathered along rows: a Shard(1) matrix travels transposed
+            # gathered along rows: a Shard(1) matrix travels transposed (HSDP: the Shard of (Replicate, Shard))
+            d = next(pl for pl in p.placements if pl.is_shard()).dim % 2
             upd = upd if d == 0 else upd.t()
             n, cols = p.shape[d], p.shape[1 - d]
             rows = -(-n // W)

@@ -170,7 +170,7 @@ def attach_exchange(ctx: RootContext, info: MeshInfo) -> None:
     split = [mp for s in ctx.states for mp in s.params if mp.plan.step_replica is not None]  # type: ignore[union-attr]
     if not info.is_hsdp or not split:
         return
-    ex = Exchange(params=[mp.sharded for s in ctx.states for mp in s.params])
+    ex = Exchange(params=[mp.sharded for s in ctx.states for mp in s.params], refresh_after_settle=True)
     for s in ctx.states:
         g = s.group
         if any(mp.plan.step_replica is not None and mp.plan.owner == info.shard_rank for mp in s.params):  # type: ignore[union-attr]

@@ -16,10 +16,11 @@ for where its parameters are first read (a module's pre-forward, a block's unsha
 waited for while the exchange is stale (a forward that did not start at the root) issues
 everything first. Everything that reads parameters between ``step()`` and the next forward
 (``state_dict()``, DCP, ``full_tensor()``, ``sync_params()``) calls :meth:`Exchange.settle`: the
-same gathers, waited for at once. A settle leaves the next forward due to gather once more:
-a write after it that no optimizer step announces (a hand-written update, a load into the
-owners' tensors) still reaches every rank, at the cost of one gather per settle that a step did
-not follow (one per checkpoint). Every rank that shares a unit's group decides stale-ness from
+same gathers, waited for at once. With ``refresh_after_settle`` (``fully_shard``'s HSDP
+exchange) a settle leaves the next forward due to gather once more: a write after it that no
+optimizer step announces (a hand-written update) still reaches every replica, at the cost of one
+gather per settle that a step did not follow (one per checkpoint taken after ``step()``).
+``replicate`` keeps DDP's collective count per step instead (its Trainer parity pins it). Every rank that shares a unit's group decides stale-ness from
 the same events, so the collectives stay matched ([Note: ordering of collectives]).
 """
 
@@ -60,8 +61,10 @@ class GatherUnit:
 class Exchange:
     """The deferred gathers of one model (see [Note: deferred gathers])."""
 
-    def __init__(self, units: Iterable[GatherUnit] = (), params: Iterable[torch.Tensor] = ()):
+    def __init__(self, units: Iterable[GatherUnit] = (), params: Iterable[torch.Tensor] = (), *,
+                 refresh_after_settle: bool = False):
         self.units = list(units)
+        self.refresh_after_settle = refresh_after_settle
         #: ids of the parameters whose optimizer step makes the exchange stale
         self.param_ids = {id(p) for p in params}
         self.stale = False
@@ -94,7 +97,7 @@ class Exchange:
         self.issue(forward=False)
         for u in self.units:
             u.wait()
-        self.due = True
+        self.due = self.refresh_after_settle
 
 
 _WATCHED: "weakref.WeakSet[Exchange]" = weakref.WeakSet()
