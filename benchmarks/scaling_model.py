@@ -814,9 +814,14 @@ def plot_hsdp(rows: list[HRow], models, optimizers, regimes, path: str, share_mo
             ax.set_ylabel("ratio (< 1: split faster)")
     for ax in axes[-1]:
         ax.set_xlabel("data-parallel ranks W (groups of 8)")
+    _finish(fig, axes, "HSDP alpha-beta model (assumed H100 + NVLink + 400G IB); benchmarks/scaling_model.py --hsdp", path)
+
+
+def _finish(fig, axes, title: str, path: str) -> None:
+    """Legends on the first column, the title, and the file (the HSDP and TP plots)."""
     axes[0][0].legend(fontsize=7)
     axes[1][0].legend(fontsize=7)
-    fig.suptitle("HSDP alpha-beta model (assumed H100 + NVLink + 400G IB); benchmarks/scaling_model.py --hsdp")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -1311,11 +1316,7 @@ def plot_tp(rows: list[TRow], models, optimizers, path: str) -> None:
         ax.set_title(f"{o}: step, tp_distmuon (solid) and _mean (dashed) / mf_tp_microgroups", fontsize=9)
         ax.set_xlabel("dp (nodes)")
         ax.set_ylabel("gain (> 1: micro-groups faster)")
-    axes[0][0].legend(fontsize=7)
-    axes[1][0].legend(fontsize=7)
-    fig.suptitle("TP (dp x 8) optimizer-step model (assumed H100 + NVLink + 400G IB); benchmarks/scaling_model.py --tp")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _finish(fig, axes, "TP (dp x 8) optimizer-step model (assumed H100 + NVLink + 400G IB); benchmarks/scaling_model.py --tp", path)
 
 
 def main_tp(args, argv) -> int:
