@@ -550,6 +550,8 @@ class ParamGroup:
             return t
 
         data = finish(out[m:n])  # the split prefix, reduce-scattered, is in split_mine
+        if split_mine is not None:
+            made.append(split_mine)  # made on the reduce stream: the compute stream keeps it alive
         own = finish(split_mine) if split_mine is not None and split_mine.numel() else None
         mine = {q.param: q for q in rl.pieces_of_rank(self.rank)}
         grads: list[torch.Tensor | None] = []
