@@ -143,11 +143,6 @@ class MeshInfo:
     def device(self) -> torch.device:
         return mesh_device(self.mesh)
 
-    def ranks_of_shard(self, s: int) -> list[int]:
-        """The global ranks at shard coordinate ``s``, one per replica, in replica order."""
-        grid = self.mesh.mesh.reshape(self.replicate_size, self.shard_size)
-        return grid[:, s].tolist()
-
     @staticmethod
     def _member(mesh: DeviceMesh | None) -> DeviceMesh:
         if mesh is None:

@@ -188,6 +188,7 @@ class ParamGroup:
         self.replicas: ReplicaComm | None = None
         #: HSDP split: the deferred gather of the step replicas' new values (see [Note: replica phase])
         self.exchange: tuple[Exchange, GatherUnit] | None = None
+        self._replica_splits: tuple[BlockLayout, tuple[int, list[int]]] | None = None
 
     # ============================================================================ resolution
     def resolve(self, *, fqn: str, rank: int, coll: SegmentCollectives, comm: CommContext,
@@ -493,7 +494,11 @@ class ParamGroup:
 
     def replica_splits(self, rl: BlockLayout) -> tuple[int, list[int]]:
         """``(m, splits)``: the first ``m`` elements of this rank's chunk are its ``split`` pieces,
-        ``splits[q]`` of them stepped by replica ``q`` (see [Note: replica phase])."""
+        ``splits[q]`` of them stepped by replica ``q`` (see [Note: replica phase]). Computed once
+        per reduction layout (each reduction asks twice)."""
+        cached = self._replica_splits
+        if cached is not None and cached[0] is rl:
+            return cached[1]
         R = self.replicas.size if self.replicas else 1
         splits = [0] * R
         m, last, rest = 0, 0, False
@@ -508,6 +513,7 @@ class ParamGroup:
             splits[st] += q.numel
             m += q.numel
             last = st
+        self._replica_splits = (rl, (m, splits))
         return m, splits
 
     def _combine_replicas(self, out: torch.Tensor, rl: BlockLayout, *, async_op: bool) -> torch.Tensor | None:

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..comm.agree import agreement_device
-from ..mesh import mesh_device
+from ..mesh import flat_dp_mesh, mesh_device
 from .owned import local_tensor
-from .owner import coordinates, flat_mesh, owner_of
+from .owner import coordinates, owner_of
 
 __all__ = ["clip_grad_norm_", "reduction_device_and_group"]
 
@@ -53,7 +53,7 @@ def reduction_device_and_group(params: Iterable[torch.Tensor], process_group: di
             plain = p.device
     group = process_group
     if group is None and mesh is not None and mesh.size() > 1:
-        group = flat_mesh(mesh).get_group()
+        group = flat_dp_mesh(mesh).get_group()
     if mesh is not None:
         return mesh_device(mesh), group
     if plain is not None:

@@ -32,9 +32,10 @@ from typing import Any
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..mesh import flat_dp_mesh
+from .tp_host import tp_host_of
 
 __all__ = ["Owned", "owner_of", "owned_of", "is_owned", "keeps_state", "set_owner", "owner_meshes",
-           "step_meshes", "flat_mesh", "coordinates", "STORAGES"]
+           "step_meshes", "one_rank_meshes", "coordinates", "STORAGES"]
 
 _ATTR = "_matrixfsdp_owned"
 #: set by fully_shard on each sharded parameter (owned or even): its fqn, for messages
@@ -128,7 +129,7 @@ def keeps_state(t: Any) -> bool:
     placed it. The one rule optimizers, checkpoint loaders and ``replicate`` apply."""
     info = owner_of(t)
     if info is None:
-        host = getattr(t, "_matrixfsdp_tp_host", None)  # placement/tp_host.py: the host keeps it
+        host = tp_host_of(t)  # a TP-hosted matrix: its host keeps the state
         return True if host is None else host.is_local
     if info.mesh is None:  # a descriptor built without its mesh: the local tensor tells
         return getattr(t, "_local_tensor", t).numel() != 0
@@ -182,7 +183,7 @@ def owner_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
         for s, sub in enumerate(subs):
             _OWNER_OF[sub] = (shard, s)  # full_tensor broadcasts within this rank's shard group
         if mesh.ndim == 2:
-            _make_step_meshes(mesh, tag, grid)
+            _make_step_meshes(mesh)
     return subs
 
 
@@ -196,35 +197,33 @@ def step_meshes(mesh: DeviceMesh) -> tuple[tuple[DeviceMesh, ...], ...]:
         raise ValueError(f"matrixfsdp: step meshes exist for 2-D (HSDP) meshes only, got {mesh}") from None
 
 
-def _make_step_meshes(mesh: DeviceMesh, tag: str, grid: list[list[int]]) -> None:
+def _make_step_meshes(mesh: DeviceMesh) -> None:
     # The full value of a step-mesh tensor is broadcast over every data-parallel rank: one
     # flattened group, created here, where every rank calls (collective).
-    flat = flat_dp_mesh(mesh) if mesh.get_coordinate() is not None else None
-    _FLAT[mesh] = flat
-    out = []
-    for q, row in enumerate(grid):
-        subs = tuple(DeviceMesh(mesh.device_type, [g], mesh_dim_names=(f"stepped_by_rank{q}.{s}@{tag}",),
-                                _init_backend=False) for s, g in enumerate(row))
-        for s, sub in enumerate(subs):
-            if flat is not None:
-                _OWNER_OF[sub] = (flat, q * len(row) + s)
-        out.append(subs)
-    _STEP_MESHES[mesh] = tuple(out)
+    if mesh.get_coordinate() is None:
+        return
+    subs, S = one_rank_meshes(flat_dp_mesh(mesh), "stepped_by_rank"), int(mesh.shape[-1])
+    _STEP_MESHES[mesh] = tuple(subs[q * S:(q + 1) * S] for q in range(int(mesh.shape[0])))
 
 
-def flat_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """Every data-parallel rank as one 1-D mesh: ``mesh`` itself, or an HSDP mesh flattened (by
-    :func:`owner_meshes`)."""
-    if mesh.ndim == 1:
-        return mesh
-    owner_meshes(mesh)
-    flat = _FLAT.get(mesh)
-    if flat is None:
-        raise ValueError(f"matrixfsdp: this rank is not part of the mesh {mesh}")
-    return flat
+_ONE_RANK: dict[tuple[DeviceMesh, str], tuple[DeviceMesh, ...]] = {}
 
 
-_FLAT: dict[DeviceMesh, DeviceMesh | None] = {}
+def one_rank_meshes(over: DeviceMesh, label: str) -> tuple[DeviceMesh, ...]:
+    """One-rank meshes ``{label}{i}@...``, one per rank ``i`` of the 1-D mesh ``over``, on which a
+    tensor whole on that rank is presented (state dicts, DCP); its ``full_tensor()`` broadcasts
+    over ``over``. No communicator (created once per ``(over, label)``; local)."""
+    key = (over, label)
+    subs = _ONE_RANK.get(key)
+    if subs is None:
+        tag = _tag(over)
+        subs = tuple(DeviceMesh(over.device_type, [g], mesh_dim_names=(f"{label}{i}@{tag}",), _init_backend=False)
+                     for i, g in enumerate(over.mesh.flatten().tolist()))
+        for i, sub in enumerate(subs):
+            _OWNER_OF[sub] = (over, i)
+        _ONE_RANK[key] = subs
+    return subs
+
 
 # owner sub-mesh -> (the mesh to broadcast its full value over, the owner's rank in it); filled
 # by owner_meshes

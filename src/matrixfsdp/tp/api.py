@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Any, Callable, Sequence
 
@@ -11,7 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ..placement.owner import _OWNER_OF
+from ..placement.owner import one_rank_meshes
 from ..placement.tp_host import TPHosted, set_tp_host, tp_host_of
 from ..planner.rules import default_matrix_filter
 from .host_step import TPHostStep
@@ -19,7 +18,6 @@ from .host_step import TPHostStep
 __all__ = ["host_matrices"]
 
 API = "matrixfsdp.tp.host_matrices"
-_HOST_MESHES: dict[DeviceMesh, tuple[DeviceMesh, ...]] = {}
 
 
 def _tp_mesh(mesh: Any) -> DeviceMesh:
@@ -32,21 +30,6 @@ def _tp_mesh(mesh: Any) -> DeviceMesh:
         raise ValueError(f"{API}: a {mesh.ndim}-D mesh needs a dimension named 'tp', got names {names}; "
                          "pass the tp mesh itself (mesh['tp'])")
     return mesh["tp"]
-
-
-def _host_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
-    """One-rank meshes, one per TP rank, on which a host's state is presented in state dicts
-    (registered as owner meshes: ``full_tensor()`` broadcasts their value over the TP group)."""
-    subs = _HOST_MESHES.get(mesh)
-    if subs is None:
-        ranks = mesh.mesh.flatten().tolist()
-        tag = hashlib.sha1(repr((ranks, mesh.mesh_dim_names, mesh.device_type)).encode()).hexdigest()[:8]
-        subs = tuple(DeviceMesh(mesh.device_type, [g], mesh_dim_names=(f"tp_host{r}@{tag}",),
-                                _init_backend=False) for r, g in enumerate(ranks))
-        for r, sub in enumerate(subs):
-            _OWNER_OF[sub] = (mesh, r)
-        _HOST_MESHES[mesh] = subs
-    return subs
 
 
 def host_matrices(
@@ -120,7 +103,7 @@ def host_matrices(
     if bad:
         raise ValueError(f"{API}: host ranks must be in [0, {tp.size()}), got {bad[:3]}")
     executor = TPHostStep(tp, [[(f, found[f], h) for f, h in g] for g in groups], pipeline=pipeline)
-    hosts = _host_meshes(tp)
+    hosts = one_rank_meshes(tp, "tp_host")  # the hosts' state is presented on these
     for k, g in enumerate(groups):
         for f, h in g:
             set_tp_host(found[f], TPHosted(host=h, group=k, mesh=tp, executor=executor, host_mesh=hosts[h]))
