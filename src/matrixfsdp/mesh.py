@@ -8,7 +8,11 @@ A :class:`MeshInfo` names three roles, as FSDP2's ``FSDPMeshInfo``/``HSDPMeshInf
   a rank of this dimension, and the reductions run over it;
 * **replicate** (``dp_replicate``): copies of the shard group (HSDP); every replica group has
   the same owner layout, and gradients are combined across replicas after the shard reduction;
-* **tp**: tensor parallelism inside a rank's model shard; size 1 today.
+* **tp**: tensor parallelism inside a rank's model shard: a ``("dp_shard", "tp")`` mesh, as
+  torch's FSDP2 + TP pattern builds it, plans owners over ``dp_shard`` and gives each owner's TP
+  row the matrices it owns (see [Note: TP hosts] in ``placement/tp_host.py``). Only the planner
+  takes such a mesh; ``fully_shard`` takes ``mesh["dp_shard"]`` and finds the TP layout on the
+  parameters ``parallelize_module`` made DTensors.
 
 A 1-D mesh is the shard dimension alone. A 2-D mesh is HSDP, as torch's ``fully_shard`` takes it:
 dimension 0 replicates, dimension 1 shards, so ``init_device_mesh(dev, (R, S),
@@ -16,8 +20,8 @@ mesh_dim_names=("dp_replicate", "dp_shard"))`` puts the ``S`` ranks of one node 
 group. The planner, both front-ends and checkpoints read meshes only through this object. Its
 sizes come from the mesh's shape alone (no process group), so the planner can use it offline;
 ``shard_group``/``replicate_group`` are the one place a front-end takes the process groups of its
-roles. Meshes of three or more dimensions (TP) are refused with a ``ValueError`` on every rank
-alike (the check reads the mesh's shape only).
+roles. Meshes of three or more dimensions (HSDP with TP) are refused with a ``ValueError`` on
+every rank alike (the check reads the mesh's shape only).
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["MeshInfo", "mesh_info", "default_mesh", "mesh_device", "backend_map", "backend_devices", "flat_dp_mesh"]
+#: the dimension names of a data-parallel x tensor-parallel mesh (torch's FSDP2 + TP pattern)
+TP_NAMES = ("dp_shard", "tp")
+
+__all__ = ["TP_NAMES", "MeshInfo", "mesh_info", "default_mesh", "mesh_device", "backend_map", "backend_devices", "flat_dp_mesh"]
 
 
 def flat_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -97,14 +104,16 @@ class MeshInfo:
     shard_mesh: DeviceMesh | None
     #: the 1-D mesh of this rank's replicate group (HSDP), else ``None``
     replicate_mesh: DeviceMesh | None = None
+    #: the tensor-parallel dimension's index in ``mesh`` (a ``("dp_shard", "tp")`` planner view)
+    tp_dim: int | None = None
 
     @property
     def is_hsdp(self) -> bool:
-        return self.mesh.ndim == 2
+        return self.mesh.ndim == 2 and self.tp_dim is None
 
     @property
     def shard_size(self) -> int:
-        return int(self.mesh.size(self.mesh.ndim - 1))
+        return int(self.mesh.size(0 if self.tp_dim is not None else self.mesh.ndim - 1))
 
     @property
     def replicate_size(self) -> int:
@@ -127,7 +136,8 @@ class MeshInfo:
 
     @property
     def tp_size(self) -> int:
-        return 1
+        """The TP degree of each owner's row (1 without a ``"tp"`` dimension)."""
+        return int(self.mesh.size(self.tp_dim)) if self.tp_dim is not None else 1
 
     @property
     def shard_group(self) -> Any:
@@ -154,13 +164,23 @@ def mesh_info(mesh: Any, *, api: str, member: bool = True, hsdp: bool = True) ->
     """Check ``mesh`` and name its roles; ``api`` prefixes the errors.
 
     Raises ``TypeError`` for a non-mesh and ``ValueError`` for a mesh of more than two dimensions
-    (TP is not supported yet), a 2-D mesh without dimension names or where ``hsdp`` is False (an
-    API without HSDP), or, with ``member`` (the front-ends), one this rank is not part of. The
+    (HSDP with TP is not supported yet), a 2-D mesh without dimension names or where ``hsdp`` is
+    False (an API without HSDP), a ``("dp_shard", "tp")`` mesh given to a front-end (they take
+    ``mesh["dp_shard"]``), or, with ``member`` (the front-ends), one this rank is not part of. The
     planner passes ``member=False``: it reads shapes only.
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{api}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     shape = f" of shape {tuple(mesh.shape)}" if hasattr(mesh, "shape") else ""
+    if mesh.ndim == 2 and tuple(mesh.mesh_dim_names or ()) == TP_NAMES:
+        if member:
+            raise ValueError(
+                f"{api}: got the {TP_NAMES} mesh{shape}; pass its data-parallel dimension, "
+                "mesh['dp_shard'] (the TP layout is read from the parameters that "
+                "parallelize_module(..., mesh['tp'], ...) made DTensors), and the whole mesh to "
+                "plan_owners"
+            )
+        return MeshInfo(mesh=mesh, shard_mesh=None, tp_dim=1)
     if mesh.ndim not in (1, 2) or (mesh.ndim == 2 and not hsdp):
         allowed = ("a 1-D mesh (the data-parallel shard dimension) or a 2-D HSDP mesh "
                    "(dp_replicate, dp_shard)") if hsdp else "1-D (the data-parallel shard dimension)"

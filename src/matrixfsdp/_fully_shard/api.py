@@ -100,7 +100,7 @@ def fully_shard(
         check_world_size(plan, info, api=API)
     owner_meshes(mesh)  # collective on an HSDP mesh (the flattened group), every rank calls
 
-    params = _collect_managed(module, set(ignored_params or ()))
+    params = _collect_managed(module, set(ignored_params or ()), mesh)
     config = ShardConfig(info=info, reshard_after_forward=reshard_after_forward,
                          mp_policy=mp_policy, collectives=collectives)
     state = BlockState(module, config, params)

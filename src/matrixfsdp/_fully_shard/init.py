@@ -44,6 +44,7 @@ from ..planner.record import OwnerPlan, ParamPlan
 from ..mesh import MeshInfo
 from .param import ManagedParam, shard_param
 from .param_group import CommContext, ReplicaComm
+from .tp import attach_tp_hosts, localize, tp_layout
 from .state import BlockState, RootContext
 
 API = "matrixfsdp.fully_shard"
@@ -58,8 +59,10 @@ def get_state(module: nn.Module) -> BlockState | None:
     return module.__dict__.get(STATE_ATTR)
 
 
-def _collect_managed(module: nn.Module, ignored: set[nn.Parameter]) -> list[ManagedParam]:
-    """Parameters of ``module`` not under an already wrapped submodule (FSDP2's rule)."""
+def _collect_managed(module: nn.Module, ignored: set[nn.Parameter], dp: DeviceMesh) -> list[ManagedParam]:
+    """Parameters of ``module`` not under an already wrapped submodule (FSDP2's rule); TP
+    DTensors of ``dp``'s TP sibling mesh carry their layout (see [Note: owners of TP-sharded
+    parameters] in ``tp.py``)."""
     by_id: dict[int, ManagedParam] = {}
     visited: set[int] = set()
 
@@ -80,14 +83,10 @@ def _collect_managed(module: nn.Module, ignored: set[nn.Parameter]) -> list[Mana
                     "bottom-up (blocks first, the model last) and keep tied parameters inside "
                     "one wrapped module"
                 )
-            if isinstance(p, DTensor):
-                raise ValueError(
-                    f"{API}: parameter {name!r} of {type(module).__name__} is already a DTensor; "
-                    "it is managed by another sharding API"
-                )
+            tp = tp_layout(name, p, dp) if isinstance(p, DTensor) else None
             mp = by_id.get(id(p))
             if mp is None:
-                by_id[id(p)] = ManagedParam(fqn=name, sites=((m, attr),), orig=p)
+                by_id[id(p)] = ManagedParam(fqn=name, sites=((m, attr),), orig=p, tp=tp)
             else:
                 mp.sites = (*mp.sites, (m, attr))
         for child_name, child in m.named_children():
@@ -118,6 +117,13 @@ def plan_call(params: list[ManagedParam], info: MeshInfo) -> OwnerPlan:
     from ..planner.planner import plan_owners
 
     mesh, W = info.mesh, info.shard_size
+    tp = [mp.fqn for mp in params if mp.tp is not None]
+    if tp:
+        raise ValueError(
+            f"{API}: parameter {tp[0]!r} is tensor-parallel (a DTensor on the TP mesh); TP needs a "
+            "whole-model plan: plan = matrixfsdp.plan_owners(model, mesh) with the "
+            "(\"dp_shard\", \"tp\") mesh, then fully_shard(block, mesh=mesh[\"dp_shard\"], plan=plan)"
+        )
     holder = nn.Module()  # the call's own parameters, by their names in the call's module
     for mp in params:
         *path, attr = mp.fqn.split(".")
@@ -270,6 +276,8 @@ def _resolve(root: nn.Module, plan: OwnerPlan, info: MeshInfo) -> None:
                     )
             mp.fqn = fqns[0]
             mp.plan = _check_param(mp.fqn, mp.orig, plan, name)  # type: ignore[arg-type]
+            if mp.tp is not None:
+                mp.plan = localize(mp.plan, mp.orig, mp.fqn)  # type: ignore[arg-type]
     _check_plan_covered(plan, (f for fs in fqns_of.values() for f in fs))
 
     for name, _, s in entries:
@@ -303,6 +311,7 @@ def _resolve(root: nn.Module, plan: OwnerPlan, info: MeshInfo) -> None:
         s.ctx = ctx
         s.is_root = s is root_state
     attach_exchange(ctx, info)
+    attach_tp_hosts(ctx.states, plan, mesh, rank)
 
 
 # ================================================================================ checks

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from ..mesh import MeshInfo
 from ..placement.owner import FQN_ATTR, owner_of, set_owner
+from ..placement.tp_host import set_tp_host, tp_host_of
 from ..placement.owned import local_tensor, make_sharded_param, owned_of
 
 if TYPE_CHECKING:
@@ -53,6 +54,9 @@ class ManagedParam:
     plan: "ParamPlan | None" = None
     sharded: Any = None  #: the DTensor parameter after resolution
     unsharded: nn.Parameter | None = None  #: the full-shape leaf (see the Note)
+    #: ``(tp mesh, placements)`` of a TP-sharded parameter (see [Note: owners of TP-sharded
+    #: parameters] in ``tp.py``); the engine then runs on its TP shard
+    tp: Any = None
 
     @property
     def requires_grad(self) -> bool:
@@ -65,7 +69,13 @@ class ManagedParam:
         return local_tensor(self.sharded)
 
     def set_unsharded(self, data: torch.Tensor) -> None:
-        """Make the unsharded leaf a parameter over ``data`` (a view; storage is shared)."""
+        """Make the unsharded leaf a parameter over ``data`` (a view; storage is shared); a TP
+        DTensor leaf for a TP-sharded parameter."""
+        if self.tp is not None:
+            from .tp import unsharded_leaf
+
+            self.unsharded = unsharded_leaf(data, self.tp, self.sharded.shape, self.requires_grad)
+            return
         self.unsharded = nn.Parameter(data, requires_grad=self.requires_grad)
 
     def sync_requires_grad(self) -> None:
@@ -89,10 +99,13 @@ class ManagedParam:
         optimizers built earlier keep working; a gradient of the old storage is dropped.
         """
         pp, old = self.plan, self.sharded
-        new = make_sharded_param(local, shape=tuple(pp.shape), mesh=mesh, owner=pp.owner,
+        shape = tuple(old.shape) if self.tp is not None else tuple(pp.shape)  # TP: pp has the TP shard's
+        new = make_sharded_param(local, shape=shape, mesh=mesh, owner=pp.owner,
                                  kind=pp.placement, requires_grad=old.requires_grad,
-                                 step_replica=pp.step_replica)
-        info = owner_of(old)
+                                 step_replica=pp.step_replica, tp=self.tp)
+        info, host = owner_of(old), tp_host_of(old)
+        if host is not None:
+            set_tp_host(new, host)
         if info is not None and info.exchange is not None:  # the runtime's, set at resolution
             set_owner(new, dataclasses.replace(owner_of(new), exchange=info.exchange))  # type: ignore[arg-type]
         setattr(new, FQN_ATTR, self.fqn)
@@ -133,6 +146,8 @@ def shard_param(mp: ManagedParam, info: MeshInfo) -> None:
         raise RuntimeError(f"matrixfsdp.fully_shard: {mp.fqn!r} is not planned or was already sharded")
     mesh, rank, W = info.mesh, info.shard_rank, info.shard_size
     data = orig.detach()
+    if mp.tp is not None:
+        data = data._local_tensor  # the engine runs on this rank's TP shard
     if data.is_meta:  # meta-device init: shapes only; model.to_empty(device=...) allocates
         local = torch.empty(pp.local_shape(rank, W), dtype=data.dtype, device="meta")
     else:
@@ -146,9 +161,9 @@ def shard_param(mp: ManagedParam, info: MeshInfo) -> None:
             local = data.contiguous()  # the owner keeps the original storage (no copy)
         else:
             local = data.new_empty(pp.local_shape(rank, W))
-    mp.sharded = make_sharded_param(local, shape=tuple(pp.shape), mesh=mesh, owner=pp.owner,
+    mp.sharded = make_sharded_param(local, shape=tuple(orig.shape), mesh=mesh, owner=pp.owner,
                                     kind=pp.placement, requires_grad=orig.requires_grad,
-                                    step_replica=pp.step_replica)
+                                    step_replica=pp.step_replica, tp=mp.tp)
     setattr(mp.sharded, FQN_ATTR, mp.fqn)  # optimizers' warnings name it
     mp.orig = None
     mp.to_sharded()

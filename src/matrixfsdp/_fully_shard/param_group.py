@@ -425,8 +425,14 @@ class ParamGroup:
         """The unsharded gradients of the trainable params (cleared on the leaves)."""
         grads = []
         for i in self.trainable:
-            u = self.params[i].unsharded
-            grads.append(None if u is None else u.grad)
+            mp = self.params[i]
+            u = mp.unsharded
+            g = None if u is None else u.grad
+            if g is not None and mp.tp is not None:
+                from .tp import local_grad
+
+                g = local_grad(g, mp.tp)  # a TP leaf's gradient: its local shard is reduced
+            grads.append(g)
             if u is not None:
                 u.grad = None
         return grads

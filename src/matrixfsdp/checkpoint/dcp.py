@@ -350,7 +350,7 @@ def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: Tenso
         return torch.empty(shape, dtype=dtype, device=p.device)
     host = tp_host_of(p)
     if host is not None:  # a TP-hosted matrix: its host keeps the whole state (placement/tp_host.py)
-        if not host.is_local:
+        if not keeps_state(p):
             return None
         buf = torch.empty(shape, dtype=dtype, device=local.device)
         return buf if len(shape) == 0 or host.host_mesh is None else wrap_dtensor(buf, host.host_mesh, (Replicate(),), shape)
@@ -358,9 +358,10 @@ def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: Tenso
     if info is not None:
         if not keeps_state(p):
             return None
-        buf = torch.empty(shape, dtype=dtype, device=local.device)
         if name == "step" or shape != tuple(p.shape):
-            return buf  # counters, and whole-matrix state of other shapes (Shampoo/SOAP factors)
+            # counters, and whole-matrix state of other shapes (Shampoo/SOAP factors)
+            return torch.empty(shape, dtype=dtype, device=local.device)
+        buf = torch.empty(local.shape, dtype=dtype, device=local.device)  # whole, or a TP owner's shard
         # Same layout as the parameter: torch optimizers (AdamW on DTensor params) keep their
         # state as DTensors like the parameter; matrixfsdp's accept either.
         return wrap_dtensor(buf, p.device_mesh, p.placements, shape)

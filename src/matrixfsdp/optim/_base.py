@@ -72,7 +72,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..placement.owned import local_tensor, owned_of  # one local-tensor helper for the package
-from ..placement.owner import keeps_state
+from ..placement.owner import keeps_state, owner_of
 from ..placement.tp_host import tp_host_of
 from ._adamw import adamw_foreach, adamw_foreach_capturable, adamw_step, lr_tensor, new_step_counter
 
@@ -315,7 +315,11 @@ class MatrixOptimizer(Optimizer):
         for p in group["params"]:
             route = self._route(group, p)
             if route != "adamw" and tp_host_of(p) is not None:
-                hosted.append(p)
+                owner = owner_of(p)  # under fully_shard + TP: only the owner's TP row steps it
+                if owner is None or owner.is_local:
+                    hosted.append(p)
+                elif p.grad is not None:
+                    self._note_remote(p)
                 continue
             if not keeps_state(p):  # another rank owns it: no state, no compute here
                 if p.grad is not None:

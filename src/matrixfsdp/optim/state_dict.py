@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from ..placement.owned import empty_local, local_tensor, owned_of, wrap_dtensor
-from ..placement.owner import keeps_state, owner_of
+from ..placement.owner import keeps_state, owner_of, tp_mesh_of
 from ..placement.tp_host import tp_host_of
 
 if TYPE_CHECKING:
@@ -80,6 +80,9 @@ def _as_dtensor(opt_name: str, key: str, p: Tensor, value: Any) -> Any:
         if info.mesh is None:  # pragma: no cover - make_sharded_param always sets it
             raise RuntimeError(f"{opt_name}.state_dict: owned parameter without a mesh ({key})")
         mesh, placements, shape = info.owner_mesh, (Replicate(),), tuple(value.shape)
+        if tp_mesh_of(p.device_mesh) is not None and tuple(value.shape) == tuple(local_tensor(p).shape):
+            # a TP-sharded owned tensor's element-wise state: sharded like the parameter
+            mesh, placements, shape = p.device_mesh, tuple(p.placements), tuple(p.shape)  # type: ignore[attr-defined]
     else:
         local = local_tensor(p)
         if tuple(value.shape) != tuple(local.shape):

@@ -45,7 +45,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._compat import called_from
-from .owner import _OWNER_OF, Owned, is_owned, owned_of, owner_meshes, owner_of, set_owner
+from .owner import (_OWNER_OF, Owned, is_owned, owned_of, owner_meshes, owner_of, owner_tp_meshes, set_owner,
+                    tp_mesh_of)
 
 __all__ = [
     "Owned",
@@ -137,11 +138,19 @@ class OwnedDTensor(DTensor):
             info.settle()  # HSDP split: no replica may broadcast a value it has not received yet
         dp, owner = self._dp()
         local = self._local_tensor.detach()
-        out = local if dp.get_local_rank() == owner else torch.empty(
-            tuple(self.shape), dtype=self.dtype, device=local.device)
+        tp = tp_mesh_of(self.device_mesh)
+        shape = tuple(self.shape)
+        if tp is not None:  # FSDP2 + TP: this rank's TP shard from the owner's row, then TP's gather
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            shape = tuple(compute_local_shape_and_global_offset(self.shape, tp, self.placements)[0])
+        out = local if dp.get_local_rank() == owner else torch.empty(shape, dtype=self.dtype, device=local.device)
         from ..comm.collectives import collectives_for
 
         collectives_for(dp.get_group()).broadcast(out, owner)
+        if tp is not None:
+            return DTensor.from_local(out, tp, self.placements, run_check=False, shape=self.shape,
+                                      stride=self.stride()).full_tensor()
         return out
 
     def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Any = None,
@@ -244,15 +253,24 @@ def make_sharded_param(
     kind: str,
     requires_grad: bool,
     step_replica: int | None = None,
+    tp: tuple[DeviceMesh, tuple[Any, ...]] | None = None,
 ) -> nn.Parameter:
     """Wrap ``local`` (this rank's row segment) as the sharded parameter.
 
     ``owner=None``: an evenly sharded ``Shard(0)`` DTensor on ``mesh`` (``(Replicate(),
     Shard(0))`` on an HSDP mesh, as torch's HSDP); otherwise an owned parameter (see [Note: owned
-    parameter representation]) carrying :class:`Owned`.
+    parameter representation]) carrying :class:`Owned`. ``tp=(tp_mesh, placements)``: a
+    TP-sharded parameter (FSDP2 + TP), owned, with ``local`` its TP shard: presented with its TP
+    placements on the owner's TP-row mesh (``owner_tp_meshes``).
     ``local`` is used as is (no copy): on the owner it may be the original parameter's storage.
     """
-    if owner is None:
+    if tp is not None:
+        if owner is None:
+            raise ValueError("matrixfsdp: a TP-sharded parameter must be owned (the planner never "
+                             "shards one evenly); plan it with plan_owners(model, mesh, ...)")
+        row = owner_tp_meshes(mesh, tp[0])[owner]
+        dt = wrap_dtensor(local.detach(), row, tp[1], shape, requires_grad=requires_grad)
+    elif owner is None:
         placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
         dt = wrap_dtensor(local.detach(), mesh, placements, shape, requires_grad=requires_grad)
     else:

@@ -35,7 +35,7 @@ from ..mesh import flat_dp_mesh
 from .tp_host import tp_host_of
 
 __all__ = ["Owned", "owner_of", "owned_of", "is_owned", "keeps_state", "set_owner", "owner_meshes",
-           "step_meshes", "one_rank_meshes", "coordinates", "STORAGES"]
+           "step_meshes", "one_rank_meshes", "owner_tp_meshes", "tp_mesh_of", "coordinates", "STORAGES"]
 
 _ATTR = "_matrixfsdp_owned"
 #: set by fully_shard on each sharded parameter (owned or even): its fqn, for messages
@@ -127,13 +127,13 @@ def keeps_state(t: Any) -> bool:
     """Whether this rank steps ``t`` and keeps its optimizer state: every rank for a parameter
     without an owner (plain, or evenly sharded), only the owner otherwise, whichever front-end
     placed it. The one rule optimizers, checkpoint loaders and ``replicate`` apply."""
-    info = owner_of(t)
+    info, host = owner_of(t), tp_host_of(t)  # a TP-hosted matrix: its host keeps the state
     if info is None:
-        host = tp_host_of(t)  # a TP-hosted matrix: its host keeps the state
         return True if host is None else host.is_local
     if info.mesh is None:  # a descriptor built without its mesh: the local tensor tells
         return getattr(t, "_local_tensor", t).numel() != 0
-    return info.is_local
+    # under fully_shard + TP the owner's whole TP row holds the matrix; its host steps it
+    return info.is_local and (host is None or host.is_local)
 
 
 def set_owner(t: Any, info: Owned) -> None:
@@ -223,6 +223,50 @@ def one_rank_meshes(over: DeviceMesh, label: str) -> tuple[DeviceMesh, ...]:
             _OWNER_OF[sub] = (over, i)
         _ONE_RANK[key] = subs
     return subs
+
+
+_OWNER_TP: dict[tuple[DeviceMesh, DeviceMesh], tuple[DeviceMesh, ...]] = {}
+# owner TP-row mesh -> this rank's own TP mesh (the full value's TP all-gather runs there)
+_TP_ROW: dict[DeviceMesh, DeviceMesh] = {}
+
+
+def owner_tp_meshes(dp: DeviceMesh, tp: DeviceMesh) -> tuple[DeviceMesh, ...]:
+    """The TP-row mesh of every owner ``s`` of ``dp`` (FSDP2 + TP: ``dp = mesh["dp_shard"]``,
+    ``tp = mesh["tp"]`` of one ``("dp_shard", "tp")`` mesh): the ``T`` ranks at shard coordinate
+    ``s``, on which a TP-sharded parameter owned by ``s`` is presented with its TP placements
+    (see [Note: owned parameter representation]). This rank's own row reuses the TP group (no new
+    communicator); the other rows have none (this rank is not in them). Local; cached."""
+    key = (dp, tp)
+    subs = _OWNER_TP.get(key)
+    if subs is None:
+        root = dp._get_root_mesh()
+        if root is not tp._get_root_mesh() or root.ndim != 2 or root.mesh_dim_names is None:
+            raise ValueError(
+                f"matrixfsdp: the data-parallel mesh {dp} and the parameters' TP mesh {tp} must be "
+                "two dimensions of one mesh: init_device_mesh(device_type, (dp, tp), "
+                "mesh_dim_names=(\"dp_shard\", \"tp\")), then mesh[\"dp_shard\"] and mesh[\"tp\"]"
+            )
+        grid = root.mesh.tolist()
+        if tuple(root.mesh_dim_names).index(tp.mesh_dim_names[0]) == 0:
+            grid = [list(col) for col in zip(*grid)]
+        tag, mine = _tag(root), dp.get_local_rank()
+        out = []
+        for s, row in enumerate(grid):
+            name = (f"tp_owned_by_rank{s}@{tag}",)
+            if s == mine:
+                sub = DeviceMesh.from_group(tp.get_group(), tp.device_type, mesh=row, mesh_dim_names=name)
+            else:
+                sub = DeviceMesh(tp.device_type, row, mesh_dim_names=name, _init_backend=False)
+            _OWNER_OF[sub] = (dp, s)
+            _TP_ROW[sub] = tp
+            out.append(sub)
+        subs = _OWNER_TP[key] = tuple(out)
+    return subs
+
+
+def tp_mesh_of(owner_mesh: DeviceMesh) -> DeviceMesh | None:
+    """This rank's TP mesh for an owner TP-row mesh (:func:`owner_tp_meshes`), else ``None``."""
+    return _TP_ROW.get(owner_mesh)
 
 
 # owner sub-mesh -> (the mesh to broadcast its full value over, the owner's rank in it); filled

@@ -45,6 +45,8 @@ class _Spec:
     block: str
     info: ParamInfo
     module_type: type
+    #: a DTensor (tensor-parallel) parameter: owned whole by one data-parallel rank, never even
+    tp: bool = False
 
 
 @dataclass
@@ -57,25 +59,26 @@ class _Role:
     cost: float
 
 
-def _world_size(world_size_or_mesh: Any) -> tuple[int, int]:
-    """``(replicas, shard size)`` of an int (flat), an ``(R, S)`` pair or a 1-D/2-D mesh."""
+def _world_size(world_size_or_mesh: Any) -> tuple[int, int, int | None]:
+    """``(replicas, shard size, tp or None)`` of an int (flat), an ``(R, S)`` pair or a 1-D/2-D
+    mesh (a ``("dp_shard", "tp")`` mesh gives its TP degree)."""
     what = "an int, an (replicas, shard) pair, or a 1-D or 2-D (dp_replicate, dp_shard) DeviceMesh"
     if isinstance(world_size_or_mesh, bool):
         raise TypeError(f"plan_owners: world_size_or_mesh must be {what}, got {world_size_or_mesh!r}")
     if isinstance(world_size_or_mesh, int):
         if world_size_or_mesh < 1:
             raise ValueError(f"plan_owners: world size must be >= 1, got world_size={world_size_or_mesh}")
-        return 1, world_size_or_mesh
+        return 1, world_size_or_mesh, None
     if isinstance(world_size_or_mesh, tuple) and len(world_size_or_mesh) == 2:
         R, S = world_size_or_mesh
         if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in (R, S)):
             raise ValueError(f"plan_owners: an (replicas, shard) pair needs two ints >= 1, got {world_size_or_mesh!r}")
-        return R, S
+        return R, S, None
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(world_size_or_mesh, DeviceMesh):
         info = mesh_info(world_size_or_mesh, api="plan_owners", member=False)
-        return info.replicate_size, info.shard_size
+        return info.replicate_size, info.shard_size, (info.tp_size if info.tp_dim is not None else None)
     raise TypeError(f"plan_owners: world_size_or_mesh must be {what}, got {type(world_size_or_mesh).__name__}")
 
 
@@ -127,6 +130,12 @@ def _block_fqns(model: nn.Module, blocks: Iterable[Any] | None, block_types: Any
     return sorted(out)
 
 
+def _is_dtensor(p: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
+
+
 def _collect(
     model: nn.Module, block_fqns: list[str], matrix_filter: Callable[..., bool] | None
 ) -> list[_Spec]:
@@ -160,7 +169,7 @@ def _collect(
             is_matrix=is_matrix,
             requires_grad=p.requires_grad,
         )
-        specs.append(_Spec(fqn, block, info, type(module)))
+        specs.append(_Spec(fqn, block, info, type(module), tp=_is_dtensor(p)))
     if not specs:
         raise ValueError("plan_owners: the model has no parameters")
     return specs
@@ -242,7 +251,12 @@ def plan_owners(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan_owners: model must be an nn.Module, got {type(model).__name__}")
-    R, W = _world_size(world_size_or_mesh)
+    R, W, mesh_tp = _world_size(world_size_or_mesh)
+    if mesh_tp is not None:
+        if tp not in (1, mesh_tp):
+            raise ValueError(f"plan_owners: tp={tp} but the mesh's 'tp' dimension has size {mesh_tp}; "
+                             "drop tp= (the mesh gives it)")
+        tp = mesh_tp
     if replica_step not in REPLICA_STEPS:
         raise ValueError(f"plan_owners: replica_step must be one of {REPLICA_STEPS}, got {replica_step=!r}")
     if policy not in POLICIES:
@@ -376,9 +390,10 @@ def _build_roles(
                 _Role(f"{block}#tail", block, tuple(tail), "tail", tail_bytes, sum(cost_fn(s.info) for s in tail))
             )
         else:
-            # 0-dim tensors cannot be split: they stay an owned tail role of their own.
-            scalars = tuple(s for s in tail if not s.info.shape)
-            even += [s for s in tail if s.info.shape]
+            # 0-dim tensors cannot be split: they stay an owned tail role of their own; so do
+            # TP-sharded ones (their owner's TP row holds them, see [Note: TP hosts]).
+            scalars = tuple(s for s in tail if not s.info.shape or s.tp)
+            even += [s for s in tail if s.info.shape and not s.tp]
             if scalars:
                 roles.append(
                     _Role(f"{block}#tail", block, scalars, "tail",
