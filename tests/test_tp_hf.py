@@ -1,5 +1,6 @@
-"""Outside use of ``matrixfsdp.tp`` (issue 18, dp=1): a Hugging Face ``Qwen3ForCausalLM`` split by
-its own tensor-parallel plan, ``config.base_model_tp_plan``, at tp=2 on a ``"tp"`` mesh.
+"""Outside use of ``matrixfsdp.tp`` (issue 18): a Hugging Face ``Qwen3ForCausalLM`` split by its own
+tensor-parallel plan, ``config.base_model_tp_plan``, at tp=2 on a ``"tp"`` mesh (dp=1), and under
+``matrixfsdp.fully_shard`` at (dp=2, tp=2) (the last test).
 
 Two ways to apply the plan, per decoder layer:
 
@@ -155,3 +156,57 @@ def test_hf_qwen3_base_model_tp_plan_muon_parity(how):
         assert all(s["a2a"] == 2 * r["groups"] for s in r["steps"]), r["steps"]
     for k in range(STEPS):
         assert sum(r["steps"][k]["host_steps"] for r in res) == 14
+
+
+def hf_fsdp_tp_parity(how: str) -> dict:
+    """(dp=2, tp=2): the plan applied per layer on mesh["tp"], then torch's FSDP2 + TP calls with
+    matrixfsdp: plan_owners on the 2-D mesh, fully_shard(layer / model, mesh=mesh["dp_shard"]).
+    Each data-parallel rank trains on its half of the batch; the reference on all of it."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    from test_tp_fsdp import _diff as fsdp_diff
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    model = _model()
+    ref = copy.deepcopy(model)
+    parallelize(model, mesh["tp"], how)
+    plan = matrixfsdp.plan_owners(model, mesh, block_types=(Qwen3DecoderLayer,))
+    for layer in model.model.layers:
+        matrixfsdp.fully_shard(layer, mesh=mesh["dp_shard"], plan=plan)
+    matrixfsdp.fully_shard(model, mesh=mesh["dp_shard"], plan=plan)
+    opt = matrixfsdp.optim.Muon(model, lr=0.02, ns_dtype=torch.float32, adamw_lr=1e-3)
+    ref_opt = matrixfsdp.optim.Muon(ref, lr=0.02, ns_dtype=torch.float32, adamw_lr=1e-3)
+    d = mesh["dp_shard"].get_local_rank()
+    hosted = [f for f, p in model.named_parameters() if matrixfsdp.tp.tp_host_of(p) is not None]
+    out = {"grad0": 0.0, "loss": [], "hosted": sorted(hosted)}
+    for step in range(STEPS):
+        ids = _batch()
+        mine = ids[d * BATCH // 2:(d + 1) * BATCH // 2]
+        loss = model(input_ids=mine, labels=mine).loss
+        ref_loss = ref(input_ids=ids, labels=ids).loss
+        loss.backward()
+        ref_loss.backward()
+        out["loss"].append((loss.item(), ref_loss.item()))
+        if step == 0:
+            out["grad0"] = fsdp_diff(model, ref, "grad")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    out["param"] = fsdp_diff(model, ref, "param")
+    refp = dict(ref.named_parameters())
+    out["full"] = max(((matrixfsdp.full_tensor(p) - refp[f].detach()).abs().max()
+                       / refp[f].detach().abs().max()).item() for f, p in model.named_parameters())
+    return out
+
+
+def test_hf_qwen3_base_model_tp_plan_under_fully_shard_dp2_tp2():
+    res = get_pool(4).run(hf_fsdp_tp_parity, "transformers")
+    for r in res:
+        print({k: r[k] for k in ("grad0", "param", "full")}, "losses", r["loss"])
+        assert len(r["hosted"]) == 14, r["hosted"]  # every colwise/rowwise weight of both layers
+        assert r["grad0"] < 1e-6 and r["param"] < 1e-5 and r["full"] < 1e-5, r
+        assert r["loss"][-1][0] < r["loss"][0][0]  # it trains (the same batch every step)
+    # ranks are (dp, tp) row-major: the two data-parallel halves' losses average to the reference's
+    for (a, ref_a), (b, _) in zip(res[0]["loss"], res[2]["loss"]):
+        assert abs((a + b) / 2 - ref_a) < 1e-5, res[0]["loss"]
