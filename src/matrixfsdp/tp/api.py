@@ -108,3 +108,23 @@ def host_matrices(
         for f, h in g:
             set_tp_host(found[f], TPHosted(host=h, group=k, mesh=tp, executor=executor, host_mesh=hosts[h]))
     return groups
+
+
+def set_pipeline(model: nn.Module, enabled: bool) -> int:
+    """Pipeline the micro-groups of every TP host step of ``model`` (``True``, the default: group
+    k+1's gather overlaps group k's step) or run them one after another (``False``; the same
+    result bitwise). Works for both ways of hosting: ``host_matrices`` (dp=1) and
+    ``fully_shard`` over TP parameters. Returns how many executors were set (0: nothing is
+    hosted on this rank). Local; call on every rank alike.
+
+    Example::
+
+        matrixfsdp.tp.set_pipeline(model, False)   # Canzona's sequential micro-groups
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"matrixfsdp.tp.set_pipeline: enabled must be a bool, got {type(enabled).__name__}")
+    executors = {id(e): e for p in model.parameters()
+                 if (h := tp_host_of(p)) is not None and (e := h.executor) is not None}
+    for e in executors.values():
+        e.pipeline = enabled
+    return len(executors)
