@@ -233,3 +233,52 @@ def test_fsdp_tp_checkpoints_reshard(tmp_path):
         worst = max(((res[0][2][f] - after[f]).abs().max() / after[f].abs().max()).item() for f in after)
         print(name, "after one more step, max rel diff vs (2,2):", worst)
         assert worst < 1e-6, (name, worst)
+
+
+def fsdp_tp_outsider():
+    """(2, 2): what a client does around the training loop, against the reference."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    mesh, model, ref, _ = _build(2, 2, 80, "muon")
+    d = mesh["dp_shard"].get_local_rank()
+    opt, ref_opt = _opt("muon", model), _opt("muon", ref)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k))
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda k: 1.0 / (1 + k))
+    out = {"norms": []}
+    # an exception in forward leaves the model usable (the next step matches the reference)
+    try:
+        model(torch.full((2, 8), VOCAB + 5), torch.zeros(2, 8, dtype=torch.long))
+    except IndexError:
+        out["raised"] = True
+    for step in range(3):
+        x, y = _global_batch(step, 2)
+        model(x[2 * d:2 * d + 2], y[2 * d:2 * d + 2]).backward()
+        ref(x, y).backward()
+        mine = matrixfsdp.clip_grad_norm_(model.parameters(), 0.05)
+        theirs = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        out["norms"].append((mine.item(), theirs.item()))
+        opt.step()
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    out["param"] = _diff(model, ref, "param")
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    refsd = ref.state_dict()
+    out["full_sd"] = max(((full[k] - refsd[k]).abs().max() / refsd[k].abs().max()).item() for k in refsd)
+    out["full_sd_keys"] = sorted(full) == sorted(refsd)
+    return out
+
+
+def test_fsdp_tp_outside_use():
+    """Clipping (the global norm across DP and TP), an LR scheduler, an exception in forward, and
+    DCP's full state dict, at (dp=2, tp=2)."""
+    res = get_pool(4).run(fsdp_tp_outsider)
+    for r in res:
+        print(r)
+        assert r["raised"]
+        for mine, theirs in r["norms"]:
+            assert abs(mine - theirs) < 1e-5 * theirs, r["norms"]
+        assert r["param"] < 1e-5, r
+        assert r["full_sd_keys"] and r["full_sd"] < 1e-5, r

@@ -16,6 +16,10 @@ while the others hang in the all-reduce.
 On an HSDP mesh the all-reduce spans every data-parallel rank (the flattened mesh), and each
 gradient element counts once: a ``split`` gradient on its step replica (the only one holding
 it), every other sharded gradient (identical in every replica) on replica 0.
+
+Under ``fully_shard`` + TP (a ``("dp_shard", "tp")`` mesh) it spans the whole 2-D mesh: a
+TP-sharded gradient counts on every rank of its owner's TP row (each holds a different shard),
+every other gradient (identical in every TP column) on TP rank 0.
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..comm.agree import agreement_device
 from ..mesh import flat_dp_mesh, mesh_device
 from .owned import local_tensor
-from .owner import coordinates, owner_of
+from .owner import coordinates, owner_of, tp_mesh_of
 
 __all__ = ["clip_grad_norm_", "reduction_device_and_group"]
 
@@ -61,6 +66,23 @@ def reduction_device_and_group(params: Iterable[torch.Tensor], process_group: di
     if dist.is_available() and dist.is_initialized():
         return agreement_device(group), group
     return torch.device("cpu"), group
+
+
+def _tp_mesh(params: list[torch.Tensor]) -> DeviceMesh | None:
+    """This rank's TP mesh when ``params`` hold TP-sharded owned parameters (fully_shard + TP)."""
+    for p in params:
+        mesh = getattr(p, "device_mesh", None)
+        tp = tp_mesh_of(mesh) if mesh is not None else None
+        if tp is not None and tp.size() > 1:
+            return tp
+    return None
+
+
+def _tp_sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is owned with a ``Shard`` placement on its owner's TP row (each TP rank holds
+    a different part of its gradient)."""
+    mesh = getattr(p, "device_mesh", None)
+    return mesh is not None and tp_mesh_of(mesh) is not None and any(pl.is_shard() for pl in p.placements)
 
 
 def _replica_copy(p: torch.Tensor) -> bool:
@@ -110,6 +132,9 @@ def clip_grad_norm_(
     if norm_type <= 0 or math.isnan(norm_type):
         raise ValueError(f"matrixfsdp.clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type=}")
     device, group = reduction_device_and_group(every, process_group)
+    tp = _tp_mesh(every)
+    if tp is not None and process_group is None:  # fully_shard + TP: over the whole 2-D mesh
+        group = flat_dp_mesh(tp._get_root_mesh()).get_group()
     grads = [local_tensor(p.grad).detach() for p in params]
     inf = math.isinf(norm_type)
     distributed = dist.is_available() and dist.is_initialized()
@@ -121,6 +146,8 @@ def clip_grad_norm_(
         sharded = isinstance(p.grad, DTensor) or owner_of(p) is not None
         if g.numel() == 0 or (not sharded and not first) or (sharded and not inf and _replica_copy(p)):
             continue
+        if tp is not None and not inf and tp.get_local_rank() != 0 and not _tp_sharded(p):
+            continue  # the same in every TP column: counted on TP rank 0
         if inf:
             local = torch.maximum(local, g.abs().max().float())
         else:
