@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-#: the dimension names of a data-parallel x tensor-parallel mesh (torch's FSDP2 + TP pattern)
+#: the dimension names of a data-parallel x tensor-parallel mesh (torch's FSDP2 + TP pattern; any
+#: 2-D mesh whose dimension 1 is named "tp" is one, e.g. torchtitan's ["fsdp", "tp"])
 TP_NAMES = ("dp_shard", "tp")
 
 __all__ = ["TP_NAMES", "MeshInfo", "mesh_info", "default_mesh", "mesh_device", "backend_map", "backend_devices", "flat_dp_mesh"]
@@ -172,11 +173,12 @@ def mesh_info(mesh: Any, *, api: str, member: bool = True, hsdp: bool = True) ->
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{api}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     shape = f" of shape {tuple(mesh.shape)}" if hasattr(mesh, "shape") else ""
-    if mesh.ndim == 2 and tuple(mesh.mesh_dim_names or ()) == TP_NAMES:
+    if mesh.ndim == 2 and (mesh.mesh_dim_names or ("", ""))[1] == "tp":
         if member:
+            dp = mesh.mesh_dim_names[0]
             raise ValueError(
-                f"{api}: got the {TP_NAMES} mesh{shape}; pass its data-parallel dimension, "
-                "mesh['dp_shard'] (the TP layout is read from the parameters that "
+                f"{api}: got the {tuple(mesh.mesh_dim_names)} mesh{shape}; pass its data-parallel "
+                f"dimension, mesh[{dp!r}] (the TP layout is read from the parameters that "
                 "parallelize_module(..., mesh['tp'], ...) made DTensors), and the whole mesh to "
                 "plan_owners"
             )

@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..placement.owned import OwnedDTensor
-from ..placement.owner import one_rank_meshes, owner_tp_meshes
+from ..placement.owner import dp_tp_mesh, one_rank_meshes, owner_tp_meshes
 from ..placement.tp_host import TPHosted, set_tp_host, tp_host_of
 from ..mesh import flat_dp_mesh
 
@@ -122,9 +122,9 @@ def attach_tp_hosts(states: list[Any], plan: "OwnerPlan", dp: DeviceMesh, shard_
     T = tp_mesh.size()
     if T == 1:
         return  # a one-rank TP mesh: every owner holds its matrices whole, stepped locally
-    hosts = one_rank_meshes(flat_dp_mesh(dp._get_root_mesh()), "tp_host")  # the hosts' state is presented on these
-    root = dp._get_root_mesh()
-    flat = root.mesh.flatten().tolist()
+    pair = dp_tp_mesh(dp, tp_mesh)
+    hosts = one_rank_meshes(flat_dp_mesh(pair), "tp_host")  # the hosts' state is presented on these
+    flat = pair.mesh.flatten().tolist()
     row_meshes = owner_tp_meshes(dp, tp_mesh)
     mine: list[list[tuple[str, Any, int]]] = []
     for s in range(plan.world_size):

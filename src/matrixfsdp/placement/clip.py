@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from ..comm.agree import agreement_device
 from ..mesh import flat_dp_mesh, mesh_device
 from .owned import local_tensor
-from .owner import coordinates, owner_of, tp_mesh_of
+from .owner import coordinates, dp_tp_mesh, owner_of, tp_mesh_of
 
 __all__ = ["clip_grad_norm_", "reduction_device_and_group"]
 
@@ -76,6 +76,10 @@ def _tp_mesh(params: list[torch.Tensor]) -> DeviceMesh | None:
         if tp is not None and tp.size() > 1:
             return tp
     return None
+
+
+def _dp_of(params: list[torch.Tensor]) -> DeviceMesh:
+    return next(info.mesh for p in params if (info := owner_of(p)) is not None and info.mesh is not None)
 
 
 def _tp_sharded(p: torch.Tensor) -> bool:
@@ -133,8 +137,8 @@ def clip_grad_norm_(
         raise ValueError(f"matrixfsdp.clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type=}")
     device, group = reduction_device_and_group(every, process_group)
     tp = _tp_mesh(every)
-    if tp is not None and process_group is None:  # fully_shard + TP: over the whole 2-D mesh
-        group = flat_dp_mesh(tp._get_root_mesh()).get_group()
+    if tp is not None and process_group is None:  # fully_shard + TP: over the whole (dp, tp) mesh
+        group = flat_dp_mesh(dp_tp_mesh(_dp_of(every), tp)).get_group()
     grads = [local_tensor(p.grad).detach() for p in params]
     inf = math.isinf(norm_type)
     distributed = dist.is_available() and dist.is_initialized()

@@ -35,7 +35,7 @@ from ..mesh import flat_dp_mesh
 from .tp_host import tp_host_of
 
 __all__ = ["Owned", "owner_of", "owned_of", "is_owned", "keeps_state", "set_owner", "owner_meshes",
-           "step_meshes", "one_rank_meshes", "owner_tp_meshes", "tp_mesh_of", "coordinates", "STORAGES"]
+           "step_meshes", "one_rank_meshes", "owner_tp_meshes", "dp_tp_mesh", "tp_mesh_of", "coordinates", "STORAGES"]
 
 _ATTR = "_matrixfsdp_owned"
 #: set by fully_shard on each sharded parameter (owned or even): its fqn, for messages
@@ -239,17 +239,9 @@ def owner_tp_meshes(dp: DeviceMesh, tp: DeviceMesh) -> tuple[DeviceMesh, ...]:
     key = (dp, tp)
     subs = _OWNER_TP.get(key)
     if subs is None:
-        root = dp._get_root_mesh()
-        if root is not tp._get_root_mesh() or root.ndim != 2 or root.mesh_dim_names is None:
-            raise ValueError(
-                f"matrixfsdp: the data-parallel mesh {dp} and the parameters' TP mesh {tp} must be "
-                "two dimensions of one mesh: init_device_mesh(device_type, (dp, tp), "
-                "mesh_dim_names=(\"dp_shard\", \"tp\")), then mesh[\"dp_shard\"] and mesh[\"tp\"]"
-            )
-        grid = root.mesh.tolist()
-        if tuple(root.mesh_dim_names).index(tp.mesh_dim_names[0]) == 0:
-            grid = [list(col) for col in zip(*grid)]
-        tag, mine = _tag(root), dp.get_local_rank()
+        pair = dp_tp_mesh(dp, tp)
+        grid = pair.mesh.tolist()
+        tag, mine = _tag(pair), dp.get_local_rank()
         out = []
         for s, row in enumerate(grid):
             name = (f"tp_owned_by_rank{s}@{tag}",)
@@ -262,6 +254,24 @@ def owner_tp_meshes(dp: DeviceMesh, tp: DeviceMesh) -> tuple[DeviceMesh, ...]:
             out.append(sub)
         subs = _OWNER_TP[key] = tuple(out)
     return subs
+
+
+def dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
+    """The 2-D ``(dp, tp)`` mesh whose dimensions ``dp`` and ``tp`` are (sliced from one root mesh:
+    a ``("dp_shard", "tp")`` mesh, or e.g. torchtitan's world mesh as ``["fsdp", "tp"]``)."""
+    root = dp._get_root_mesh()
+    names = (dp.mesh_dim_names or (None,))[0], (tp.mesh_dim_names or (None,))[0]
+    try:
+        if root != tp._get_root_mesh() or None in names:
+            raise KeyError(names)
+        pair = root if tuple(root.mesh_dim_names or ()) == names else root[names]
+    except (KeyError, RuntimeError, ValueError):
+        raise ValueError(
+            f"matrixfsdp: the data-parallel mesh {dp} and the parameters' TP mesh {tp} must be two "
+            "named dimensions of one mesh: init_device_mesh(device_type, (dp, tp), "
+            "mesh_dim_names=(\"dp_shard\", \"tp\")), then mesh[\"dp_shard\"] and mesh[\"tp\"]"
+        ) from None
+    return pair
 
 
 def tp_mesh_of(owner_mesh: DeviceMesh) -> DeviceMesh | None:
