@@ -88,7 +88,8 @@ def fsdp_tp_parity(dp, tp, h, opt_name, steps=3):
     opt, ref_opt = _opt(opt_name, model), _opt(opt_name, ref)
     hosted = [p for p in model.parameters() if matrixfsdp.tp.tp_host_of(p) is not None]
     executors = {id(e): e for p in hosted if (e := matrixfsdp.tp.tp_host_of(p).executor) is not None}
-    out = {"grad0": 0.0, "steps": [], "plan_tp": plan.tp, "hosted": len(hosted)}
+    out = {"grad0": 0.0, "steps": [], "plan_tp": plan.tp, "hosted": len(hosted),
+           "hosted_bytes": sum(p.numel() * p.element_size() for p in hosted)}
     for step in range(steps):
         x, y = _global_batch(step, dp)
         n = x.shape[0] // dp
@@ -96,7 +97,7 @@ def fsdp_tp_parity(dp, tp, h, opt_name, steps=3):
         ref.loss(x, y).backward()
         if step == 0:
             out["grad0"] = _diff(model, ref, "grad")
-        c0 = {k: (e.calls["all_to_all"], e.host_steps) for k, e in executors.items()}
+        c0 = {k: (e.calls["all_to_all"], e.host_steps, e.bytes_sent) for k, e in executors.items()}
         with collective_spy() as spy:
             opt.step()
         out["steps"].append({
@@ -104,6 +105,8 @@ def fsdp_tp_parity(dp, tp, h, opt_name, steps=3):
             "a2a": sum(e.calls["all_to_all"] - c0[k][0] for k, e in executors.items()),
             "host_steps": sum(e.host_steps - c0[k][1] for k, e in executors.items()),
             "groups": sum(len(e.groups) for e in executors.values()),
+            "bytes": sum(e.bytes_sent - c0[k][2] for k, e in executors.items()),
+            "dispatcher": spy["dispatcher"],
         })
         ref_opt.step()
         opt.zero_grad()
@@ -133,6 +136,12 @@ def test_fsdp_tp_parity_and_step_collectives(dp, tp, h, opt_name):
             assert len(s["python"]) == s["a2a"] == 2 * s["groups"], s
     hosted = res[0]["hosted"]
     assert hosted == (4 if tp > 1 else 0)
+    # bytes: gradient shards to the hosts plus update shards back, (tp-1)/tp of every hosted matrix
+    # each way, once in the world (only its owner's row moves it); 80 % 3 != 0 shards unevenly
+    sent = sum(r["steps"][0]["bytes"] for r in res)
+    assert sent == pytest.approx(2 * res[0]["hosted_bytes"] * (tp - 1) / tp, rel=0.02), sent
+    for r in res:  # at the dispatcher too: nothing but all-to-alls (gloo's alltoall_base)
+        assert all("alltoall" in e.lower().replace("_", "") or "record_param_comms" in e for e in r["steps"][0]["dispatcher"]), r["steps"][0]["dispatcher"]
     for k in range(steps):  # each TP matrix is stepped on exactly one rank of the world
         assert sum(r["steps"][k]["host_steps"] for r in res) == hosted
     if tp > 1:  # the hosted matrices' state lives on their host alone
