@@ -291,3 +291,47 @@ def test_fsdp_tp_outside_use():
             assert abs(mine - theirs) < 1e-5 * theirs, r["norms"]
         assert r["param"] < 1e-5, r
         assert r["full_sd_keys"] and r["full_sd"] < 1e-5, r
+
+
+def fsdp_tp_refusals():
+    """Clear errors, raised on every rank alike (no rank hangs)."""
+    out = {}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+
+    def fresh():
+        model = FwdNet(80)
+        for b in model.blocks:
+            parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel()})
+        return model
+
+    def err(fn):
+        try:
+            fn()
+        except (ValueError, TypeError) as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    model = fresh()
+    out["whole_mesh"] = err(lambda: matrixfsdp.fully_shard(model.blocks[0], mesh=mesh))
+    out["dropin"] = err(lambda: matrixfsdp.fully_shard(fresh().blocks[0], mesh=mesh["dp_shard"]))
+    flat_plan = matrixfsdp.plan_owners(fresh(), 2, block_types=(MLPBlock,))
+
+    def with_flat_plan():
+        m = fresh()
+        for b in m.blocks:
+            matrixfsdp.fully_shard(b, mesh=mesh["dp_shard"], plan=flat_plan)
+        matrixfsdp.fully_shard(m, mesh=mesh["dp_shard"], plan=flat_plan)
+    out["flat_plan"] = err(with_flat_plan)
+    out["tp_mismatch"] = err(lambda: matrixfsdp.plan_owners(fresh(), mesh, tp=4))
+    return out
+
+
+def test_fsdp_tp_refusals():
+    res = get_pool(4).run(fsdp_tp_refusals)
+    assert all(r == res[0] for r in res), res  # the same error on every rank
+    r = res[0]
+    print(r)
+    assert "got the ('dp_shard', 'tp') mesh of shape (2, 2); pass its data-parallel dimension, mesh['dp_shard']" in r["whole_mesh"]
+    assert "is tensor-parallel (a DTensor on the TP mesh); TP needs a whole-model plan" in r["dropin"]
+    assert "the model's TP mesh has 2 ranks but the plan was built with tp=1" in r["flat_plan"]
+    assert "tp=4 but the mesh's 'tp' dimension has size 2; drop tp=" in r["tp_mismatch"]

@@ -44,7 +44,7 @@ from ..planner.record import OwnerPlan, ParamPlan
 from ..mesh import MeshInfo
 from .param import ManagedParam, shard_param
 from .param_group import CommContext, ReplicaComm
-from .tp import attach_tp_hosts, localize, tp_layout
+from .tp import attach_tp_hosts, check_plan_tp, localize, tp_layout
 from .state import BlockState, RootContext
 
 API = "matrixfsdp.fully_shard"
@@ -279,6 +279,7 @@ def _resolve(root: nn.Module, plan: OwnerPlan, info: MeshInfo) -> None:
             if mp.tp is not None:
                 mp.plan = localize(mp.plan, mp.orig, mp.fqn)  # type: ignore[arg-type]
     _check_plan_covered(plan, (f for fs in fqns_of.values() for f in fs))
+    check_plan_tp(plan, [mp for _, _, s in entries for mp in s.params])
 
     for name, _, s in entries:
         if s.config.mesh != mesh:

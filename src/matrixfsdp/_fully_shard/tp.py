@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from ..planner.record import OwnerPlan, ParamPlan
     from .param import ManagedParam
 
-__all__ = ["tp_layout", "localize", "attach_tp_hosts"]
+__all__ = ["tp_layout", "localize", "check_plan_tp", "attach_tp_hosts"]
 
 API = "matrixfsdp.fully_shard"
 
@@ -62,6 +62,10 @@ def tp_layout(name: str, p: torch.Tensor, dp: DeviceMesh) -> TPLayout:
     if isinstance(p, OwnedDTensor) or mesh.ndim != 1 or mesh == dp:
         raise ValueError(f"{API}: parameter {name!r} is already a DTensor on {mesh}; it is managed by "
                          "another sharding API")
+    if dp.ndim != 1:
+        raise ValueError(f"{API}: TP parameter {name!r} under an HSDP mesh {dp}: HSDP with tensor "
+                         "parallelism (a 3-D mesh) is not supported; use a (\"dp_shard\", \"tp\") mesh "
+                         "and fully_shard(..., mesh=mesh[\"dp_shard\"])")
     placements = tuple(p.placements)  # type: ignore[attr-defined]
     if any(type(pl) not in (Shard, Replicate) for pl in placements):
         raise ValueError(f"{API}: TP parameter {name!r} has placements {placements}; fully_shard "
@@ -79,6 +83,16 @@ def localize(pp: "ParamPlan", p: torch.Tensor, fqn: str) -> "ParamPlan":
             "parallelize_module), which owns every DTensor parameter"
         )
     return dataclasses.replace(pp, shape=tuple(p._local_tensor.shape))  # type: ignore[attr-defined]
+
+
+def check_plan_tp(plan: "OwnerPlan", params: list["ManagedParam"]) -> None:
+    """The plan was built for the model's TP degree (local; before anything is sharded)."""
+    for mp in params:
+        if mp.tp is not None and plan.tp != mp.tp[0].size():
+            raise ValueError(
+                f"{API}: the model's TP mesh has {mp.tp[0].size()} ranks but the plan was built with "
+                f"tp={plan.tp}; plan with the (\"dp_shard\", \"tp\") mesh: plan_owners(model, mesh, ...)"
+            )
 
 
 def unsharded_leaf(data: torch.Tensor, tp: TPLayout, shape: torch.Size, requires_grad: bool) -> torch.nn.Parameter:
@@ -114,11 +128,6 @@ def attach_tp_hosts(states: list[Any], plan: "OwnerPlan", dp: DeviceMesh, shard_
     if not hosted:
         return
     tp_mesh = next(iter(hosted.values())).tp[0]
-    if plan.tp != tp_mesh.size():
-        raise ValueError(
-            f"{API}: the model's TP mesh has {tp_mesh.size()} ranks but the plan was built with "
-            f"tp={plan.tp}; plan with the (\"dp_shard\", \"tp\") mesh: plan_owners(model, mesh, ...)"
-        )
     T = tp_mesh.size()
     if T == 1:
         return  # a one-rank TP mesh: every owner holds its matrices whole, stepped locally
