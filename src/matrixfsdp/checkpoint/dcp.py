@@ -70,6 +70,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..comm.agree import agree, encode_error, is_distributed
+from ..optim._base import MatrixOptimizer
 from ..placement.owned import local_tensor, owned_of, wrap_dtensor
 from ..placement.owner import keeps_state
 from ..placement.tp_host import tp_host_of
@@ -396,6 +397,127 @@ def _flat_keys(prefix: str, obj: Any) -> dict[str, Any]:
     return out
 
 
+# [Note: state of other optimizers]
+# A checkpoint of another optimizer (stock torch.optim.Muon + AdamW under FSDP2 or FSDP2 + TP,
+# saved with get_state_dict(model, (muon, adamw)) + dcp.save) has torch's param groups: other
+# hyperparameter keys (AdamW's "betas", no "algorithm"/"adamw_lr"/"routes"), so it cannot be
+# loaded as a matrixfsdp optimizer's param groups. Its *state* can: torch.optim.Muon's
+# "momentum_buffer" is the same EMA of the gradients as matrixfsdp's Muon rule (op for op, see
+# optim/_muon.py), and AdamW's "exp_avg"/"exp_avg_sq"/"step" are matrixfsdp's AdamW rule's. With
+# hparams="optimizer" every parameter's saved state must (1) have exactly the keys this optimizer
+# keeps for it (its state schema; placeholder keys may be absent) and (2) come from a param group
+# whose optimizer applies this optimizer's rule for it: a matrixfsdp group's recorded "routes", a
+# torch.optim.Muon group ("ns_coefficients", "ns_steps", ...) for the muon rule, a torch Adam/AdamW
+# group ("betas", "amsgrad"; not maximize/amsgrad) for AdamW. Key names alone are not enough: SGD
+# also keeps a "momentum_buffer", a plain sum of gradients, not Muon's EMA.
+_TORCH_MUON_KEYS = frozenset({"momentum", "nesterov", "ns_coefficients", "ns_steps"})
+_TORCH_ADAM_KEYS = frozenset({"betas", "amsgrad"})
+
+
+def _saved_group_names(saved: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """``{group index: {entry name: its metadata}}`` of the checkpoint's optimizer param groups."""
+    prefix = f"{OPTIM_KEY}.param_groups."
+    groups: dict[int, dict[str, Any]] = {}
+    for key, meta in saved.items():
+        if key.startswith(prefix):
+            index, _, name = key[len(prefix):].partition(".")
+            if index.isdigit() and name:
+                groups.setdefault(int(index), {})[name] = meta
+    return groups
+
+
+def _refuse_foreign_groups(api: str, path: str, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """A matrixfsdp optimizer cannot take another optimizer's param groups (hparams='checkpoint')."""
+    if not isinstance(optimizer, MatrixOptimizer):
+        return
+    for i, names in sorted(_saved_group_names(saved).items()):
+        if "algorithm" not in names:
+            raise ValueError(
+                f"{api}: the optimizer state in {path!r} was not written by a matrixfsdp optimizer: "
+                f"its param group {i} holds {sorted(n for n in names if n != 'params')}, not "
+                f"{type(optimizer).__name__}'s hyperparameters (e.g. stock torch.optim.Muon + AdamW). "
+                "Pass hparams='optimizer' to load its state tensors where they mean the same "
+                "(torch.optim.Muon's momentum_buffer, AdamW's exp_avg/exp_avg_sq/step) and keep this "
+                "optimizer's hyperparameters, or load the weights alone with load(path, model)"
+            )
+
+
+def _saved_groups_template(api: str, path: str, saved: dict[str, Any]) -> list[dict[str, Any]]:
+    """Buffers to read the checkpoint's own param groups into (hparams='optimizer')."""
+    groups = _saved_group_names(saved)
+    if sorted(groups) != list(range(len(groups))):
+        raise ValueError(f"{api}: the optimizer param groups of {path!r} are numbered {sorted(groups)}, "
+                         "not 0, 1, ...; the checkpoint metadata is inconsistent")
+    out = []
+    for i in range(len(groups)):
+        g: dict[str, Any] = {}
+        for name, meta in groups[i].items():
+            if isinstance(meta, TensorStorageMetadata):  # a tensor hyperparameter (capturable lr)
+                g[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+            else:
+                g[name] = b""  # a plain value: DCP replaces the placeholder
+        out.append(g)
+    return out
+
+
+def _check_state_keys(api: str, path: str, optimizer: Any, p: torch.Tensor, fqn: str, names: set[str]) -> None:
+    """The saved state of ``p`` has the keys this optimizer keeps for it (hparams='optimizer')."""
+    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+    expected = set(optimizer._state_schema(p, group))
+    optional = set(getattr(optimizer, "_state_placeholders", {}))
+    if names - expected or (expected - optional) - names:
+        raise ValueError(
+            f"{api}: the optimizer state of {fqn!r} in {path!r} has keys {sorted(names)}, but "
+            f"{type(optimizer).__name__} keeps {sorted(expected)} for it (the "
+            f"{optimizer._route(group, p)!r} rule): it was written by another kind of optimizer. "
+            "Load the weights alone with load(path, model) and start the optimizer afresh"
+        )
+
+
+def _saved_rule(g: dict[str, Any] | None, fqn: str) -> tuple[str | None, str]:
+    """The rule the optimizer of saved param group ``g`` applied to ``fqn``, and who that was."""
+    if g is None:
+        return None, "no param group of the checkpoint"
+    if "algorithm" in g:
+        routes = g.get("routes")
+        if routes is not None:
+            return routes[list(g["params"]).index(fqn)], "a matrixfsdp optimizer"
+        return (None if g["algorithm"] == "auto" else g["algorithm"]), "a matrixfsdp optimizer"
+    keys = set(g)
+    if _TORCH_MUON_KEYS <= keys:
+        return "muon", "torch.optim.Muon"
+    if _TORCH_ADAM_KEYS <= keys:
+        if g.get("amsgrad") or g.get("maximize"):
+            return None, "torch.optim.Adam/AdamW with amsgrad or maximize"
+        return "adamw", "torch.optim.AdamW/Adam"
+    return None, f"an optimizer this loader does not know (param group keys {sorted(keys - {'params'})})"
+
+
+def _check_saved_rules(api: str, path: str, model: nn.Module, optimizer: Any, groups: list[dict[str, Any]],
+                       with_state: set[str]) -> str | None:
+    """The error (``encode_error`` form) if a parameter's saved state comes from another rule."""
+    group_of: dict[str, dict[str, Any]] = {}
+    for g in groups:
+        for f in g.get("params", ()):
+            group_of.setdefault(f, g)
+    fqns = _param_fqns(model)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            fqn = fqns[id(p)]
+            if fqn not in with_state:
+                continue
+            live = optimizer._route(group, p)
+            rule, who = _saved_rule(group_of.get(fqn), fqn)
+            if rule != live:
+                return encode_error(ValueError(
+                    f"{api}: the optimizer state of {fqn!r} in {path!r} was written by {who}"
+                    f"{f' (the {rule!r} rule)' if rule else ''}, but {type(optimizer).__name__} "
+                    f"steps it with the {live!r} rule, whose state means something else. Load the "
+                    "weights alone with load(path, model) and start the optimizer afresh"
+                ))
+    return None
+
+
 def load(
     path: str | os.PathLike,
     model: nn.Module,
@@ -403,6 +525,7 @@ def load(
     *,
     strict: bool = True,
     process_group: Any = None,
+    hparams: str = "checkpoint",
 ) -> None:
     """Load a DCP checkpoint into ``model`` (and ``optimizer``), validated and all-or-nothing.
 
@@ -415,7 +538,16 @@ def load(
 
     Optimizer state is loaded for the parameters the checkpoint has state for; others stay
     uninitialized, as in an optimizer that never stepped them. Hyperparameters (``lr`` ...)
-    come from the checkpoint, as with ``Optimizer.load_state_dict``.
+    come from the checkpoint, as with ``Optimizer.load_state_dict`` (``hparams="checkpoint"``).
+
+    ``hparams="optimizer"`` (a ``matrixfsdp.optim`` optimizer) loads the state tensors only and
+    keeps the live optimizer's param groups: for checkpoints of other optimizers whose state
+    means the same, such as stock ``torch.optim.Muon`` + ``torch.optim.AdamW`` (FSDP2, FSDP2 +
+    TP; see [Note: state of other optimizers]). Refused, naming the parameter, when a
+    parameter's saved state has other keys than this optimizer keeps for it, or was written by an
+    optimizer whose rule differs from this optimizer's rule for it. With the default, a
+    checkpoint whose param groups are not a matrixfsdp optimizer's is refused, naming both ways
+    out (``hparams="optimizer"``, or ``load(path, model)`` for the weights alone).
 
     Errors (``FileNotFoundError``/``ValueError``/``RuntimeError``) name the key or file and the
     values seen; the model and optimizer are untouched when one is raised (see
@@ -433,7 +565,10 @@ def load(
     optim_tpl: dict[str, Any] = {}
     groups_tpl: list[dict[str, Any]] = []
     state_tpl: dict[str, dict[str, Any]] = {}
+    saved_state_fqns: set[str] = set()
     try:
+        if hparams not in ("checkpoint", "optimizer"):
+            raise ValueError(f"{api}: hparams must be 'checkpoint' or 'optimizer', got {hparams!r}")
         # Loading writes into the sharded local tensors: materialized copies must go first,
         # or a model whose root is materialized would be loaded into soon-freed buffers.
         drop_stale_state(model)
@@ -469,15 +604,30 @@ def load(
                 )
         if optimizer is not None:
             osd = optimizer_state_dict(model, optimizer)
-            groups_tpl = [{k: copy.deepcopy(v) for k, v in g.items()} for g in osd["param_groups"]]
             params = {fqn: p for fqn, p in model.named_parameters()}
             opt_fqns = list(chain.from_iterable(g["params"] for g in osd["param_groups"]))
             state_keys = [k for k in saved if k.startswith(f"{OPTIM_KEY}.state.")]
             if not any(k.startswith(f"{OPTIM_KEY}.") for k in saved):
                 raise ValueError(f"{api}: checkpoint {path!r} has no optimizer state (no {OPTIM_KEY!r} keys)")
+            if hparams == "optimizer":
+                if not isinstance(optimizer, MatrixOptimizer):
+                    raise ValueError(
+                        f"{api}: hparams='optimizer' needs a matrixfsdp.optim optimizer, got "
+                        f"{type(optimizer).__name__}; load a torch optimizer's state with "
+                        "hparams='checkpoint' (the same optimizer class) or load(path, model)"
+                    )
+                groups_tpl = _saved_groups_template(api, path, saved)
+            else:
+                _refuse_foreign_groups(api, path, optimizer, saved)
+                groups_tpl = [{k: copy.deepcopy(v) for k, v in g.items()} for g in osd["param_groups"]]
             claimed: set[str] = set()
             for fqn in opt_fqns:
                 prefix = f"{OPTIM_KEY}.state.{fqn}."
+                if hparams == "optimizer":
+                    names = {k[len(prefix):] for k in state_keys if k.startswith(prefix)}
+                    if names:
+                        saved_state_fqns.add(fqn)
+                        _check_state_keys(api, path, optimizer, params[fqn], fqn, names)
                 for key in state_keys:
                     if not key.startswith(prefix):
                         continue
@@ -499,7 +649,7 @@ def load(
                     f"does not hold: {unclaimed[0]!r} (strict=True)"
                 )
             flat_groups = _flat_keys(f"{OPTIM_KEY}.param_groups", groups_tpl)
-            for key in flat_groups:
+            for key in flat_groups if hparams == "checkpoint" else ():
                 if key not in saved:
                     raise ValueError(
                         f"{api}: optimizer param group entry {key!r} is missing from checkpoint "
@@ -507,6 +657,7 @@ def load(
                     )
             extra_groups = sorted(
                 k for k in saved if k.startswith(f"{OPTIM_KEY}.param_groups.") and k not in flat_groups
+                and hparams == "checkpoint"
             )
             if extra_groups:
                 raise ValueError(
@@ -548,6 +699,10 @@ def load(
     if optimizer is not None and error is None:
         loaded_groups = sd[OPTIM_KEY]["param_groups"]
         live_groups = optimizer_state_dict(model, optimizer)["param_groups"]
+        if hparams == "optimizer":  # the live param groups stay; the saved ones only vouch for the state
+            error = _check_saved_rules(api, path, model, optimizer, loaded_groups, saved_state_fqns)
+            sd[OPTIM_KEY]["param_groups"] = live_groups
+            loaded_groups = []
         for i, (g, live) in enumerate(zip(loaded_groups, live_groups)):
             if list(g["params"]) != list(live["params"]):
                 diff = next((a, b) for a, b in zip(list(g["params"]) + [None] * len(live["params"]),

@@ -479,6 +479,10 @@ class MatrixOptimizer(Optimizer):
                     self._note_remote(p)
                 continue
             param = local_tensor(p)
+            if route != "adamw" and tp_host_of(p) is not None:
+                # a TP-hosted matrix: its host keeps whole-matrix state, not its shard's (the
+                # initializers read only shape, dtype and device)
+                param = param.new_empty(tuple(p.shape))
             if p.grad is None or param.numel() == 0:
                 continue
             if route == "adamw":
