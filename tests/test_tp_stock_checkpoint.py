@@ -416,3 +416,47 @@ def test_other_optimizers_state_is_refused_not_misloaded(tmp_path):
         mckpt.load(str(tmp_path / "muon"), model, torch.optim.AdamW(model.parameters()), hparams="optimizer")
     with pytest.raises(ValueError, match=r"hparams must be 'checkpoint' or 'optimizer', got 'both'"):
         mckpt.load(str(tmp_path / "muon"), model, opt, hparams="both")
+
+
+# ----------------------------------------------------------- into matrixfsdp.fully_shard + TP (2, 2)
+def w_ours_fsdp_from_stock(root):
+    """The stock (2, 2) checkpoint into matrixfsdp's own FSDP2 + TP composition at (2, 2)."""
+    from test_tp import MLPBlock
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    model = Net(H)
+    _parallelize(model, mesh["tp"])
+    plan = matrixfsdp.plan_owners(model, mesh, block_types=(MLPBlock,))
+    for b in model.blocks:
+        matrixfsdp.fully_shard(b, mesh=mesh["dp_shard"], plan=plan)
+    matrixfsdp.fully_shard(model, mesh=mesh["dp_shard"], plan=plan)
+    opt = matrixfsdp.optim.Muon(model, lr=LR, weight_decay=WD, ns_dtype=torch.float32,
+                                adamw_lr=ADAM_LR, adamw_weight_decay=ADAM_WD)
+    mckpt.load(os.path.join(root, "stock"), model, opt, hparams="optimizer")
+    dp = mesh["dp_shard"].get_local_rank()
+    out = {"params": {f: matrixfsdp.full_tensor(p).detach().clone() for f, p in model.named_parameters()}}
+    out["momentum"] = {f: opt.state[p]["momentum_buffer"].clone() for f, p in model.named_parameters()
+                       if p in opt.state and "momentum_buffer" in opt.state[p]}
+    stock_step(model, (opt,), dp, SAVE_AT)
+    out["next"] = {f: matrixfsdp.full_tensor(p).detach().clone() for f, p in model.named_parameters()}
+    return out
+
+
+def test_stock_fsdp2_tp_checkpoint_into_matrixfsdp_fully_shard_tp(stock):
+    """Stock FSDP2 + TP (2, 2) -> matrixfsdp.fully_shard + TP (2, 2): parameters bitwise, each TP
+    matrix's momentum whole on exactly one rank (its owner row's host) and bitwise, one resumed
+    step within reduction-order noise."""
+    root, params, state, nxt = stock
+    res = get_pool(4).run(w_ours_fsdp_from_stock, root)
+    for r in res:
+        assert not _bitwise(r["params"], params)
+    holders = {}
+    for r in res:
+        for f, m in r["momentum"].items():
+            holders.setdefault(f, []).append(m)
+    assert sorted(holders) == sorted(f for f in state if "momentum_buffer" in state[f])
+    for f, ms in holders.items():
+        assert len(ms) == 1 and torch.equal(ms[0], state[f]["momentum_buffer"]), f
+    worst = max(_rel(r["next"], nxt) for r in res)
+    print("stock -> matrixfsdp fully_shard + TP, one resumed step, max relative difference:", worst)
+    assert worst < RESUME_TOL
