@@ -484,6 +484,8 @@ class MatrixOptimizer(Optimizer):
             if route == "adamw":
                 self._adamw_init_state(param, self.state[p], group)
             else:
+                if tp_host_of(p) is not None:  # stepped whole on its TP host: whole-matrix state,
+                    param = param.new_empty(tuple(p.shape))  # as TPHostStep's first step makes
                 self._matrix_init_state(param, self.state[p], group)
         self._sync_host_steps()
 

@@ -264,7 +264,13 @@ def dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
     try:
         if root != tp._get_root_mesh() or None in names:
             raise KeyError(names)
-        pair = root if tuple(root.mesh_dim_names or ()) == names else root[names]
+        try:
+            pair = root if tuple(root.mesh_dim_names or ()) == names else root[names]
+        except KeyError:
+            # The two are slices of different unflattenings of the root (torchtitan: "fsdp" of its
+            # dense mesh, "tp" of its data-loading mesh, both from the 1-D world mesh, which
+            # knows neither name): join their layouts (and existing groups) directly.
+            pair = DeviceMesh._concatenate([dp, tp])
     except (KeyError, RuntimeError, ValueError):
         raise ValueError(
             f"matrixfsdp: the data-parallel mesh {dp} and the parameters' TP mesh {tp} must be two "
