@@ -24,13 +24,16 @@ RTOL = 1e-5
 
 
 def _train(steps: int, dump_folder: str, optimizer: str, variant: str = "plain", *,
-           global_batch: int = GLOBAL_BATCH, dp_replicate: int = 1, replica_step: str = "auto") -> dict:
+           global_batch: int = GLOBAL_BATCH, dp_replicate: int = 1, replica_step: str = "auto",
+           tp: int = 1, sequence_parallel: bool = True) -> dict:
     """Pool worker: tiny Qwen3 converted with with_matrixfsdp, trained in this rank's process.
     ``variant``: "ac" adds torchtitan's selective activation checkpointing; "reset_params" drops
     ``param_init`` from some modules so torchtitan initializes them with reset_parameters();
     "chunked" uses torchtitan's ChunkedLossWrapper (the head is applied outside the model's forward,
     chunk by chunk, each chunk backwarded on its own). ``dp_replicate > 1``: torchtitan's HSDP
-    (``data_parallel_replicate_degree``, the rest of the world shards) with ``replica_step``."""
+    (``data_parallel_replicate_degree``, the rest of the world shards) with ``replica_step``.
+    ``tp > 1``: torchtitan's tensor parallelism (``tensor_parallel_degree``; the data-parallel
+    world is ``W / tp``), with or without its sequence parallelism."""
     import torch
     import torch.distributed as dist
 
@@ -40,12 +43,15 @@ def _train(steps: int, dump_folder: str, optimizer: str, variant: str = "plain",
     import matrixfsdp.titan as mt
     from matrixfsdp._fully_shard import comm_counter
     from matrixfsdp.placement.owner import owner_of
+    from matrixfsdp.placement.tp_host import tp_host_of
 
     W = dist.get_world_size()
-    cfg = tiny_qwen3_config(steps=steps, global_batch=global_batch,
+    cfg = tiny_qwen3_config(steps=steps, global_batch=global_batch, world_size=W // tp,
                             dump_folder=os.path.join(dump_folder, f"{optimizer}-{variant}-w{W}-r{dp_replicate}"
-                                                                  f"-{replica_step}"))
+                                                                  f"-{replica_step}-tp{tp}{'sp' * sequence_parallel}"))
     cfg.parallelism.data_parallel_replicate_degree = dp_replicate
+    cfg.parallelism.tensor_parallel_degree = tp
+    cfg.parallelism.enable_sequence_parallel = sequence_parallel
     if variant == "ac":
         from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
@@ -63,20 +69,31 @@ def _train(steps: int, dump_folder: str, optimizer: str, variant: str = "plain",
 
     def inspect(trainer) -> dict:
         model = trainer.model_parts[0]
-        kinds, meshes, step_replicas = {}, set(), {}
+        kinds, meshes, step_replicas, tp_hosts, placements = {}, set(), {}, {}, {}
+        executors = {}  # the TP host steps this rank runs (its owner row's), by id
         for fqn, p in model.named_parameters():
             o = matrixfsdp.owned_of(p)
             kinds[fqn] = "even" if o is None else o.kind
             meshes.add((tuple(p.device_mesh.mesh_dim_names or ()), tuple(p.device_mesh.shape)))
+            placements[fqn] = tuple(type(pl).__name__ + str(getattr(pl, "dim", "")) for pl in p.placements)
             if o is not None and o.kind == "matrix":
                 step_replicas[fqn] = owner_of(p).step_replica
+            host = tp_host_of(p)
+            if host is not None:
+                tp_hosts[fqn] = host.host
+                if host.executor is not None:
+                    executors[id(host.executor)] = host.executor
         algos = sorted({g["algorithm"] for opt in trainer.optimizers for g in opt.param_groups})
         types_ = sorted({type(o).__name__ for o in trainer.optimizers})
         counter = comm_counter(model)
         before = (sum(counter.calls.values()), counter.bytes_sent)
+        a2a = sum(e.calls["all_to_all"] for e in executors.values())
         trainer.optimizers.step()  # the grads of the last step are still there
         after = (sum(counter.calls.values()), counter.bytes_sent)
+        a2a = sum(e.calls["all_to_all"] for e in executors.values()) - a2a
         return {"kinds": kinds, "meshes": sorted(meshes), "step_replicas": step_replicas, "algos": algos, "optimizer_types": types_, "step_comm": (before, after),
+                "tp_hosts": tp_hosts, "placements": placements, "tp_step_all_to_alls": a2a,
+                "tp_micro_groups": sum(len(e.groups) for e in executors.values()),
                 "model_class": type(model).__name__,
                 "is_managed": isinstance(model, matrixfsdp.MatrixFSDPModule)}
 
@@ -144,6 +161,42 @@ def test_titan_trainer_hsdp_matches_one_process(tmp_path):
     assert ref["losses"][-1] < ref["losses"][0], ref["losses"]
 
 
+def test_titan_trainer_tp_matches_one_process(tmp_path):
+    """``parallelism.tensor_parallel_degree=2`` at 4 ranks, (fsdp=2, tp=2): torchtitan's own TP
+    (``Module.parallelize``: colwise wqkv/w1/w3, rowwise wo/w2, vocab-parallel tied embedding and
+    head, hence its vocab-parallel cross-entropy), then matrixfsdp's owners over
+    ``["fsdp", "tp"]``. With sequence parallelism (torchtitan's default) and without, the run
+    trains the same global batch as one process does, to the W-invariance tolerance (the
+    gradient norm checks clipping and the gradient scale; Muon's whole-matrix steps, not
+    shard-local ones, are what make the losses agree). Every parameter is a TP DTensor owned by
+    one TP row, every matrix is stepped on a TP host between 2 all-to-alls per micro-group, and
+    fully_shard's own collectives stay out of the step."""
+    ref = get_pool(1).run(_train, STEPS, str(tmp_path), "Muon", timeout=180)[0]
+    for sp in (True, False):
+        res = get_pool(4).run(_train, STEPS, str(tmp_path), "Muon", tp=2, sequence_parallel=sp, timeout=240)
+        for r in res:
+            info = r["inspected"]
+            assert info["is_managed"] and info["algos"] == ["adamw", "auto"], info
+            assert r["losses"] == res[0]["losses"], "ranks disagree on the logged loss"
+            assert "even" not in info["kinds"].values(), info["kinds"]  # TP DTensors are always owned
+            assert {shape for _, shape in info["meshes"]} == {(2,)}, info["meshes"]  # owners' TP rows
+            assert all(n[0].startswith("tp_owned_by_rank") for n, _ in info["meshes"]), info["meshes"]
+            pl = info["placements"]
+            assert pl["layers.0.attention.qkv_linear.wqkv.weight"] == ("Shard0",), pl
+            assert pl["layers.0.feed_forward.w2.weight"] == ("Shard1",), pl
+            assert pl["tok_embeddings.weight"] == ("Shard0",) and "lm_head.weight" not in pl, pl  # tied
+            mats = sorted(f for f, k in info["kinds"].items() if k == "matrix")
+            assert len(mats) == 2 * 5 and sorted(info["tp_hosts"]) == mats, (mats, info["tp_hosts"])
+            assert set(info["tp_hosts"].values()) == {0, 1}, info["tp_hosts"]
+            before, after = info["step_comm"]
+            assert before == after, info["step_comm"]  # no all-gather/reduce-scatter in the step
+            assert info["tp_step_all_to_alls"] == 2 * info["tp_micro_groups"] > 0, info
+        got = res[0]
+        assert _close(got["grad_norms"], ref["grad_norms"], RTOL), (sp, got["grad_norms"], ref["grad_norms"])
+        assert _close(got["losses"], ref["losses"], RTOL), (sp, got["losses"], ref["losses"])
+    assert ref["losses"][-1] < ref["losses"][0], ref["losses"]
+
+
 @pytest.mark.parametrize("variant", ["ac", "reset_params", "chunked"])
 def test_titan_trainer_variants(tmp_path, variant):
     """Activation checkpointing (the default of torchtitan's configs: its recomputation runs the
@@ -165,9 +218,12 @@ def test_with_matrixfsdp_rejects_unknown_optimizer():
         mt.with_matrixfsdp(mt.qwen3_debugmodel_muon(), optimizer="Adam")
 
 
-def _train_ckpt(steps: int, folder: str, load_step: int | None, optimizer: str = "Muon") -> dict:
+def _train_ckpt(steps: int, folder: str, load_step: int | None, optimizer: str = "Muon", *,
+                tp: int = 1, load_from: str | None = None) -> dict:
     """Pool worker: Muon via with_matrixfsdp with torchtitan's CheckpointManager saving every 2
-    steps into ``folder``; ``load_step`` resumes from that step (DCP reshards to this world)."""
+    steps into ``folder``; ``load_step`` resumes from that step (DCP reshards to this world).
+    ``tp``: torchtitan's tensor parallelism (data parallelism over ``W / tp``); ``load_from``: the
+    checkpoint folder to resume from (default: the W=2 run's)."""
     import torch
     import torch.distributed as dist
 
@@ -177,13 +233,16 @@ def _train_ckpt(steps: int, folder: str, load_step: int | None, optimizer: str =
     import matrixfsdp.titan as mt
 
     W = dist.get_world_size()
-    cfg = tiny_qwen3_config(steps=steps, global_batch=GLOBAL_BATCH, dump_folder=folder)
+    cfg = tiny_qwen3_config(steps=steps, global_batch=GLOBAL_BATCH, world_size=W // tp,
+                            dump_folder=folder)
+    cfg.parallelism.tensor_parallel_degree = tp
     kw = ({"ns_dtype": torch.float32} if optimizer == "Muon" else
           {"start_preconditioning_step": 1, "precondition_frequency": 4})  # roots made at step 1, kept
     cfg = mt.with_matrixfsdp(cfg, optimizer=optimizer, lr=0.02 if optimizer == "Muon" else 1e-3,
                              adamw_lr=8e-4, optimizer_kwargs=kw)
     cfg.checkpoint = CheckpointManager.Config(
-        enable=True, folder=f"{optimizer}-w{W}" if load_step is None else f"{optimizer}-w2", interval=2,
+        enable=True, folder=(f"{optimizer}-w{W}" + (f"-tp{tp}" if tp > 1 else "") if load_step is None
+                             else load_from or f"{optimizer}-w2"), interval=2,
         last_save_model_only=False, load_step=-1 if load_step is None else load_step,
         keep_latest_k=0)
     with cpu_patches(full_tensor_init=False):
@@ -211,6 +270,22 @@ def test_titan_checkpoint_resume_and_reshard(tmp_path, optimizer):
     assert _close(resharded["grad_norms"], full["grad_norms"][2:], RTOL), (resharded, full)
 
 
+def test_titan_checkpoint_tp(tmp_path):
+    """torchtitan's CheckpointManager at (fsdp=2, tp=2): resuming from step 2 at the same layout
+    continues exactly (the TP hosts' whole-matrix state included), and the same checkpoint
+    resumed without TP at W=2 (DCP reshards TP shards and host state into owners) continues as
+    the TP run did, within the W-invariance tolerance."""
+    folder = str(tmp_path)
+    full = get_pool(4).run(_train_ckpt, STEPS, folder, None, "Muon", tp=2, timeout=240)[0]
+    assert os.path.isdir(os.path.join(folder, "Muon-w4-tp2", "step-2")), os.listdir(folder)
+    same = get_pool(4).run(_train_ckpt, STEPS, folder, 2, "Muon", tp=2, load_from="Muon-w4-tp2", timeout=240)[0]
+    assert same["losses"] == full["losses"][2:], (same, full)
+    assert same["grad_norms"] == full["grad_norms"][2:], (same, full)
+    dp = get_pool(2).run(_train_ckpt, STEPS, folder, 2, "Muon", load_from="Muon-w4-tp2", timeout=180)[0]
+    assert _close(dp["losses"], full["losses"][2:], RTOL), (dp, full)
+    assert _close(dp["grad_norms"], full["grad_norms"][2:], RTOL), (dp, full)
+
+
 def test_cli_config_lookup_and_overrides():
     """`--module matrixfsdp.titan --config qwen3_debugmodel_muon` through torchtitan's own
     ConfigManager (module lookup + tyro CLI overrides on our Config subclass)."""
@@ -235,8 +310,7 @@ def test_parallelize_rejects_unsupported_parallelism():
     dims = SimpleNamespace(tp_enabled=True, cp_enabled=False, ep_enabled=False, pp_enabled=True,
                            dp_replicate_enabled=False)
     off = SimpleNamespace(enable=False, components=[])
-    with pytest.raises(ValueError, match=r"parallelize_matrixfsdp: not supported yet: tensor parallelism, "
-                                         r"pipeline parallelism"):
+    with pytest.raises(ValueError, match=r"parallelize_matrixfsdp: not supported yet: pipeline parallelism$"):
         mt.parallelize_matrixfsdp(None, parallel_dims=dims, training=SimpleNamespace(), parallelism=None,
                                   compile_config=off, ac_config=None, dump_folder="")
     dims.tp_enabled = dims.pp_enabled = False
@@ -250,6 +324,41 @@ def test_parallelize_rejects_unsupported_parallelism():
         mt.parallelize_matrixfsdp(None, parallel_dims=dims, training=SimpleNamespace(),
                                   parallelism=SimpleNamespace(spmd_backend="spmd_types"),
                                   compile_config=off, ac_config=None, dump_folder="")
+
+
+def test_parallelize_tp_refusals(monkeypatch):
+    """What tensor parallelism does not compose with, each refused naming the config field."""
+    from types import SimpleNamespace
+
+    import torch.nn as nn
+
+    import _titan_cpu  # noqa: F401
+    import matrixfsdp.titan as mt
+    from torchtitan.components.quantization import float8
+
+    kw = dict(training=SimpleNamespace(), parallelism=SimpleNamespace(spmd_backend="partial_dtensor"),
+              ac_config=None, dump_folder="")
+    off = SimpleNamespace(enable=False, components=[], enable_async_tensor_parallel=False)
+    dims = SimpleNamespace(tp_enabled=True, tp=2, cp_enabled=False, ep_enabled=False, pp_enabled=False,
+                           dp_replicate_enabled=True, dp_replicate=2)
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"HSDP with tensor parallelism \(parallelism.data_parallel_replicate_degree"
+                                         r"=2 with parallelism.tensor_parallel_degree=2\) needs a 3-D .*not support; "
+                                         r"set parallelism.data_parallel_replicate_degree=1"):
+        mt.parallelize_matrixfsdp(model, parallel_dims=dims, compile_config=off, **kw)
+    dims.dp_replicate_enabled, dims.dp_replicate = False, 1
+    on = SimpleNamespace(enable=True, components=["model", "loss"], enable_async_tensor_parallel=True)
+    with pytest.raises(ValueError, match=r"async tensor parallelism \(compile.enable_async_tensor_parallel=True\) "
+                                         r"is not supported.*set compile.enable_async_tensor_parallel=False"):
+        mt.parallelize_matrixfsdp(model, parallel_dims=dims, compile_config=on, **kw)
+
+    class FakeFloat8Linear(nn.Linear):  # torchao is not installed here: stand in for its class
+        pass
+
+    monkeypatch.setattr(float8, "Float8Linear", FakeFloat8Linear)
+    with pytest.raises(ValueError, match=r"quantized linears \(Float8/MXFP8/NVFP4 model converters, e.g. '0'\) "
+                                         r"with parallelism.tensor_parallel_degree=2 are not supported.*converters=\[\]"):
+        mt.parallelize_matrixfsdp(nn.Sequential(FakeFloat8Linear(4, 4)), parallel_dims=dims, compile_config=off, **kw)
 
 
 def test_with_matrixfsdp_defaults_and_no_mutation():

@@ -12,9 +12,10 @@ From Python, convert any dense Llama3/Qwen3 config::
 
 What the conversion does:
 
-* ``model_spec.parallelize_fn`` becomes :func:`parallelize_matrixfsdp`: activation checkpointing
-  as configured, then ``plan_owners`` over the decoder layers and ``matrixfsdp.fully_shard`` of
-  every layer and of the root on torchtitan's ``"fsdp"`` mesh, or with ``dp_replicate > 1``
+* ``model_spec.parallelize_fn`` becomes :func:`parallelize_matrixfsdp`: torchtitan's tensor
+  parallelism if configured (see below), activation checkpointing as configured, then
+  ``plan_owners`` over the decoder layers and ``matrixfsdp.fully_shard`` of every layer and of
+  the root on torchtitan's ``"fsdp"`` mesh, or with ``dp_replicate > 1``
   (HSDP) on the 2-D ``["dp_replicate", "fsdp"]`` mesh torchtitan's own ``apply_fsdp`` takes
   (owners planned within ``fsdp``, ``replica_step`` from :func:`with_matrixfsdp`; mixed precision and
   ``fsdp_reshard_after_forward`` from the config), summed gradients (torchtitan normalizes the
@@ -40,6 +41,19 @@ Activation checkpointing as configured is applied first; the block sharded is th
 layer (the recomputation runs it without the wrapper's hooks). Modules that torchtitan initializes
 with ``reset_parameters()`` (no ``param_init``) are also initialized on full tensors.
 
+Tensor parallelism (``parallelism.tensor_parallel_degree > 1``, with or without
+``enable_sequence_parallel``): torchtitan's own TP is applied first, as its
+``parallelize_{llama,qwen3}`` do on the ``partial_dtensor`` path (``model.parallelize(parallel_dims)``:
+the sharding configs the model config declares -- colwise ``wqkv``/``w1``/``w3``, rowwise
+``wo``/``w2``, a vocab-parallel embedding and head, so the loss is torchtitan's vocab-parallel
+cross-entropy -- leave ``Shard(0)``/``Shard(1)``/``Replicate()`` DTensors on the ``"tp"`` mesh); a
+tied embedding is tied again (``parallelize`` registers a new parameter on each of the two
+modules). Then owners are planned over torchtitan's 2-D ``parallel_dims.get_mesh(["fsdp", "tp"])``
+and ``fully_shard`` runs on ``"fsdp"`` as without TP (docs/tp.md: every TP-sharded matrix is
+stepped whole on one host of its owner's TP row). Initialization on full tensors keeps each
+rank's TP shard (``set_full_``), clipping spans the ``(fsdp, tp)`` mesh, and torchtitan's
+checkpointer saves and resumes it (DCP reshards to and from runs without TP).
+
 HSDP (``parallelism.data_parallel_replicate_degree > 1``): the data-parallel mesh is torchtitan's
 ``parallel_dims.get_mesh(["dp_replicate", "fsdp"])``, the mesh its stock ``apply_fsdp`` gives
 torch's ``fully_shard`` for HSDP (dimension 0 replicates, dimension 1 shards; ``fsdp`` is
@@ -47,8 +61,11 @@ torch's ``fully_shard`` for HSDP (dimension 0 replicates, dimension 1 shards; ``
 layout in every replica; ``replica_step`` (``"auto"``, ``"repeat"`` or ``"split"``, see
 ``plan_owners``) says how each owned matrix is combined across the replicas.
 
-Not supported (clear errors): tensor/context/expert/pipeline parallelism, CPU offload,
-``torch.compile`` of the model, MoE (parameters with more than 2 dimensions). The clipping dispatch replaces ``torchtitan.distributed.utils.clip_grad_norm_``
+Not supported (clear errors): context/expert/pipeline parallelism, CPU offload,
+``torch.compile`` of the model, MoE (parameters with more than 2 dimensions); with tensor
+parallelism also HSDP (``dp_replicate > 1``: a 3-D mesh), async TP
+(``compile.enable_async_tensor_parallel``) and quantized linears (Float8/MXFP8/NVFP4 model
+converters). The clipping dispatch replaces ``torchtitan.distributed.utils.clip_grad_norm_``
 process-wide with a wrapper that calls the original for models without matrixfsdp parameters.
 """
 
@@ -114,8 +131,16 @@ def parallelize_matrixfsdp(
     :func:`with_matrixfsdp` and go to ``plan_owners(policy=, optimizer=, replica_step=)`` and
     ``fully_shard(collectives=)`` (``replica_step`` matters only with ``dp_replicate > 1``).
     """
+    tp = bool(parallel_dims.tp_enabled)
+    if tp and getattr(compile_config, "enable_async_tensor_parallel", False):
+        # before the compile check below: async TP requires compile.enable (its own __post_init__)
+        raise ValueError(
+            f"{API}.parallelize_matrixfsdp: async tensor parallelism (compile.enable_async_tensor_parallel"
+            "=True) is not supported: it needs torch.compile of the model, which matrixfsdp's hooks "
+            "do not compose with; set compile.enable_async_tensor_parallel=False (plain TP works)"
+        )
     unsupported = [name for name, on in (
-        ("tensor parallelism", parallel_dims.tp_enabled), ("context parallelism", parallel_dims.cp_enabled),
+        ("context parallelism", parallel_dims.cp_enabled),
         ("expert parallelism", parallel_dims.ep_enabled), ("pipeline parallelism", parallel_dims.pp_enabled),
         ("CPU offload", bool(getattr(training, "enable_cpu_offload", False))),
         ("torch.compile of the model", bool(compile_config.enable and "model" in compile_config.components)),
@@ -133,6 +158,13 @@ def parallelize_matrixfsdp(
             f"{API}.parallelize_matrixfsdp: parameters with more than 2 dimensions (MoE experts?) are "
             f"not supported yet, got {high[:3]}{'...' if len(high) > 3 else ''}"
         )
+    if tp:
+        _check_tp_config(model, parallel_dims)
+        # torchtitan's own TP, as its parallelize_{llama,qwen3} (partial_dtensor path): the
+        # sharding configs the model config set (update_from_config -> set_*_sharding_config)
+        # shard the parameters on the "tp" mesh and wrap the forwards; then AC, then fully_shard.
+        model.parallelize(parallel_dims)
+        _retie_embeddings(model)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if skip_dp:
@@ -147,7 +179,10 @@ def parallelize_matrixfsdp(
     # As torchtitan's own apply_fsdp (models/{llama3,qwen3}/parallelize.py, partial_dtensor path):
     # HSDP is the 2-D ("dp_replicate", "fsdp") mesh, dimension 0 replicating, 1 sharding.
     mesh = parallel_dims.get_mesh(["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else "fsdp")
-    plan = plan_owners(model, mesh, block_types=block_types, policy=policy, optimizer=plan_optimizer,
+    # With TP the owners are planned over the 2-D ("fsdp", "tp") view of the same world mesh
+    # (global shapes; tp taken from it), and fully_shard runs on "fsdp" as without TP.
+    plan_mesh = parallel_dims.get_mesh(["fsdp", "tp"]) if tp else mesh
+    plan = plan_owners(model, plan_mesh, block_types=block_types, policy=policy, optimizer=plan_optimizer,
                        replica_step=replica_step)
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[training.mixed_precision_param],
                               reduce_dtype=_DTYPES[training.mixed_precision_reduce])
@@ -161,6 +196,59 @@ def parallelize_matrixfsdp(
     _redirect_param_init(model)
     _install_clip_dispatch()
     return model
+
+
+def _check_tp_config(model: nn.Module, parallel_dims: Any) -> None:
+    """Refuse what does not compose with TP under matrixfsdp's fully_shard (clear errors naming
+    the config field to change; async TP is refused in parallelize_matrixfsdp)."""
+    where = f"{API}.parallelize_matrixfsdp"
+    tp = parallel_dims.tp
+    if parallel_dims.dp_replicate_enabled:
+        raise ValueError(
+            f"{where}: HSDP with tensor parallelism (parallelism.data_parallel_replicate_degree="
+            f"{parallel_dims.dp_replicate} with parallelism.tensor_parallel_degree={tp}) needs a 3-D "
+            "(dp_replicate, fsdp, tp) mesh, which matrixfsdp.fully_shard does not support; set "
+            "parallelism.data_parallel_replicate_degree=1 (shard over the rest of the world) or "
+            "parallelism.tensor_parallel_degree=1"
+        )
+    quantized = _quantized_linear_types()
+    qfqns = [fqn for fqn, m in model.named_modules() if quantized and isinstance(m, quantized)]
+    if qfqns:
+        raise ValueError(
+            f"{where}: quantized linears (Float8/MXFP8/NVFP4 model converters, e.g. "
+            f"{qfqns[0]!r}) with parallelism.tensor_parallel_degree={tp} are not supported: their "
+            "weights would be TP-sharded DTensors inside matrixfsdp's fully_shard; drop the "
+            "converter from the model_spec (model_registry(..., converters=[])) or set "
+            "parallelism.tensor_parallel_degree=1"
+        )
+
+
+def _retie_embeddings(model: nn.Module) -> None:
+    """``Module.parallelize`` registers a new DTensor parameter on each module, so a tied
+    embedding (``enable_weight_tying``: ``tok_embeddings.weight is lm_head.weight``) comes out as
+    two parameters with the same layout (``Shard(0)`` on "tp"). torchtitan re-ties them only in
+    ``init_states``, after its ``fully_shard``; matrixfsdp's ``fully_shard`` must see the one
+    shared parameter (otherwise the embedding's copy is sharded on its own and never
+    initialized, ``skip_param_init``), so tie them again here, as the unparallelized model is."""
+    emb, head = getattr(model, "tok_embeddings", None), getattr(model, "lm_head", None)
+    if not getattr(model, "enable_weight_tying", False) or emb is None or head is None:
+        return
+    if emb.weight is not head.weight:
+        if tuple(emb.weight.placements) != tuple(head.weight.placements):  # type: ignore[union-attr]
+            raise ValueError(f"{API}.parallelize_matrixfsdp: the tied tok_embeddings/lm_head weights "
+                             f"were parallelized differently: {emb.weight.placements} vs "
+                             f"{head.weight.placements}")  # type: ignore[union-attr]
+        emb.weight = head.weight
+
+
+def _quantized_linear_types() -> tuple[type, ...]:
+    """torchtitan's quantized Linear classes that exist in this install (torchao-backed ones are
+    ``None`` without torchao)."""
+    from torchtitan.components.quantization import float8, mx, nvfp4
+
+    found = (getattr(float8, "Float8Linear", None), getattr(mx, "MXFP8Linear", None),
+             getattr(nvfp4, "NVFP4Linear", None))
+    return tuple(t for t in found if isinstance(t, type))
 
 
 def _redirect_param_init(model: nn.Module) -> None:

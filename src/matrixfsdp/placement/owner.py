@@ -257,14 +257,23 @@ def owner_tp_meshes(dp: DeviceMesh, tp: DeviceMesh) -> tuple[DeviceMesh, ...]:
 
 
 def dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
-    """The 2-D ``(dp, tp)`` mesh whose dimensions ``dp`` and ``tp`` are (sliced from one root mesh:
-    a ``("dp_shard", "tp")`` mesh, or e.g. torchtitan's world mesh as ``["fsdp", "tp"]``)."""
+    """The 2-D ``(dp, tp)`` mesh whose dimensions ``dp`` and ``tp`` are: ``root[(dp, tp)]`` of their
+    common root (a ``("dp_shard", "tp")`` mesh), or, when the root knows neither name as one of
+    its dimensions (torchtitan slices ``"fsdp"`` and ``"tp"`` from different unflattenings of its
+    1-D world mesh), the two slices joined (``DeviceMesh._concatenate``, torch 2.13; existing
+    groups). Two slices of different roots raise."""
     root = dp._get_root_mesh()
     names = (dp.mesh_dim_names or (None,))[0], (tp.mesh_dim_names or (None,))[0]
     try:
         if root != tp._get_root_mesh() or None in names:
             raise KeyError(names)
-        pair = root if tuple(root.mesh_dim_names or ()) == names else root[names]
+        try:
+            pair = root if tuple(root.mesh_dim_names or ()) == names else root[names]
+        except KeyError:
+            # The two are slices of different unflattenings of the root (torchtitan: "fsdp" of its
+            # dense mesh, "tp" of its data-loading mesh, both from the 1-D world mesh, which
+            # knows neither name): join their layouts (and existing groups) directly.
+            pair = DeviceMesh._concatenate([dp, tp])
     except (KeyError, RuntimeError, ValueError):
         raise ValueError(
             f"matrixfsdp: the data-parallel mesh {dp} and the parameters' TP mesh {tp} must be two "
