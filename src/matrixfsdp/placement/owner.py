@@ -264,22 +264,33 @@ def dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
     groups). Two slices of different roots raise."""
     root = dp._get_root_mesh()
     names = (dp.mesh_dim_names or (None,))[0], (tp.mesh_dim_names or (None,))[0]
-    try:
-        if root != tp._get_root_mesh() or None in names:
-            raise KeyError(names)
+    pair = None
+    if None not in names:
         try:
             pair = root if tuple(root.mesh_dim_names or ()) == names else root[names]
-        except KeyError:
+        except (KeyError, RuntimeError, ValueError):
             # The two are slices of different unflattenings of the root (torchtitan: "fsdp" of its
             # dense mesh, "tp" of its data-loading mesh, both from the 1-D world mesh, which
             # knows neither name): join their layouts (and existing groups) directly.
-            pair = DeviceMesh._concatenate([dp, tp])
-    except (KeyError, RuntimeError, ValueError):
+            try:
+                pair = DeviceMesh._concatenate([dp, tp])
+            except (KeyError, RuntimeError, ValueError):
+                pair = None
+    # DeviceMesh compares by value (a DTensor's mesh may be an equal object of another root), so
+    # the check is by ranks: this rank's row and column of the pair are tp and dp
+    if pair is not None:
+        grid = pair.mesh.tolist()
+        me = dp.mesh.tolist()[dp.get_local_rank()]
+        row = next((r for r in grid if me in r), None)
+        col = [r[row.index(me)] for r in grid] if row is not None else None
+        if row != tp.mesh.tolist() or col != dp.mesh.tolist():
+            pair = None
+    if pair is None:
         raise ValueError(
             f"matrixfsdp: the data-parallel mesh {dp} and the parameters' TP mesh {tp} must be two "
             "named dimensions of one mesh: init_device_mesh(device_type, (dp, tp), "
             "mesh_dim_names=(\"dp_shard\", \"tp\")), then mesh[\"dp_shard\"] and mesh[\"tp\"]"
-        ) from None
+        )
     return pair
 
 
