@@ -262,9 +262,14 @@ def dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
     root = dp._get_root_mesh()
     names = (dp.mesh_dim_names or (None,))[0], (tp.mesh_dim_names or (None,))[0]
     try:
-        if root != tp._get_root_mesh() or None in names:
+        if None in names:
             raise KeyError(names)
         pair = root if tuple(root.mesh_dim_names or ()) == names else root[names]
+        # By value, not by root: torch may hand a parallelized parameter an equal DeviceMesh
+        # object cached from an earlier mesh (e.g. a 1-D "tp" mesh over the same ranks, whose
+        # root is itself); what matters is that tp is this rank's TP row of dp's root.
+        if pair[names[1]] != tp:
+            raise KeyError(names)
     except (KeyError, RuntimeError, ValueError):
         raise ValueError(
             f"matrixfsdp: the data-parallel mesh {dp} and the parameters' TP mesh {tp} must be two "
