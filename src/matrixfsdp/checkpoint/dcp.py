@@ -338,18 +338,22 @@ def _check_tensor(api: str, key: str, tmeta: Any, value: torch.Tensor, path: str
         )
 
 
-def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: TensorStorageMetadata) -> Any:
+def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: TensorStorageMetadata,
+                    hosted_whole: bool = True) -> Any:
     """A fresh buffer for optimizer state ``name`` of parameter ``p`` in ``p``'s current layout;
     ``None`` when this rank keeps no such state (a non-owner of an owned or replicated parameter;
     an empty shard's state of another shape). An empty ``Shard(0)`` shard gets empty buffers and its
-    step counter, as torch's optimizers keep them."""
+    step counter, as torch's optimizers keep them. ``hosted_whole``: the optimizer steps TP-hosted
+    matrices on their hosts (``matrixfsdp.optim``), whose state is whole there; a stock optimizer
+    (``torch.optim.AdamW``) steps them shard by shard on the owner's TP row, state like the
+    parameter."""
     shape, dtype = tuple(tmeta.size), tmeta.properties.dtype
     local = local_tensor(p)
     if not isinstance(p, DTensor):
         if not keeps_state(p):
             return None  # matrixfsdp.replicate: the owner keeps (and loads) this state
         return torch.empty(shape, dtype=dtype, device=p.device)
-    host = tp_host_of(p)
+    host = tp_host_of(p) if hosted_whole else None
     if host is not None:  # a TP-hosted matrix: its host keeps the whole state (placement/tp_host.py)
         if not keeps_state(p):
             return None
@@ -357,7 +361,8 @@ def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: Tenso
         return buf if len(shape) == 0 or host.host_mesh is None else wrap_dtensor(buf, host.host_mesh, (Replicate(),), shape)
     info = owned_of(p)
     if info is not None:
-        if not keeps_state(p):
+        # (a stock optimizer's TP-hosted matrix: every rank of the owner's TP row keeps state)
+        if not (keeps_state(p) if host is not None or tp_host_of(p) is None else info.is_local):
             return None
         if name == "step" or shape != tuple(p.shape):
             # counters, and whole-matrix state of other shapes (Shampoo/SOAP factors)
@@ -607,6 +612,9 @@ def load(
             params = {fqn: p for fqn, p in model.named_parameters()}
             opt_fqns = list(chain.from_iterable(g["params"] for g in osd["param_groups"]))
             state_keys = [k for k in saved if k.startswith(f"{OPTIM_KEY}.state.")]
+            from ..optim._base import MatrixOptimizer
+
+            hosted_whole = isinstance(optimizer, MatrixOptimizer)
             if not any(k.startswith(f"{OPTIM_KEY}.") for k in saved):
                 raise ValueError(f"{api}: checkpoint {path!r} has no optimizer state (no {OPTIM_KEY!r} keys)")
             if hparams == "optimizer":
@@ -638,7 +646,7 @@ def load(
                         buf: Any = None  # a non-tensor state value: loaded as bytes
                         state_tpl.setdefault(fqn, {})[name] = buf
                         continue
-                    buf = _state_template(api, params[fqn], fqn, name, tmeta)
+                    buf = _state_template(api, params[fqn], fqn, name, tmeta, hosted_whole)
                     if buf is not None:
                         _check_tensor(api, key, tmeta, buf, path)
                         state_tpl.setdefault(fqn, {})[name] = buf

@@ -317,7 +317,12 @@ class _Base:
         n = t.nbytes
         self.counter.record("broadcast", n * (self.world_size - 1) if self.rank == src else 0,
                             0 if self.rank == src else n)
-        dist.broadcast(t, group_src=src, group=self.group)
+        # gloo sends and receives a tensor's storage as is: a non-contiguous one (a transposed
+        # view, SOAP's eigenbases from eigh) would arrive scrambled; go through a contiguous copy
+        buf = t if t.is_contiguous() else t.contiguous()
+        dist.broadcast(buf, group_src=src, group=self.group)
+        if buf is not t and self.rank != src:
+            t.copy_(buf)
 
     def _check_reduce(self, out: torch.Tensor, inp: torch.Tensor, splits: Sequence[int]) -> list[int]:
         splits = list(splits)

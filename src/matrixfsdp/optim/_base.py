@@ -314,11 +314,15 @@ class MatrixOptimizer(Optimizer):
         hosted = []
         for p in group["params"]:
             route = self._route(group, p)
-            if route != "adamw" and tp_host_of(p) is not None:
+            host = tp_host_of(p)
+            if host is not None:
+                # either rule: the host steps the whole matrix and keeps its whole state (an
+                # "adamw" group's TP matrices too: stepped shard by shard here, only the host's
+                # shard would move, the host keeping the only, shard-shaped, state)
                 owner = owner_of(p)  # under fully_shard + TP: only the owner's TP row steps it
                 if owner is None or owner.is_local:
                     hosted.append(p)
-                elif p.grad is not None:
+                if p.grad is not None and not keeps_state(p):  # another rank is its host
                     self._note_remote(p)
                 continue
             if not keeps_state(p):  # another rank owns it: no state, no compute here
@@ -485,6 +489,8 @@ class MatrixOptimizer(Optimizer):
                 param = param.new_empty(tuple(p.shape))
             if p.grad is None or param.numel() == 0:
                 continue
+            if tp_host_of(p) is not None:  # its host keeps the whole matrix's state
+                param = torch.empty(tuple(p.shape), dtype=param.dtype, device=param.device)
             if route == "adamw":
                 self._adamw_init_state(param, self.state[p], group)
             else:
@@ -492,8 +498,9 @@ class MatrixOptimizer(Optimizer):
         self._sync_host_steps()
 
     def _note_remote(self, p: Tensor) -> None:
-        """An owned parameter stepped on its owner (every rank sees the same gradients)."""
-        if owned_of(p) is not None:
+        """An owned parameter stepped on its owner, a TP-hosted one on its host (every rank sees
+        the same gradients): its state exists there."""
+        if owned_of(p) is not None or tp_host_of(p) is not None:
             self._remote_state.add(id(p))
 
     def _state_schema(self, p: Tensor, group: dict[str, Any], *, like: Tensor | None = None) -> dict[str, Any]:

@@ -71,8 +71,8 @@ def _as_dtensor(opt_name: str, key: str, p: Tensor, value: Any) -> Any:
     info = owned_of(p)
     host = tp_host_of(p)
     if host is not None and host.host_mesh is not None:  # whole on its TP host (placement/tp_host.py)
-        if value.ndim == 0:
-            return value
+        # counters too: every other rank presents the same keys on the host's mesh (_remote_entry),
+        # so a full state dict gathers each from the host alone
         return wrap_dtensor(value, host.host_mesh, (Replicate(),), tuple(value.shape))
     if value.ndim == 0 and info is None:
         return value  # an even parameter's step counter: the same on every rank with a shard
@@ -134,7 +134,12 @@ def present_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
             continue
         if idx not in state and DTensor is not None and isinstance(p, DTensor) and p.requires_grad:
             info = owned_of(p)
-            remote_entry = info is not None and id(p) in remote and local_tensor(p).numel() == 0
+            host = tp_host_of(p)
+            # a TP-hosted matrix: the ranks of its TP group other than the host (and, under
+            # fully_shard + TP, every other row) present the host's keys
+            hosted_elsewhere = host is not None and host.host_mesh is not None and not keeps_state(p)
+            remote_entry = id(p) in remote and (
+                hosted_elsewhere or (info is not None and local_tensor(p).numel() == 0))
             state[idx] = _remote_entry(opt, p, info) if remote_entry else {}
     return {**sd, "state": dict(sorted(state.items()))}
 
@@ -143,7 +148,8 @@ def _remote_entry(opt: "MatrixOptimizer", p: Tensor, info: Any) -> dict[str, Any
     """The keys and global shapes of the owner's state of ``p``, as empty owned DTensors."""
     group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
     schema = opt._state_schema(p, group)
-    mesh = info.owner_mesh
+    host = tp_host_of(p)
+    mesh = host.host_mesh if host is not None and host.host_mesh is not None else info.owner_mesh
     local = local_tensor(p)
     out: dict[str, Any] = {}
     for k, v in schema.items():

@@ -309,9 +309,9 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
 def set_full_(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """Write ``full`` (the whole tensor, same on every rank) into ``param``'s local segment.
 
-    No communication: the owner of an owned parameter copies everything, other ranks nothing
-    (for an owned TP-sharded parameter, each rank of the owner's TP row its TP shard); an evenly
-    sharded parameter copies its rows; a plain tensor is copied whole. Gives a sharded
+    No communication: the owner of an owned parameter copies everything, other ranks nothing;
+    an evenly sharded parameter copies its rows; an owned TP-sharded parameter (``fully_shard`` +
+    TP) its TP shard, on the owner's TP row; a plain tensor is copied whole. Gives a sharded
     model exactly the values of an unsharded one initialized with the same ``full`` tensors
     (e.g. after meta-device init and ``to_empty``). Returns ``param``.
 
@@ -329,15 +329,17 @@ def set_full_(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     local = param._local_tensor
     if local.numel() == 0:
         return param
-    info = owned_of(param)
-    if info is not None and not any(isinstance(pl, Shard) for pl in param.placements):
-        local.copy_(full)
-        return param
-    # evenly sharded, or owned and TP-sharded (its TP placements on the owner's TP-row mesh, the
-    # local tensor this rank's TP shard): copy the slice
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    info = owned_of(param)
+    tp = tp_mesh_of(param.device_mesh)
+    if info is not None and tp is None:
+        local.copy_(full)
+        return param
+    # an evenly sharded parameter: its rows; a TP-sharded owned one (FSDP2 + TP): on the owner's
+    # TP row, this rank's TP shard, in the coordinates of its own TP mesh
+    shape, offset = compute_local_shape_and_global_offset(param.shape, tp if tp is not None else param.device_mesh,
+                                                          param.placements)
     index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
     local.copy_(full[index])
     return param

@@ -89,7 +89,7 @@ class TPHostStep:
                 work, recv = self._gather(members)
                 work.wait()
                 updates = self._host_steps(opt, group, members, recv)
-                self._apply(group, members, *self._scatter(members, updates))
+                self._apply(opt, group, members, *self._scatter(members, updates))
             return
         pending = self._gather(stages[0])
         scattered: list[tuple[list[_Member], Any, torch.Tensor]] = []
@@ -101,9 +101,9 @@ class TPHostStep:
             updates = self._host_steps(opt, group, members, recv)
             scattered.append((members, *self._scatter(members, updates)))
             if len(scattered) > 1:  # the previous group's scatter has had this group's compute
-                self._apply(group, *scattered.pop(0))
+                self._apply(opt, group, *scattered.pop(0))
         for item in scattered:
-            self._apply(group, *item)
+            self._apply(opt, group, *item)
 
     def _gather(self, members: list[_Member]) -> tuple[Any, torch.Tensor]:
         T, r = self.tp, self.rank
@@ -130,12 +130,16 @@ class TPHostStep:
                 n = m.shard_numel(q, T)
                 pieces[m.fqn].append(recv[off:off + n].view(m.shard_shape(q, T)))
                 off += n
-        no_decay = {**group, "weight_decay": 0.0}
+        no_decay = {**group, "weight_decay": 0.0, "adamw_weight_decay": 0.0}
         out = {}
         for m in mine:
             grad = torch.cat(pieces[m.fqn], dim=m.dim)
             update = torch.zeros(tuple(m.param.shape), dtype=m.param.dtype, device=grad.device)
-            opt._matrix_step(update, grad, opt.state[m.param], no_decay)  # the rule on a zero matrix
+            # the rule on a zero matrix (an "adamw" group's matrices: AdamW, element-wise)
+            if opt._route(group, m.param) == "adamw":
+                opt._adamw_step(update, grad, opt.state[m.param], no_decay)
+            else:
+                opt._matrix_step(update, grad, opt.state[m.param], no_decay)
             self.host_steps += 1
             out[m.fqn] = update
         return out
@@ -165,21 +169,31 @@ class TPHostStep:
                                       group=self.group, async_op=True)
         return work, recv
 
-    def _apply(self, group: dict[str, Any], members: list[_Member], work: Any, recv: torch.Tensor) -> None:
+    def _apply(self, opt: Any, group: dict[str, Any], members: list[_Member], work: Any, recv: torch.Tensor) -> None:
         work.wait()
         T, r = self.tp, self.rank
-        lr, wd = group["lr"], group.get("weight_decay", 0.0)
         off = 0
         for h in range(T):
             for m in members:
                 if m.host != h:
                     continue
+                lr, wd = _decay(opt, group, m.param)
                 local = m.param._local_tensor
                 n = local.numel()
                 if wd:
                     local.mul_(1 - lr * wd)
                 local.add_(recv[off:off + n].view(local.shape))
                 off += n
+
+
+def _decay(opt: Any, group: dict[str, Any], p: Any) -> tuple[Any, float]:
+    """The ``(lr, weight_decay)`` of ``p``'s decoupled decay under ``opt``'s rule for it (AdamW's
+    own hyperparameters in an ``"adamw"`` route, as ``MatrixOptimizer._adamw_step``)."""
+    if opt._route(group, p) == "adamw":
+        lr = group["adamw_lr"] if group.get("adamw_lr") is not None else group["lr"]
+        wd = group.get("adamw_weight_decay")
+        return lr, wd if wd is not None else group.get("weight_decay", 0.0)
+    return group["lr"], group.get("weight_decay", 0.0)
 
 
 def _offsets(n: int, tp: int) -> list[int]:
