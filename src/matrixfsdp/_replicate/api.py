@@ -216,8 +216,8 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
 
     It reads ``param_groups`` before ``state``: under ``torch.compile(opt.step)`` this hook is
     traced first, and a parameter dynamo first meets as a key of ``state`` has its gradient
-    guarded by identity, a recompile per step (see [Note: compiled steps and parameter
-    sources] in ``optim/_base.py``)."""
+    guarded by identity, a recompile per step (see [Note: compiled steps and sources] in
+    ``optim/_base.py``)."""
     for g in optimizer.param_groups:
         for p in g["params"]:
             # replicate's own parameters only: a torch optimizer keeps (empty) state for a
