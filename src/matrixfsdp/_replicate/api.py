@@ -212,15 +212,18 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
     a torch optimizer before loading (``get_state_dict`` runs a zero-gradient step on a fresh
     optimizer), so after a standard-path resume each rank would keep DDP-sized state for good.
     ``matrixfsdp.optim`` never creates it; this frees it for torch's optimizers at their next
-    step (after ``set_state_dict`` has read it)."""
-    if not optimizer.state:
-        return
+    step (after ``set_state_dict`` has read it).
+
+    It reads ``param_groups`` before ``state``: under ``torch.compile(opt.step)`` this hook is
+    traced first, and a parameter dynamo first meets as a key of ``state`` has its gradient
+    guarded by identity, a recompile per step (see [Note: compiled steps and sources] in
+    ``optim/_base.py``)."""
     for g in optimizer.param_groups:
         for p in g["params"]:
             # replicate's own parameters only: a torch optimizer keeps (empty) state for a
             # fully_shard non-owner's empty shard, as for any Shard(0) shard
-            if _is_replica(p) and not keeps_state(p):
-                optimizer.state.pop(p, None)
+            if _is_replica(p) and not keeps_state(p) and p in optimizer.state:
+                del optimizer.state[p]
 
 
 def _is_replica(p: Any) -> bool:

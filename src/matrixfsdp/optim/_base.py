@@ -289,6 +289,19 @@ class MatrixOptimizer(Optimizer):
                 yield index, group, p, self._route(group, p)
 
     # ----------------------------------------------------------------------------- step
+    # [Note: compiled steps and sources]
+    # Under ``torch.compile(opt.step)`` dynamo names each object by the first path the trace
+    # reached it through (its source) and keeps that name. A parameter first met as a key of
+    # ``self.state`` (a dict keyed by tensors) has a dict-key source, and dynamo (torch 2.13,
+    # ``match_on_id_for_tensor`` in ``_dynamo/guards.py``) guards every tensor reached from it by
+    # identity, ``p.grad`` included. ``zero_grad()`` and each backward of ``fully_shard`` or
+    # ``replicate`` give new gradient tensors, so every step found its graph invalidated ("Cache
+    # line invalidated because ...grad got deallocated") and recompiled, up to the recompile
+    # limit. So ``step()`` reads ``param_groups`` before ``self.state`` (dynamo builds every
+    # parameter of an Optimizer's groups, with param_groups sources, at the first read of that
+    # attribute; torch's own optimizers get this order from dynamo's ``_init_group`` special
+    # case), and so does ``replicate``'s step pre-hook, which is traced first.
+    # ``benchmarks/repro/compile_sharded_step.py`` shows it: 5 compiles in 5 calls, or 1.
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Performs a single optimization step; purely local (no communication)."""
@@ -296,7 +309,8 @@ class MatrixOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self.state and self._is_state_init_call():
+        params = [p for group in self.param_groups for p in group["params"]]  # before self.state,
+        if not self.state and self._is_state_init_call(params):  # see [Note: compiled steps and sources]
             self._init_states()
             return loss
         if any(g.get("capturable", False) for g in self.param_groups):
@@ -465,11 +479,11 @@ class MatrixOptimizer(Optimizer):
     # such a call (no state yet, every lr 0, every gradient all-zero) creates exactly the state a
     # first real step starts from -- zeros, counters at 0, SOAP marked "statistics pending" -- and
     # leaves every parameter untouched.
-    def _is_state_init_call(self) -> bool:
+    def _is_state_init_call(self, params: list[Tensor]) -> bool:
         if any(g["lr"] != 0 for g in self.param_groups):
             return False
         seen = False
-        for _, _, p, _ in self._routed():
+        for p in params:
             if p.grad is not None:
                 seen = True
                 if local_tensor(p.grad).any():

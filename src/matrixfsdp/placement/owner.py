@@ -173,11 +173,8 @@ def owner_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
         # No communicator: a [Replicate()] tensor on these meshes never communicates (W new_group
         # calls would mean W communicator splits, with eager NCCL init, for nothing). Named after
         # the owner, so DTensor's errors tell the meshes apart ("owned_by_rank3@...").
-        subs = tuple(
-            DeviceMesh(mesh.device_type, [row[s] for row in grid], mesh_dim_names=(f"owned_by_rank{s}@{tag}",),
-                       _init_backend=False)
-            for s in range(len(grid[0]))
-        )
+        subs = tuple(_mesh_without_group(mesh.device_type, [row[s] for row in grid], f"owned_by_rank{s}@{tag}")
+                     for s in range(len(grid[0])))
         shard = mesh if mesh.ndim == 1 or mesh.get_coordinate() is None else mesh[mesh.mesh_dim_names[1]]
         _OWNER_MESHES[mesh] = subs
         for s, sub in enumerate(subs):
@@ -217,12 +214,26 @@ def one_rank_meshes(over: DeviceMesh, label: str) -> tuple[DeviceMesh, ...]:
     subs = _ONE_RANK.get(key)
     if subs is None:
         tag = _tag(over)
-        subs = tuple(DeviceMesh(over.device_type, [g], mesh_dim_names=(f"{label}{i}@{tag}",), _init_backend=False)
+        subs = tuple(_mesh_without_group(over.device_type, [g], f"{label}{i}@{tag}")
                      for i, g in enumerate(over.mesh.flatten().tolist()))
         for i, sub in enumerate(subs):
             _OWNER_OF[sub] = (over, i)
         _ONE_RANK[key] = subs
     return subs
+
+
+def _mesh_without_group(device_type: str, ranks: list[int], name: str) -> DeviceMesh:
+    """A 1-D mesh over ``ranks`` with no process group (owner, step and one-rank meshes).
+
+    It records an empty list of group names: torch 2.13's dynamo reads ``_dim_group_names`` of
+    every mesh it meets (DeviceMesh is a registered opaque type) and refuses a mesh built with
+    ``_init_backend=False`` that lacks it, so ``torch.compile(opt.step)`` could not trace an
+    owned parameter. Empty, no group is ever resolved (``__setstate__`` of dynamo's guard copies
+    resolves none); a collective on such a mesh still fails in ``get_group()``, with an
+    ``IndexError`` instead of torch's "process groups not initialized"."""
+    sub = DeviceMesh(device_type, ranks, mesh_dim_names=(name,), _init_backend=False)
+    sub._dim_group_names = []
+    return sub
 
 
 _OWNER_TP: dict[tuple[DeviceMesh, DeviceMesh], tuple[DeviceMesh, ...]] = {}
@@ -248,7 +259,7 @@ def owner_tp_meshes(dp: DeviceMesh, tp: DeviceMesh) -> tuple[DeviceMesh, ...]:
             if s == mine:
                 sub = DeviceMesh.from_group(tp.get_group(), tp.device_type, mesh=row, mesh_dim_names=name)
             else:
-                sub = DeviceMesh(tp.device_type, row, mesh_dim_names=name, _init_backend=False)
+                sub = _mesh_without_group(tp.device_type, row, name[0])
             _OWNER_OF[sub] = (dp, s)
             _TP_ROW[sub] = tp
             out.append(sub)
