@@ -1231,12 +1231,15 @@ class TPMicroGroups(TPImpl):
     name = "tp_microgroups"
     pipeline = True
     per_matrix = False  # True: one micro-group per matrix (unfused); dp=1: hosts by LPT
+    lpt_hosts = False  # dp > 1: re-assign the plan's hosts by LPT (lpt_hosted_plan)
 
     def wrap_dp(self, mesh2: Any) -> None:
         import matrixfsdp
 
         kw = {"tp_c_max": 1} if self.per_matrix else {}
         plan = matrixfsdp.plan_owners(self.model, mesh2, block_types=(DecoderLayer,), **kw)
+        if self.lpt_hosts:
+            plan = lpt_hosted_plan(plan)
         dpm = mesh2["dp_shard"]
         for layer in self.model.model.layers:
             matrixfsdp.fully_shard(layer, mesh=dpm, plan=plan)
@@ -1256,7 +1259,9 @@ class TPMicroGroups(TPImpl):
         self.micro_groups_per_row = [len(gs) for gs in plan.micro_groups]
         self.micro_groups = sum(self.micro_groups_per_row)
         self.notes.append(f"matrixfsdp.plan_owners(model, ({dp}, {tp}) mesh, block_types=(DecoderLayer,)"
-                          + (", tp_c_max=1" if self.per_matrix else "") + f") digest={getattr(plan, 'digest', '?')}; "
+                          + (", tp_c_max=1" if self.per_matrix else "") + ")"
+                          + ("; hosts re-assigned by LPT over each owner row's groups (lpt_hosted_plan)" if self.lpt_hosts else "")
+                          + f" digest={getattr(plan, 'digest', '?')}; "
                           f"matrixfsdp.fully_shard per DecoderLayer + root on mesh['dp_shard']"
                           + ("; matrixfsdp.tp.set_pipeline(model, False)" if not self.pipeline else "")
                           + f": micro-groups per owner row {self.micro_groups_per_row} (sizes "
@@ -1289,12 +1294,54 @@ class TPMicroGroups(TPImpl):
         return Muon(self.model, **self.cfg.muon_kwargs())
 
 
-def _tp_hosted(name: str, pipeline: bool, per_matrix: bool) -> type[Impl]:
-    return type(f"TPMicroGroups_{name}", (TPMicroGroups,), {"name": name, "pipeline": pipeline, "per_matrix": per_matrix})
+def lpt_hosted_plan(plan: Any) -> Any:
+    """``plan`` with each owner row's hosts re-assigned by LPT on Newton-Schulz FLOPs over all of
+    its micro-groups (in execution order; ties to the lowest TP rank); groups, their order and
+    members unchanged. For ``tp_c_max=1`` plans, whose one-matrix groups all take TP rank 0 (a
+    fresh group's first host): the per-matrix all-to-alls with the hosts balanced as at dp=1's
+    ``tp_unfused``. An ``OwnerPlan`` is a validated record: ``dataclasses.replace`` re-checks it and
+    recomputes its digest (the same on every rank)."""
+    import dataclasses
+
+    shapes = {pp.fqn: pp.shape for pp in plan.params}
+    rows = []
+    for groups in plan.micro_groups:
+        load = [0.0] * plan.tp
+        new = []
+        for g in groups:
+            members = []
+            for f, _ in g.members:
+                h = min(range(plan.tp), key=lambda i: (load[i], i))
+                load[h] += _ns_flops(torch.Size(shapes[f]))
+                members.append((f, h))
+            if len(members) > 1:
+                raise ValueError("lpt_hosted_plan: for one-matrix micro-groups (tp_c_max=1) only")
+            new.append(dataclasses.replace(g, members=tuple(members)))
+        rows.append(tuple(new))
+    return dataclasses.replace(plan, micro_groups=tuple(rows))
+
+
+def _tp_hosted(name: str, pipeline: bool, per_matrix: bool, lpt_hosts: bool = False) -> type[Impl]:
+    return type(f"TPMicroGroups_{name}", (TPMicroGroups,), {"name": name, "pipeline": pipeline, "per_matrix": per_matrix,
+                                                            "lpt_hosts": lpt_hosts})
+
+
+class TPUnfusedLPT(TPMicroGroups):
+    """dp > 1 only: ``tp_unfused`` (``tp_c_max=1``) with LPT-balanced hosts, isolating fusion from
+    host balance (``tp_c_max=1`` alone hosts every matrix on TP rank 0 of its owner row)."""
+
+    name = "tp_unfused_lpt"
+    per_matrix = True
+    lpt_hosts = True
+
+    def setup(self) -> None:
+        if not tp_composed(self.ctx):
+            raise ValueError("tp_unfused_lpt runs at dp > 1 (--tp T --world dp*T); at dp=1 tp_unfused has LPT hosts")
+        super().setup()
 
 
 TP_IMPLS: tuple[type[Impl], ...] = (TPRedundant, TPMicroGroups, _tp_hosted("tp_sequential", False, False),
-                                    _tp_hosted("tp_unfused", True, True), TPShardLocal)
+                                    _tp_hosted("tp_unfused", True, True), TPShardLocal, TPUnfusedLPT)
 
 IMPLS: dict[str, type[Impl]] = {
     c.name: c for c in (DDPMuon, FSDP2GatherMuon, FSDP2DistMuon, Zero1Owner, FSDP2AdamW, MatrixFSDP,

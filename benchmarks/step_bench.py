@@ -75,7 +75,9 @@ W ranks (its ``full_tensor``) and Newton-Schulz on every rank. ``tp_microgroups`
 rank, the owner's TP row hosts the step, 2 fused all-to-alls per micro-group); ``tp_unfused``: the
 same with ``tp_c_max=1`` (one micro-group per matrix); ``tp_sequential``: the same as
 ``tp_microgroups`` after ``matrixfsdp.tp.set_pipeline(model, False)``; ``tp_shard_local``: stock
-FSDP2 + TP, Newton-Schulz on each rank's local block (inexact, timing only):
+FSDP2 + TP, Newton-Schulz on each rank's local block (inexact, timing only); and (dp > 1 only)
+``tp_unfused_lpt``: ``tp_unfused`` with its hosts re-assigned by LPT (``tp_c_max=1`` alone puts
+every one-matrix group on TP rank 0 of its owner row, so ``tp_unfused`` also loses host balance):
 
     python benchmarks/step_bench.py --tp 2 --world 4 --out benchmarks/results/tp_step_cpu_dp2_tp2
 
@@ -121,6 +123,8 @@ HSDP_DEFAULT_IMPLS = ("single_muon", "hsdp_adamw", "hsdp_distmuon", "hsdp_gather
 #: --mesh defaults: ratios against stock HSDP + AdamW, parity against the single-process run
 HSDP_REFERENCE, HSDP_PARITY_REF = "hsdp_adamw", "single_muon"
 TP_DEFAULT_IMPLS = ("tp_redundant", "tp_microgroups", "tp_sequential", "tp_unfused", "tp_shard_local")
+#: --tp T --world dp*T (dp > 1): the same rows plus tp_unfused with LPT-balanced hosts
+TP_DP_DEFAULT_IMPLS = (*TP_DEFAULT_IMPLS, "tp_unfused_lpt")
 TP_REFERENCE = "tp_redundant"  #: --tp: ratio and parity reference
 MB = 1 << 20
 
@@ -940,6 +944,9 @@ def _tp_section(meta: dict[str, Any], ok: list[dict[str, Any]], ok_names: list[s
     targets = (("step >= 2x faster than the redundant baseline", "tp_microgroups", ref, 0.5),
                ("fused faster than unfused", "tp_microgroups", "tp_unfused", 1.0),
                ("pipelined faster than sequential micro-groups", "tp_microgroups", "tp_sequential", 1.0))
+    if "tp_unfused_lpt" in ok_names:  # dp > 1: tp_c_max=1 hosts every matrix on TP rank 0
+        targets += (("(supplementary, not an issue target) fused faster than unfused with LPT-balanced hosts",
+                     "tp_microgroups", "tp_unfused_lpt", 1.0),)
     L.append("Targets (step-time ratio in the same repeat, median over clean repeats; met when below the bound):")
     L.append("")
     for what, a, b, bound in targets:
@@ -1043,7 +1050,9 @@ def driver_main(args: argparse.Namespace) -> int:
 
 
 def _impl_list(args: argparse.Namespace) -> list[str]:
-    default = HSDP_DEFAULT_IMPLS if args.mesh else TP_DEFAULT_IMPLS if args.tp else DEFAULT_IMPLS
+    default = HSDP_DEFAULT_IMPLS if args.mesh else DEFAULT_IMPLS
+    if args.tp:
+        default = TP_DP_DEFAULT_IMPLS if _world_hint(args) > args.tp else TP_DEFAULT_IMPLS
     names = [s.strip() for s in (args.impls or args.impl or ",".join(default)).split(",") if s.strip()]
     bad = [n for n in names if n not in IMPLS]
     if bad:

@@ -178,7 +178,8 @@ def test_step_bench_tp_dp_rows_well_formed(tmp_path):
     FSDP); the matrixfsdp rows make two all-to-alls per micro-group of their owner row in the step
     and nothing else; the report states the targets at dp=2."""
     out = tmp_path / "tpdp"
-    names = ["tp_redundant", "tp_microgroups", "tp_sequential", "tp_unfused", "tp_shard_local", "ddp_muon"]
+    names = ["tp_redundant", "tp_microgroups", "tp_sequential", "tp_unfused", "tp_shard_local", "tp_unfused_lpt",
+             "ddp_muon"]
     _bench("step_bench.py", "--tp", "2", "--world", "4", "--impls", ",".join(names), "--repeats", "1",
            "--warmup", "2", "--steps", "1", "--parity-steps", "2", "--retries", "0", "--max-foreign", "1.0",
            "--quiet-wait", "0", "--hidden", "64", "--intermediate", "128", "--layers", "1", "--vocab", "384",
@@ -197,7 +198,7 @@ def test_step_bench_tp_dp_rows_well_formed(tmp_path):
         assert set(step_ops(rows["tp_redundant"], rank)) == {"all_gather_single"}
         assert step_ops(rows["tp_redundant"], rank)["all_gather_single"][0] == n_mats
         assert rows["tp_shard_local"]["comm_per_rank"][rank]["step"]["calls"] == 0
-    for name in ("tp_microgroups", "tp_sequential", "tp_unfused"):
+    for name in ("tp_microgroups", "tp_sequential", "tp_unfused", "tp_unfused_lpt"):
         r = rows[name]
         per_row = r["micro_groups_per_row"]
         assert len(per_row) == 2 and sum(per_row) == r["micro_groups"]
@@ -207,13 +208,15 @@ def test_step_bench_tp_dp_rows_well_formed(tmp_path):
             assert ops.get("all_to_all_single", [0])[0] == 2 * per_row[rank // 2], (name, rank, ops)
         assert r["parity"]["max_abs_diff"] <= 1e-5, r["parity"]
         assert r["ratios"]["step_s"]["tp_redundant"] > 0
-    assert rows["tp_unfused"]["micro_groups"] == n_mats
+    assert rows["tp_unfused"]["micro_groups"] == rows["tp_unfused_lpt"]["micro_groups"] == n_mats
     assert rows["tp_microgroups"]["micro_groups"] == rows["tp_sequential"]["micro_groups"] < n_mats
+    # tp_c_max=1 alone hosts every one-matrix group on TP rank 0 of its row; the LPT row rebalances
+    assert rows["tp_unfused_lpt"]["step_balance"] < rows["tp_unfused"]["step_balance"]
     assert rows["ddp_muon"]["parity"]["max_abs_diff_muon_matrices"] <= 1e-5, rows["ddp_muon"]["parity"]
     assert rows["ddp_muon"]["parity"]["max_abs_diff"] <= 1e-4, rows["ddp_muon"]["parity"]
     assert rows["tp_shard_local"]["parity"]["max_abs_diff"] > 1e-4  # inexact by design
     md = (tmp_path / "tpdp.md").read_text()
-    assert "### TP step (issue 18, TP 2, dp=2)" in md and md.count("(bound ") == 3
+    assert "### TP step (issue 18, TP 2, dp=2)" in md and md.count("(bound ") == 4  # + the supplementary one
     assert "(\"dp_shard\", \"tp\")" in md and "per dp row" in md
 
 
@@ -229,4 +232,5 @@ def test_step_bench_tp_world_must_be_multiple(capsys):
     assert e.value.code == 2 and "dp * T" in capsys.readouterr().err
     args = step_bench.parse_args(["--tp", "2", "--world", "4"])
     assert (args.tp, args.world, args.reference, args.parity_ref) == (2, 4, "tp_redundant", "tp_redundant")
-    assert step_bench._impl_list(args) == list(step_bench.TP_DEFAULT_IMPLS)
+    assert step_bench._impl_list(args) == [*step_bench.TP_DEFAULT_IMPLS, "tp_unfused_lpt"]
+    assert step_bench._impl_list(step_bench.parse_args(["--tp", "2"])) == list(step_bench.TP_DEFAULT_IMPLS)  # dp=1
