@@ -138,7 +138,9 @@ class Context:
     matrixfsdp_source: str = "public"  # "public": matrixfsdp.fully_shard; "_runtime": private module
     # where the model, the data and every baseline's buffers live (the mesh's device type)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    tp: int = 1  # step_bench --tp T: the mesh is the 1-D ("tp",) mesh, every rank sees the whole batch
+    # step_bench --tp T: the mesh is the 1-D ("tp",) mesh (W = T, every rank sees the whole batch)
+    # or, at W = dp * T > T, the 2-D ("dp_shard", "tp") mesh (a TP row shares its dp rank's batch)
+    tp: int = 1
 
 
 def build_model(cfg: BenchConfig, device: torch.device | str | None = None) -> Decoder:
@@ -972,21 +974,34 @@ HSDP_IMPLS: tuple[type[Impl], ...] = (
 )
 
 
-# ================================================================================ TP, dp=1 (issue 18)
+# ================================================================================ TP (issue 18)
+def tp_composed(ctx: Context) -> bool:
+    """Whether ``ctx.mesh`` is the 2-D ``("dp_shard", "tp")`` mesh of step_bench ``--tp T --world W``
+    with W > T (TP composed with FSDP-style data parallelism) rather than dp=1's ``("tp",)`` mesh."""
+    return ctx.mesh.ndim == 2 and tuple(ctx.mesh.mesh_dim_names or ()) == ("dp_shard", "tp")
+
+
 def tp_mesh(ctx: Context) -> Any:
-    """The 1-D ``("tp",)`` mesh of step_bench ``--tp T`` (dp=1: every rank is one TP rank)."""
+    """The TP mesh of step_bench ``--tp T``: the 1-D ``("tp",)`` mesh at dp=1 (every rank is one TP
+    rank), ``mesh["tp"]`` of the ``("dp_shard", "tp")`` mesh at dp = W / T > 1."""
+    if ctx.tp >= 2 and tp_composed(ctx):
+        return ctx.mesh["tp"]
     if ctx.tp < 2 or ctx.mesh.mesh_dim_names != ("tp",):
         raise ValueError("the tp_* rows need a TP mesh: run step_bench with --tp T (T >= 2)")
     return ctx.mesh
 
 
-def tp_parallelize(model: Decoder, mesh: Any) -> list[str]:
+def tp_parallelize(model: Decoder, mesh: Any, *, norm_hooks: bool = True) -> list[str]:
     """torch's Megatron-style TP plan on every decoder layer: q/k/v and gate/up
     ``ColwiseParallel``, o/down ``RowwiseParallel``; each attention module computes with its
     local heads (heads / tp, as torchtitan's TP plan does). The q/k norms act on local heads, so
     their gradients are all-reduced over the TP group (async, in backward; as Megatron does for
     norms whose inputs are split). Embedding, head and the other norms stay replicated (every
-    rank computes them on the whole batch). Returns the TP-sharded matrices' FQNs."""
+    rank computes them on the whole batch). Returns the TP-sharded matrices' FQNs.
+
+    ``norm_hooks=False`` (TP composed with data parallelism): no gradient hooks; a data-parallel
+    wrapper replaces the parameters, so the q/k norms' TP all-reduce is made after backward on
+    the reduced (data-parallel) shards instead (:meth:`TPImpl.backward`)."""
     import dataclasses
 
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -1006,7 +1021,7 @@ def tp_parallelize(model: Decoder, mesh: Any) -> list[str]:
         parallelize_module(layer.mlp, mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
                                              "down_proj": RowwiseParallel()})
         layer.self_attn.cfg = local
-        if cfg.qk_norm:
+        if cfg.qk_norm and norm_hooks:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 norm.weight.register_post_accumulate_grad_hook(
                     lambda p: pending.append(dist.all_reduce(p.grad, group=mesh.get_group(), async_op=True)))
@@ -1015,19 +1030,55 @@ def tp_parallelize(model: Decoder, mesh: Any) -> list[str]:
             for m, ns in (("self_attn", col + row), ("mlp", ("gate_proj", "up_proj", "down_proj"))) for n in ns]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 class TPImpl(Impl):
     """Base of the ``tp_*`` rows: the bench Decoder under :func:`tp_parallelize` on the TP mesh;
-    subclasses build the optimizer (``make_opt``)."""
+    subclasses build the optimizer (``make_opt``).
+
+    At dp > 1 (the ``("dp_shard", "tp")`` mesh) the parallelized model is then wrapped for data
+    parallelism over ``mesh["dp_shard"]`` by ``wrap_dp`` (default: stock torch ``fully_shard`` per
+    DecoderLayer + root, torch's FSDP2 + TP pattern; the matrixfsdp rows override it), and the q/k
+    norms' TP all-reduce runs after backward on their data-parallel shards (:meth:`backward`)."""
 
     def setup(self) -> None:
         mesh = tp_mesh(self.ctx)
+        self.composed = tp_composed(self.ctx)
         self.model = build_model(self.cfg, self.ctx.device)
-        self.tp_fqns = tp_parallelize(self.model, mesh)
+        self.tp_fqns = tp_parallelize(self.model, mesh, norm_hooks=not self.composed)
+        if self.composed:
+            self.wrap_dp(self.ctx.mesh)
+            self._norms = [self.model.get_parameter(f"model.layers.{i}.self_attn.{n}.weight")
+                           for i in range(self.cfg.num_hidden_layers) for n in ("q_norm", "k_norm")] \
+                if self.model.cfg.qk_norm else []
         self.opts = [self.make_opt(mesh)]
         self.notes.append(check_routes(self.opts[0], self.model.named_parameters()))
 
+    def wrap_dp(self, mesh2: Any) -> None:
+        """Stock torch FSDP2 over ``mesh2["dp_shard"]`` on the TP-parallelized model: every TP
+        parameter becomes a 2-D DTensor ``(Shard(0) over dp, Shard(d) over tp)`` (``_StridedShard``
+        when both split dim 0), the replicated ones ``Shard(0)`` over dp."""
+        _fsdp2_wrap(self.model, mesh2["dp_shard"])
+        self.notes.append(f"stock torch fully_shard per DecoderLayer + root on mesh['dp_shard'] "
+                          f"({mesh2['dp_shard'].size()} ranks) over the TP-parallelized model (FSDP2 + TP)")
+
     def make_opt(self, mesh: Any) -> torch.optim.Optimizer:
         raise NotImplementedError
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        if getattr(self, "composed", False) and self._norms:
+            # the q/k norms' gradients are partial over TP (each TP rank normalizes its own heads):
+            # sum the data-parallel-reduced shards over the TP group, as the dp=1 hooks do in backward
+            group = tp_mesh(self.ctx).get_group()
+            works = [dist.all_reduce(g, group=group, async_op=True)
+                     for p in self._norms if p.grad is not None and (g := _local(p.grad)).numel()]
+            for w in works:
+                w.wait()
 
     def step(self) -> None:
         for w in self.model._tp_pending:  # the q/k norms' gradient all-reduces, issued in backward
@@ -1036,10 +1087,109 @@ class TPImpl(Impl):
         super().step()
 
 
+def _chunk_sizes(n: int, k: int) -> list[int]:
+    """Sizes of ``torch.chunk(range(n), k)`` padded with empty chunks to ``k`` (how DTensor's
+    ``Shard`` and FSDP2 split a dimension)."""
+    c = -(-n // k)
+    return [max(0, min(c, n - i * c)) for i in range(k)]
+
+
+class FullGatherMuon(Muon):
+    """The redundant (Megatron ``duplicated`` / DistMuon-without-owners) step under FSDP2 + TP:
+    momentum on the local ``(dp, tp)`` shard; per matrix one async ``all_gather_single`` of the
+    momentum-updated shard over the whole ``("dp_shard", "tp")`` mesh (what ``full_tensor()`` of
+    the update moves), Newton-Schulz on the whole matrix on every rank, keep this rank's shard.
+    Stock FSDP2 lays the TP shard ``t`` of a matrix out as ``torch.chunk`` over dp of its rows, on
+    rank ``mesh[d, t]``: the gathered pieces are pasted back in that order. AdamW-routed
+    parameters update their shard locally."""
+
+    def __init__(self, params: Any, *, mesh2: Any, **kw: Any):
+        self._mesh2 = mesh2
+        self._ranks = mesh2.mesh.tolist()  # [d][t] -> global rank
+        self._flat = [r for row in self._ranks for r in row]
+        if self._flat != list(range(dist.get_world_size())):
+            raise ValueError("FullGatherMuon: the (dp_shard, tp) mesh must span the world in rank order")
+        super().__init__(params, **kw)
+
+    def _check_whole(self, p: torch.Tensor, local: torch.Tensor, index: int) -> None:
+        pass  # shards are expected here
+
+    def _layout(self, p: Any) -> tuple[int, list[int], list[list[int]]]:
+        """(TP-split dim, TP-shard sizes along it, per TP rank the dp chunk sizes of its rows)."""
+        from torch.distributed.tensor import Shard
+
+        pl = p.placements[1]
+        if not isinstance(pl, Shard):
+            raise ValueError(f"FullGatherMuon: expected Shard over tp, got {p.placements}")
+        dtp = pl.dim % 2
+        dp, tp = self._mesh2.shape
+        tsz = _chunk_sizes(p.shape[dtp], tp)
+        rows = [_chunk_sizes(tsz[t] if dtp == 0 else p.shape[0], dp) for t in range(tp)]
+        return dtp, tsz, rows
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        dp, tp = self._mesh2.shape
+        me = dist.get_rank()
+        d_me, t_me = divmod(me, tp)
+        pending = []
+        for _, group, p, route in self._routed():
+            if p.grad is None:
+                continue
+            param = _local(p)
+            grad = _local(p.grad)
+            if route == "adamw":
+                if param.numel():
+                    self._adamw_step(param, grad, self.state[p], group)
+                continue
+            if not (isinstance(p, DTensor) and p.device_mesh.ndim == 2):
+                raise ValueError("FullGatherMuon: Muon matrices must be 2-D (dp_shard, tp) DTensors")
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad)
+            buf, m = state["momentum_buffer"], group["momentum"]
+            buf.lerp_(grad, 1 - m)
+            upd = grad.lerp(buf, m) if group["nesterov"] else buf
+            dtp, tsz, rows = self._layout(p)
+            R = max(max(r) for r in rows)
+            C = max(tsz) if dtp == 1 else p.shape[1]
+            send = torch.zeros(R, C, dtype=upd.dtype, device=upd.device)
+            send[: upd.shape[0], : upd.shape[1]].copy_(upd)
+            out = torch.empty(dp * tp * R, C, dtype=upd.dtype, device=upd.device)
+            work = _all_gather_single(out, send, async_op=True)
+            pending.append((p, param, group, out, work, dtp, tsz, rows, R))
+        for p, param, group, out, work, dtp, tsz, rows, R in pending:
+            work.wait()
+            pieces = out.view(dp * tp, R, -1)
+            cols = (lambda t: tsz[t]) if dtp == 1 else (lambda t: p.shape[1])
+            shards = [torch.cat([pieces[self._ranks[d][t]][: rows[t][d], : cols(t)] for d in range(dp)], dim=0)
+                      for t in range(tp)]
+            full = torch.cat(shards, dim=dtp)
+            ortho = zeropower_via_newtonschulz(full, group["ns_coefficients"], group["ns_steps"],
+                                               group["eps"], group["ns_dtype"])
+            mine = ortho.narrow(dtp, sum(tsz[:t_me]), tsz[t_me])
+            mine = mine.narrow(0, sum(rows[t_me][:d_me]), rows[t_me][d_me])
+            lr = group["lr"]
+            param.mul_(1 - lr * group["weight_decay"])
+            if param.numel():
+                param.add_(mine, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+        return None
+
+
 class TPRedundant(TPImpl):
     name = "tp_redundant"
 
     def make_opt(self, mesh: Any) -> torch.optim.Optimizer:
+        if self.composed:
+            self.notes.append(f"redundant baseline under FSDP2 + TP (Megatron 'duplicated' / DistMuon without owners): "
+                              f"per TP-sharded matrix one async all_gather_single of the momentum-updated (dp, tp) "
+                              f"shard over the whole ({'x'.join(map(str, self.ctx.mesh.shape))}) mesh (= full_tensor "
+                              f"of the update), {self.cfg.ns_short} Newton-Schulz on the whole matrix on every rank, "
+                              "keep own shard (FullGatherMuon)")
+            return FullGatherMuon(muon_param_groups(self.model.named_parameters()), mesh2=self.ctx.mesh,
+                                  **self.cfg.muon_kwargs())
         self.notes.append(f"Megatron TensorParallelMuon 'duplicated': per TP-sharded matrix one async all_gather_single "
                           f"of the momentum-updated shard over the TP group, {self.cfg.ns_short} Newton-Schulz on the "
                           "whole matrix on every TP rank, keep own shard (GatherMuon)")
@@ -1059,22 +1209,70 @@ class TPShardLocal(TPImpl):
     same_numerics = False
 
     def make_opt(self, mesh: Any) -> torch.optim.Optimizer:
-        self.notes.append("INEXACT (timing only): Newton-Schulz on each rank's local shard, lr adjusted by the "
-                          "shard's shape (Megatron 'blockwise' / MuonBP); no optimizer communication")
+        if self.composed:
+            self.notes.append("INEXACT (timing only): stock FSDP2 + TP, Newton-Schulz on each rank's local (dp, tp) "
+                              "block, lr adjusted by the block's shape (Megatron 'blockwise' / MuonBP on the local "
+                              "block); no optimizer communication")
+        else:
+            self.notes.append("INEXACT (timing only): Newton-Schulz on each rank's local shard, lr adjusted by the "
+                              "shard's shape (Megatron 'blockwise' / MuonBP); no optimizer communication")
         return ShardLocalMuon(muon_param_groups(self.model.named_parameters()), **self.cfg.muon_kwargs())
 
 
 class TPMicroGroups(TPImpl):
     """``matrixfsdp.tp.host_matrices`` + ``matrixfsdp.optim.Muon(model)``: each TP-sharded matrix
-    stepped whole on one host, two fused all-to-alls per micro-group."""
+    stepped whole on one host, two fused all-to-alls per micro-group.
+
+    At dp > 1: ``matrixfsdp.plan_owners(model, mesh)`` on the ``("dp_shard", "tp")`` mesh and
+    ``matrixfsdp.fully_shard(..., mesh=mesh["dp_shard"])`` per DecoderLayer + root instead: owners
+    are whole matrices per dp rank, the owner's TP row hosts each matrix's step (the plan's
+    micro-groups; ``per_matrix``: ``tp_c_max=1``, one group per matrix), other rows idle."""
 
     name = "tp_microgroups"
     pipeline = True
-    per_matrix = False  # True: one micro-group per matrix (unfused), hosts by LPT
+    per_matrix = False  # True: one micro-group per matrix (unfused); dp=1: hosts by LPT
+    lpt_hosts = False  # dp > 1: re-assign the plan's hosts by LPT (lpt_hosted_plan)
+
+    def wrap_dp(self, mesh2: Any) -> None:
+        import matrixfsdp
+
+        kw = {"tp_c_max": 1} if self.per_matrix else {}
+        plan = matrixfsdp.plan_owners(self.model, mesh2, block_types=(DecoderLayer,), **kw)
+        if self.lpt_hosts:
+            plan = lpt_hosted_plan(plan)
+        dpm = mesh2["dp_shard"]
+        for layer in self.model.model.layers:
+            matrixfsdp.fully_shard(layer, mesh=dpm, plan=plan)
+        matrixfsdp.fully_shard(self.model, mesh=dpm, plan=plan)
+        if not self.pipeline:
+            matrixfsdp.tp.set_pipeline(self.model, False)
+        self.plan = plan
+        dp, tp = mesh2.shape
+        ranks = mesh2.mesh.tolist()
+        load = [0.0] * (dp * tp)
+        shapes = {pp.fqn: pp.shape for pp in plan.params}
+        for s, groups in enumerate(plan.micro_groups):
+            for g in groups:
+                for f, h in g.members:
+                    load[ranks[s][h]] += _ns_flops(torch.Size(shapes[f]))
+        self.balance = _imbalance(load)
+        self.micro_groups_per_row = [len(gs) for gs in plan.micro_groups]
+        self.micro_groups = sum(self.micro_groups_per_row)
+        self.notes.append(f"matrixfsdp.plan_owners(model, ({dp}, {tp}) mesh, block_types=(DecoderLayer,)"
+                          + (", tp_c_max=1" if self.per_matrix else "") + ")"
+                          + ("; hosts re-assigned by LPT over each owner row's groups (lpt_hosted_plan)" if self.lpt_hosts else "")
+                          + f" digest={getattr(plan, 'digest', '?')}; "
+                          f"matrixfsdp.fully_shard per DecoderLayer + root on mesh['dp_shard']"
+                          + ("; matrixfsdp.tp.set_pipeline(model, False)" if not self.pipeline else "")
+                          + f": micro-groups per owner row {self.micro_groups_per_row} (sizes "
+                          f"{[[len(g.members) for g in gs] for gs in plan.micro_groups]}); host balance over the "
+                          f"{dp * tp} ranks (max/mean NS FLOPs) {self.balance:.3f}")
 
     def make_opt(self, mesh: Any) -> torch.optim.Optimizer:
         import matrixfsdp
 
+        if self.composed:
+            return Muon(self.model, **self.cfg.muon_kwargs())
         groups = None
         if self.per_matrix:
             named = [(f, self.model.get_parameter(f)) for f in self.tp_fqns]
@@ -1096,12 +1294,54 @@ class TPMicroGroups(TPImpl):
         return Muon(self.model, **self.cfg.muon_kwargs())
 
 
-def _tp_hosted(name: str, pipeline: bool, per_matrix: bool) -> type[Impl]:
-    return type(f"TPMicroGroups_{name}", (TPMicroGroups,), {"name": name, "pipeline": pipeline, "per_matrix": per_matrix})
+def lpt_hosted_plan(plan: Any) -> Any:
+    """``plan`` with each owner row's hosts re-assigned by LPT on Newton-Schulz FLOPs over all of
+    its micro-groups (in execution order; ties to the lowest TP rank); groups, their order and
+    members unchanged. For ``tp_c_max=1`` plans, whose one-matrix groups all take TP rank 0 (a
+    fresh group's first host): the per-matrix all-to-alls with the hosts balanced as at dp=1's
+    ``tp_unfused``. An ``OwnerPlan`` is a validated record: ``dataclasses.replace`` re-checks it and
+    recomputes its digest (the same on every rank)."""
+    import dataclasses
+
+    shapes = {pp.fqn: pp.shape for pp in plan.params}
+    rows = []
+    for groups in plan.micro_groups:
+        load = [0.0] * plan.tp
+        new = []
+        for g in groups:
+            members = []
+            for f, _ in g.members:
+                h = min(range(plan.tp), key=lambda i: (load[i], i))
+                load[h] += _ns_flops(torch.Size(shapes[f]))
+                members.append((f, h))
+            if len(members) > 1:
+                raise ValueError("lpt_hosted_plan: for one-matrix micro-groups (tp_c_max=1) only")
+            new.append(dataclasses.replace(g, members=tuple(members)))
+        rows.append(tuple(new))
+    return dataclasses.replace(plan, micro_groups=tuple(rows))
+
+
+def _tp_hosted(name: str, pipeline: bool, per_matrix: bool, lpt_hosts: bool = False) -> type[Impl]:
+    return type(f"TPMicroGroups_{name}", (TPMicroGroups,), {"name": name, "pipeline": pipeline, "per_matrix": per_matrix,
+                                                            "lpt_hosts": lpt_hosts})
+
+
+class TPUnfusedLPT(TPMicroGroups):
+    """dp > 1 only: ``tp_unfused`` (``tp_c_max=1``) with LPT-balanced hosts, isolating fusion from
+    host balance (``tp_c_max=1`` alone hosts every matrix on TP rank 0 of its owner row)."""
+
+    name = "tp_unfused_lpt"
+    per_matrix = True
+    lpt_hosts = True
+
+    def setup(self) -> None:
+        if not tp_composed(self.ctx):
+            raise ValueError("tp_unfused_lpt runs at dp > 1 (--tp T --world dp*T); at dp=1 tp_unfused has LPT hosts")
+        super().setup()
 
 
 TP_IMPLS: tuple[type[Impl], ...] = (TPRedundant, TPMicroGroups, _tp_hosted("tp_sequential", False, False),
-                                    _tp_hosted("tp_unfused", True, True), TPShardLocal)
+                                    _tp_hosted("tp_unfused", True, True), TPShardLocal, TPUnfusedLPT)
 
 IMPLS: dict[str, type[Impl]] = {
     c.name: c for c in (DDPMuon, FSDP2GatherMuon, FSDP2DistMuon, Zero1Owner, FSDP2AdamW, MatrixFSDP,

@@ -52,8 +52,8 @@ network of ``benchmarks/netns/setup_two_level.sh``:
     sudo benchmarks/netns/setup_two_level.sh 1gbit
     python benchmarks/step_bench.py --world 4 --mesh 2,2 --netns --out benchmarks/results/hsdp_two_level_1gbit
 
-``--tp T`` (issue 18, dp=1 only: composition of TP with data parallelism is not built yet):
-the T ranks form one 1-D ``("tp",)`` mesh and every rank sees the whole batch; the model is the
+``--tp T`` (issue 18): with ``--world T`` (the default; dp=1) the T ranks form one 1-D ``("tp",)``
+mesh and every rank sees the whole batch; the model is the
 bench Decoder with torch's TP plan on every layer (q/k/v, gate/up ``ColwiseParallel``; o, down
 ``RowwiseParallel``; ``_baselines.tp_parallelize``; heads and KV heads must divide by T: the
 defaults become 8 and 4). Default rows (``TP_DEFAULT_IMPLS``), ratios and parity against
@@ -64,6 +64,22 @@ planner's micro-groups, pipelined), ``tp_sequential`` (the same groups, ``pipeli
 each local shard: inexact, timing only). The report adds the issue's three targets:
 
     python benchmarks/step_bench.py --tp 4 --out benchmarks/results/tp_step_cpu_tp4
+
+With ``--world W``, W = dp * T > T, TP composes with data parallelism on the 2-D
+``init_device_mesh(dev, (dp, T), mesh_dim_names=("dp_shard", "tp"))`` (rank = d*T + t; each dp
+row gets 1/dp of the batch): the same rows, each parallelized on ``mesh["tp"]`` and then wrapped
+per DecoderLayer + root over ``mesh["dp_shard"]``. ``tp_redundant``: stock torch ``fully_shard``
+(FSDP2 + TP; 2-D DTensor parameters), each matrix's momentum-updated shard all-gathered over all
+W ranks (its ``full_tensor``) and Newton-Schulz on every rank. ``tp_microgroups``:
+``matrixfsdp.plan_owners(model, mesh)`` + ``matrixfsdp.fully_shard`` (whole-matrix owners per dp
+rank, the owner's TP row hosts the step, 2 fused all-to-alls per micro-group); ``tp_unfused``: the
+same with ``tp_c_max=1`` (one micro-group per matrix); ``tp_sequential``: the same as
+``tp_microgroups`` after ``matrixfsdp.tp.set_pipeline(model, False)``; ``tp_shard_local``: stock
+FSDP2 + TP, Newton-Schulz on each rank's local block (inexact, timing only); and (dp > 1 only)
+``tp_unfused_lpt``: ``tp_unfused`` with its hosts re-assigned by LPT (``tp_c_max=1`` alone puts
+every one-matrix group on TP rank 0 of its owner row, so ``tp_unfused`` also loses host balance):
+
+    python benchmarks/step_bench.py --tp 2 --world 4 --out benchmarks/results/tp_step_cpu_dp2_tp2
 
 ``--render X.jsonl`` (alone) rewrites ``X.md`` from the rows of an earlier run, keeping its command line.
 
@@ -107,6 +123,8 @@ HSDP_DEFAULT_IMPLS = ("single_muon", "hsdp_adamw", "hsdp_distmuon", "hsdp_gather
 #: --mesh defaults: ratios against stock HSDP + AdamW, parity against the single-process run
 HSDP_REFERENCE, HSDP_PARITY_REF = "hsdp_adamw", "single_muon"
 TP_DEFAULT_IMPLS = ("tp_redundant", "tp_microgroups", "tp_sequential", "tp_unfused", "tp_shard_local")
+#: --tp T --world dp*T (dp > 1): the same rows plus tp_unfused with LPT-balanced hosts
+TP_DP_DEFAULT_IMPLS = (*TP_DEFAULT_IMPLS, "tp_unfused_lpt")
 TP_REFERENCE = "tp_redundant"  #: --tp: ratio and parity reference
 MB = 1 << 20
 
@@ -195,6 +213,8 @@ def run_one(name: str, cfg: BenchConfig, ctx: Context, args: argparse.Namespace,
         row["step_balance"] = round(float(impl.balance), 4)
     if getattr(impl, "micro_groups", None) is not None:  # --tp: TP host step's fused groups
         row["micro_groups"] = impl.micro_groups
+    if getattr(impl, "micro_groups_per_row", None) is not None:  # --tp at dp > 1: per owner (dp) row
+        row["micro_groups_per_row"] = impl.micro_groups_per_row
 
     n_steps = args.warmup + args.steps
     per_rank_times: list[tuple[float, float, float]] = []
@@ -362,9 +382,12 @@ def worker_main(args: argparse.Namespace) -> int:
         mesh = init_device_mesh(device.type, (R, S), mesh_dim_names=("dp_replicate", "dp_shard"))
         link_check = _link_check(args, S) if args.link_check_mb > 0 else None
     elif args.tp:
-        if args.tp != world:
-            raise SystemExit(f"--tp {args.tp} runs at dp=1 (TP x DP is not built yet): needs {args.tp} ranks, not {world}")
-        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+        if world % args.tp:
+            raise SystemExit(f"--tp {args.tp} needs a world divisible by it (dp = world / tp), not {world}")
+        if world == args.tp:  # dp=1
+            mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+        else:  # TP composed with data parallelism (rank = d * T + t)
+            mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp_shard", "tp"))
     else:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
     cfg = _config(args)
@@ -429,7 +452,8 @@ def worker_main(args: argparse.Namespace) -> int:
             meta.update(mesh=list(args.mesh), mesh_dim_names=["dp_replicate", "dp_shard"], link_check=link_check,
                         alone_step_s=alone)
         if args.tp:
-            meta.update(tp=args.tp, dp=world // args.tp, mesh_dim_names=["tp"])
+            meta.update(tp=args.tp, dp=world // args.tp,
+                        mesh_dim_names=["tp"] if world == args.tp else ["dp_shard", "tp"])
         if meta["netns"]:  # rank 0 runs inside mfb-r0: record the shaping of its veth
             import subprocess
 
@@ -530,13 +554,28 @@ def markdown(result: dict[str, Any], command: str) -> str:
     L.append(f"# Step benchmark, world {meta['world']} ({backend}, {where}{', netns' if meta.get('netns') else ''})"
              + (f", TP {meta['tp']} x DP {meta['dp']}" if meta.get("tp") else ""))
     L.append("")
-    if meta.get("tp"):
+    if meta.get("tp") and meta.get("dp", 1) == 1:
         L.append(f"Tensor parallelism at dp=1 (issue 18): the {meta['tp']} ranks form one `(\"tp\",)` mesh and every "
                  "rank sees the whole global batch; the Decoder's q/k/v, gate/up are `ColwiseParallel`, o, down "
                  "`RowwiseParallel` (torch `parallelize_module`; each attention module computes its local heads; "
                  "the q/k-norm gradients are all-reduced over TP in backward); embedding, head and the other norms "
-                 "are replicated and stepped by AdamW on every rank in every row. Composition with data "
-                 "parallelism ((dp, tp) meshes) is not built yet, so the issue's (dp=2, tp=2) setting is not run.  ")
+                 "are replicated and stepped by AdamW on every rank in every row. (TP composed with data "
+                 "parallelism: `--tp T --world dp*T`.)  ")
+    elif meta.get("tp"):
+        dp, tp = meta["dp"], meta["tp"]
+        L.append(f"Tensor parallelism composed with data parallelism (issue 18): the {meta['world']} ranks form the "
+                 f"`({dp}, {tp})` mesh `(\"dp_shard\", \"tp\")` (rank = d*{tp} + t; TP groups "
+                 + ", ".join(str(list(range(d * tp, (d + 1) * tp))) for d in range(dp))
+                 + "); each dp row sees 1/" + str(dp) + " of the global batch, its TP ranks the same tokens. The "
+                 "Decoder's q/k/v, gate/up are `ColwiseParallel`, o, down `RowwiseParallel` on `mesh[\"tp\"]` "
+                 "(torch `parallelize_module`, each attention module computes its local heads), then every "
+                 "DecoderLayer and the root are wrapped over `mesh[\"dp_shard\"]`: stock torch `fully_shard` "
+                 "(FSDP2 + TP) in `tp_redundant` and `tp_shard_local`, `matrixfsdp.fully_shard` with "
+                 "`plan_owners(model, mesh)` in the hosted rows (owners: whole matrices per dp rank; the owner's "
+                 "TP row hosts each TP matrix's step between two fused all-to-alls per micro-group, the other rows "
+                 "do nothing in the step). The q/k norms act on local heads: their data-parallel-reduced gradient "
+                 "shards are all-reduced over TP at the end of backward in every row. Embedding, head and the "
+                 "other norms are TP-replicated and stepped by AdamW.  ")
     if meta.get("netns") and not meta.get("link_qdisc"):  # flat setup.sh (two-level: _hsdp_header)
         L.append(f"Emulated interconnect: each rank in its own network namespace (benchmarks/netns/setup.sh), "
                  f"gloo over a veth pair into a bridge, token-bucket shaping on both ends of every veth; "
@@ -869,10 +908,13 @@ def _tp_section(meta: dict[str, Any], ok: list[dict[str, Any]], ok_names: list[s
                 ratio_stats: Any, ref: str) -> list[str]:
     """Issue 18's targets: step >= 2x faster than the redundant baseline, fused faster than
     unfused, pipelined faster than sequential micro-groups (same-repeat ratios of step_s)."""
-    L = [f"### TP step (issue 18, TP {meta['tp']}, dp=1)", "",
+    dp = meta.get("dp", 1)
+    L = [f"### TP step (issue 18, TP {meta['tp']}, dp={dp})", "",
          "Per rank per step (max over ranks): the optimizer step's all-to-alls, all-gathers and wire bytes as "
          "counted at the torch.distributed API (matrixfsdp's executor moves the gradient shards to their hosts "
-         "and the update shards back: (tp-1)/tp of every TP-sharded matrix each way, summed over ranks).", "",
+         "and the update shards back: (tp-1)/tp of every TP-sharded matrix each way, summed over ranks"
+         + (f"; at dp={dp} only in the owner's TP row, so per rank about 1/{dp} of the matrices; `tp_redundant` "
+            f"all-gathers every matrix over all {meta['world']} ranks" if dp > 1 else "") + ").", "",
          f"| implementation | step s | step / {ref} | total / {ref} | micro-groups | step all-to-alls | "
          "step all-gathers | step wire MB | host balance | parity vs " + ref + " (max abs) |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -892,13 +934,19 @@ def _tp_section(meta: dict[str, Any], ok: list[dict[str, Any]], ok_names: list[s
         tot = ratio_stats(n, "total_s", ref) if n != ref else one
         par = max((x["parity"]["max_abs_diff_muon_matrices"] for x in ok if x["impl"] == n and "parity" in x), default=None)
         note = " (inexact by design)" if n == "tp_shard_local" else ""
-        L.append(f"| {n} | {stats(n, 'step_s')['median']:.4f} | {cell(st)} | {cell(tot)} | {r.get('micro_groups', '-')} | "
+        mg = r.get("micro_groups", "-")
+        if r.get("micro_groups_per_row"):
+            mg = f"{mg} ({'+'.join(map(str, r['micro_groups_per_row']))} per dp row)"
+        L.append(f"| {n} | {stats(n, 'step_s')['median']:.4f} | {cell(st)} | {cell(tot)} | {mg} | "
                  f"{a2a:g} | {ag:g} | {wire / MB:.2f} | {r.get('step_balance', '-')} | "
                  + ("-" if par is None else f"{par:.2e}") + f"{note} |")
     L.append("")
     targets = (("step >= 2x faster than the redundant baseline", "tp_microgroups", ref, 0.5),
                ("fused faster than unfused", "tp_microgroups", "tp_unfused", 1.0),
                ("pipelined faster than sequential micro-groups", "tp_microgroups", "tp_sequential", 1.0))
+    if "tp_unfused_lpt" in ok_names:  # dp > 1: tp_c_max=1 hosts every matrix on TP rank 0
+        targets += (("(supplementary, not an issue target) fused faster than unfused with LPT-balanced hosts",
+                     "tp_microgroups", "tp_unfused_lpt", 1.0),)
     L.append("Targets (step-time ratio in the same repeat, median over clean repeats; met when below the bound):")
     L.append("")
     for what, a, b, bound in targets:
@@ -908,8 +956,14 @@ def _tp_section(meta: dict[str, Any], ok: list[dict[str, Any]], ok_names: list[s
             continue
         per = [r["ratios"]["step_s"][b] for r in ok if r["impl"] == a and b in r.get("ratios", {}).get("step_s", {})]
         wins = sum(1 for x in per if x < bound)
-        L.append(f"- {what}: {a} / {b} step = {cell(s)} (bound {bound}): **{'met' if s['median'] < bound else 'not met'}** "
-                 f"(below the bound in {wins}/{len(per)} repeats)")
+        line = (f"- {what}: {a} / {b} step = {cell(s)} (bound {bound}): **{'met' if s['median'] < bound else 'not met'}** "
+                f"(below the bound in {wins}/{len(per)} repeats")
+        if not s.get("dirty") and s.get("n", len(per)) < len(per):  # few clean pairs: say so, show all
+            line += f"; {s['n']} clean pair(s); median over all {len(per)} repeats {statistics.median(per):.3f}"
+        cpu = ratio_stats(a, "cpu_step_s", b, clean_only=False)
+        if cpu is not None:  # the step's work, blind to overlap (pipelining cannot show here)
+            line += f"; step CPU seconds {a} / {b} = {cell(cpu)}"
+        L.append(line + ")")
     L.append("")
     return L
 
@@ -996,7 +1050,9 @@ def driver_main(args: argparse.Namespace) -> int:
 
 
 def _impl_list(args: argparse.Namespace) -> list[str]:
-    default = HSDP_DEFAULT_IMPLS if args.mesh else TP_DEFAULT_IMPLS if args.tp else DEFAULT_IMPLS
+    default = HSDP_DEFAULT_IMPLS if args.mesh else DEFAULT_IMPLS
+    if args.tp:
+        default = TP_DP_DEFAULT_IMPLS if _world_hint(args) > args.tp else TP_DEFAULT_IMPLS
     names = [s.strip() for s in (args.impls or args.impl or ",".join(default)).split(",") if s.strip()]
     bad = [n for n in names if n not in IMPLS]
     if bad:
@@ -1060,7 +1116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="R,S: HSDP on the 2-D (dp_replicate, dp_shard) mesh (issue 17); default rows "
                         f"{','.join(HSDP_DEFAULT_IMPLS)}")
     p.add_argument("--tp", type=int, default=None,
-                   help="T: tensor parallelism at dp=1 on a ('tp',) mesh of T ranks (issue 18); default rows "
+                   help="T: tensor parallelism (issue 18): dp=1 on a ('tp',) mesh of T ranks, or with --world "
+                        "W = dp*T > T on a (dp_shard, tp) mesh under FSDP-style data parallelism; default rows "
                         f"{','.join(TP_DEFAULT_IMPLS)}; --world defaults to T")
     p.add_argument("--reference", default=None,
                    help=f"ratio reference (default {REFERENCE}; with --mesh {HSDP_REFERENCE})")
@@ -1083,9 +1140,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.ns_dtype is None:
         args.ns_dtype = "bfloat16" if args.backend == "nccl" else "float32"
     if args.tp is not None and (args.tp < 2 or args.mesh):
-        p.error("--tp T needs T >= 2 and no --mesh (TP x DP is not built yet)")
+        p.error("--tp T needs T >= 2 and no --mesh (TP with data parallelism: --world dp*T)")
     if args.tp and not args.world and "WORLD_SIZE" not in os.environ:
         args.world = args.tp
+    if args.tp and args.world and args.world % args.tp:
+        p.error(f"--tp {args.tp} --world {args.world}: the world must be dp * T")
     default_ref = HSDP_REFERENCE if args.mesh else TP_REFERENCE if args.tp else REFERENCE
     args.reference = args.reference or default_ref
     args.parity_ref = args.parity_ref or (HSDP_PARITY_REF if args.mesh else TP_REFERENCE if args.tp else REFERENCE)

@@ -169,3 +169,68 @@ def test_step_bench_tp_rows_well_formed(tmp_path):
     assert rows["tp_shard_local"]["parity"]["max_abs_diff"] > 1e-4  # inexact by design
     md = (tmp_path / "tp.md").read_text()
     assert "### TP step (issue 18, TP 2, dp=1)" in md and md.count("(bound ") == 3
+
+
+def test_step_bench_tp_dp_rows_well_formed(tmp_path):
+    """``--tp 2 --world 4`` (issue 18 at (dp=2, tp=2)) on a tiny Decoder: the five TP rows run on the
+    ("dp_shard", "tp") mesh, match the redundant baseline (stock FSDP2 + TP, every matrix
+    all-gathered over the 4 ranks), which matches DDP + Muon (an independent reference: no TP, no
+    FSDP); the matrixfsdp rows make two all-to-alls per micro-group of their owner row in the step
+    and nothing else; the report states the targets at dp=2."""
+    out = tmp_path / "tpdp"
+    names = ["tp_redundant", "tp_microgroups", "tp_sequential", "tp_unfused", "tp_shard_local", "tp_unfused_lpt",
+             "ddp_muon"]
+    _bench("step_bench.py", "--tp", "2", "--world", "4", "--impls", ",".join(names), "--repeats", "1",
+           "--warmup", "2", "--steps", "1", "--parity-steps", "2", "--retries", "0", "--max-foreign", "1.0",
+           "--quiet-wait", "0", "--hidden", "64", "--intermediate", "128", "--layers", "1", "--vocab", "384",
+           "--seq", "8", "--global-batch", "4", "--out", str(out))
+    lines = [json.loads(line) for line in (tmp_path / "tpdp.jsonl").read_text().splitlines()]
+    meta, rows = lines[0]["meta"], {r["impl"]: r for r in lines[1:]}
+    assert meta["tp"] == 2 and meta["dp"] == 2 and meta["world"] == 4
+    assert meta["mesh_dim_names"] == ["dp_shard", "tp"]
+    assert list(rows) == names and all(r["status"] == "ok" for r in rows.values()), rows
+    n_mats = 7  # q, k, v, o, gate, up, down of the one layer
+
+    def step_ops(r, rank):
+        return r["comm_per_rank"][rank]["step"]["ops"]
+
+    for rank in range(4):
+        assert set(step_ops(rows["tp_redundant"], rank)) == {"all_gather_single"}
+        assert step_ops(rows["tp_redundant"], rank)["all_gather_single"][0] == n_mats
+        assert rows["tp_shard_local"]["comm_per_rank"][rank]["step"]["calls"] == 0
+    for name in ("tp_microgroups", "tp_sequential", "tp_unfused", "tp_unfused_lpt"):
+        r = rows[name]
+        per_row = r["micro_groups_per_row"]
+        assert len(per_row) == 2 and sum(per_row) == r["micro_groups"]
+        for rank in range(4):  # only the owners' TP rows communicate: 2 all-to-alls per micro-group
+            ops = step_ops(r, rank)
+            assert set(ops) <= {"all_to_all_single"}, ops
+            assert ops.get("all_to_all_single", [0])[0] == 2 * per_row[rank // 2], (name, rank, ops)
+        assert r["parity"]["max_abs_diff"] <= 1e-5, r["parity"]
+        assert r["ratios"]["step_s"]["tp_redundant"] > 0
+    assert rows["tp_unfused"]["micro_groups"] == rows["tp_unfused_lpt"]["micro_groups"] == n_mats
+    assert rows["tp_microgroups"]["micro_groups"] == rows["tp_sequential"]["micro_groups"] < n_mats
+    # tp_c_max=1 alone hosts every one-matrix group on TP rank 0 of its row; the LPT row rebalances
+    assert rows["tp_unfused_lpt"]["step_balance"] < rows["tp_unfused"]["step_balance"]
+    assert rows["ddp_muon"]["parity"]["max_abs_diff_muon_matrices"] <= 1e-5, rows["ddp_muon"]["parity"]
+    assert rows["ddp_muon"]["parity"]["max_abs_diff"] <= 1e-4, rows["ddp_muon"]["parity"]
+    assert rows["tp_shard_local"]["parity"]["max_abs_diff"] > 1e-4  # inexact by design
+    md = (tmp_path / "tpdp.md").read_text()
+    assert "### TP step (issue 18, TP 2, dp=2)" in md and md.count("(bound ") == 4  # + the supplementary one
+    assert "(\"dp_shard\", \"tp\")" in md and "per dp row" in md
+
+
+def test_step_bench_tp_world_must_be_multiple(capsys):
+    """``--tp T --world W`` needs W = dp * T (checked before any rank starts)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import step_bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    with pytest.raises(SystemExit) as e:
+        step_bench.parse_args(["--tp", "2", "--world", "3"])
+    assert e.value.code == 2 and "dp * T" in capsys.readouterr().err
+    args = step_bench.parse_args(["--tp", "2", "--world", "4"])
+    assert (args.tp, args.world, args.reference, args.parity_ref) == (2, 4, "tp_redundant", "tp_redundant")
+    assert step_bench._impl_list(args) == [*step_bench.TP_DEFAULT_IMPLS, "tp_unfused_lpt"]
+    assert step_bench._impl_list(step_bench.parse_args(["--tp", "2"])) == list(step_bench.TP_DEFAULT_IMPLS)  # dp=1
