@@ -210,8 +210,9 @@ def test_step_bench_tp_dp_rows_well_formed(tmp_path):
         assert r["ratios"]["step_s"]["tp_redundant"] > 0
     assert rows["tp_unfused"]["micro_groups"] == rows["tp_unfused_lpt"]["micro_groups"] == n_mats
     assert rows["tp_microgroups"]["micro_groups"] == rows["tp_sequential"]["micro_groups"] < n_mats
-    # tp_c_max=1 alone hosts every one-matrix group on TP rank 0 of its row; the LPT row rebalances
-    assert rows["tp_unfused_lpt"]["step_balance"] < rows["tp_unfused"]["step_balance"]
+    # one-matrix groups (tp_c_max=1) rotate over the hosts (the planner's tie-break), so the LPT
+    # re-assignment balances no better
+    assert rows["tp_unfused"]["step_balance"] <= rows["tp_unfused_lpt"]["step_balance"] * 1.01
     assert rows["ddp_muon"]["parity"]["max_abs_diff_muon_matrices"] <= 1e-5, rows["ddp_muon"]["parity"]
     assert rows["ddp_muon"]["parity"]["max_abs_diff"] <= 1e-4, rows["ddp_muon"]["parity"]
     assert rows["tp_shard_local"]["parity"]["max_abs_diff"] > 1e-4  # inexact by design

@@ -11,7 +11,9 @@ executes it is separate.
 1. Sort the matrices by cost descending, ties by fqn ascending (deterministic, independent of the
    input order).
 2. Walk them in that order, adding each to the current group ``M``. Within ``M`` hosts are assigned
-   by min-heap LPT: the next matrix goes to the least-loaded host rank, ties to the lowest rank.
+   by min-heap LPT: the next matrix goes to the least-loaded host rank; ties go to the host least
+   loaded over the earlier groups, then to the lowest rank (so groups of one matrix, e.g. under a
+   small ``c_max``, rotate over the hosts instead of all landing on rank 0).
    Because the global order is already descending, this equals the paper's MinHeapSolver re-run
    on ``M + {p}`` (its local sort is the same order), so it is done incrementally.
 3. A matrix ``p`` is accepted into ``M`` iff ``M + {p}`` satisfies both capacities:
@@ -163,7 +165,8 @@ def plan_micro_groups(matrices: Sequence[tuple[str, tuple[int, ...], float, int]
 
     groups: list[MicroGroup] = []
     members: list[tuple[str, int]] = []
-    heap: list[tuple[float, int]] = []
+    heap: list[tuple[float, float, int]] = []
+    carried = [0.0] * tp  # each host's cost over the finalized groups (tie-breaks, see the Note)
     total = largest = makespan = 0.0
     buffer = 0
 
@@ -173,7 +176,7 @@ def plan_micro_groups(matrices: Sequence[tuple[str, tuple[int, ...], float, int]
 
     for fqn, cost, nbytes in items:
         if members:
-            load, _ = heap[0]
+            load = heap[0][0]
             t_total, t_largest = total + cost, max(largest, cost)
             t_makespan = max(makespan, load + cost)
             t_bound = max(t_total / tp, t_largest)
@@ -183,11 +186,13 @@ def plan_micro_groups(matrices: Sequence[tuple[str, tuple[int, ...], float, int]
                 finalize()
                 members = []
         if not members:
-            heap = [(0.0, r) for r in range(tp)]  # a sorted list is a valid heap
+            heap = [(0.0, carried[r], r) for r in range(tp)]
+            heapq.heapify(heap)
             total = largest = makespan = 0.0
             buffer = 0
-        load, host = heapq.heappop(heap)  # least loaded, ties to the lowest rank
-        heapq.heappush(heap, (load + cost, host))
+        load, _, host = heapq.heappop(heap)  # least loaded; ties: least carried, then lowest rank
+        carried[host] += cost
+        heapq.heappush(heap, (load + cost, carried[host], host))
         members.append((fqn, host))
         total += cost
         largest = max(largest, cost)
