@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 import matrixfsdp
 from _harness import get_pool
 from test_tp import MLPBlock, _opt
-from test_tp_fsdp import VOCAB, FwdNet, _expect, _global_batch
+from test_tp_fsdp import VOCAB, FwdNet, _diff, _expect, _global_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -53,26 +53,20 @@ def _build(dp, tp, *, meta=False, h=80, **fs_kw):
     return mesh, model, ref
 
 
-def _diff(model, ref, what):
-    """Worst relative difference of this rank's local tensors against the reference; NaN-aware
-    (``max(x, nan)`` is ``x`` in Python: a NaN would pass unnoticed) and a missing gradient
-    where the reference has one is a failure."""
-    refp = dict(ref.named_parameters())
-    worst = 0.0
-    for f, p in model.named_parameters():
-        rp = refp[f]
-        a = p.grad if what == "grad" else p
-        b = rp.grad if what == "grad" else rp.detach()
-        exp = None if b is None else _expect(b, p)
-        if exp is None or exp.numel() == 0:
-            continue
-        if a is None:
-            return math.inf
-        mine = a._local_tensor if isinstance(a, DTensor) else a.detach()
-        assert mine.shape == exp.shape, (f, mine.shape, exp.shape)
-        v = (mine.float() - exp).abs().max().item() / max(b.abs().max().item(), 1e-12)
-        worst = max(worst, math.inf if math.isnan(v) else v)
-    return worst
+def _raise_in_backward(model, d):
+    """One forward whose backward raises (a hook on block 1's output); whether it raised."""
+    def boom(m, i, o):
+        o.register_hook(lambda g: (_ for _ in ()).throw(KeyError("boom")))
+
+    h = model.blocks[1].register_forward_hook(boom)
+    x, y = _global_batch(0, 2)
+    try:
+        model(x[2 * d:2 * d + 2], y[2 * d:2 * d + 2]).backward()
+    except KeyError:
+        return True
+    finally:
+        h.remove()
+    return False
 
 
 def _fulls(model):
@@ -342,16 +336,7 @@ def outsider_tour():
     mesh, model, ref = _build(2, 2)
     opt = _opt("muon", model)
 
-    def boom(m, i, o):
-        o.register_hook(lambda g: (_ for _ in ()).throw(KeyError("boom")))
-
-    h = model.blocks[1].register_forward_hook(boom)
-    x, y = _global_batch(0, 2)
-    try:
-        model(x[2 * d:2 * d + 2], y[2 * d:2 * d + 2]).backward()
-    except KeyError:
-        out["raised"] = True
-    h.remove()
+    out["raised"] = _raise_in_backward(model, d)
     opt.zero_grad()
     out["after_exception"] = _parity(mesh, model, ref, opt=opt)
 
@@ -445,16 +430,7 @@ def optimizer_after_backward_exception():
     mesh, model, ref = _build(2, 2)
     d = mesh["dp_shard"].get_local_rank()
 
-    def boom(m, i, o):
-        o.register_hook(lambda g: (_ for _ in ()).throw(KeyError("boom")))
-
-    h = model.blocks[1].register_forward_hook(boom)
-    x, y = _global_batch(0, 2)
-    try:
-        model(x[2 * d:2 * d + 2], y[2 * d:2 * d + 2]).backward()
-    except KeyError:
-        pass
-    h.remove()
+    _raise_in_backward(model, d)
     opt = _opt("muon", model)
     plain = sum(not isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])
     opt.zero_grad()
