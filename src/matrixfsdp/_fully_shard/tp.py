@@ -46,7 +46,6 @@ from ..mesh import flat_dp_mesh
 
 if TYPE_CHECKING:
     from ..planner.record import OwnerPlan, ParamPlan
-    from .param import ManagedParam
 
 __all__ = ["tp_layout", "localize", "check_plan_tp", "attach_tp_hosts"]
 
@@ -85,7 +84,7 @@ def localize(pp: "ParamPlan", p: torch.Tensor, fqn: str) -> "ParamPlan":
     return dataclasses.replace(pp, shape=tuple(p._local_tensor.shape))  # type: ignore[attr-defined]
 
 
-def check_plan_tp(plan: "OwnerPlan", params: list["ManagedParam"]) -> None:
+def check_plan_tp(plan: "OwnerPlan", params: list[Any]) -> None:
     """The plan was built for the model's TP degree (local; before anything is sharded)."""
     for mp in params:
         if mp.tp is not None and plan.tp != mp.tp[0].size():
@@ -120,7 +119,7 @@ def attach_tp_hosts(states: list[Any], plan: "OwnerPlan", dp: DeviceMesh, shard_
     group); every rank calls at resolution."""
     from ..tp.host_step import TPHostStep
 
-    hosted: dict[str, "ManagedParam"] = {}
+    hosted: dict[str, Any] = {}
     for s in states:
         for mp in s.params:
             if mp.tp is not None and mp.plan.placement == "matrix" and any(isinstance(pl, Shard) for pl in mp.tp[1]):
