@@ -362,7 +362,7 @@ def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: Tenso
     info = owned_of(p)
     if info is not None:
         # (a stock optimizer's TP-hosted matrix: every rank of the owner's TP row keeps state)
-        if not (keeps_state(p) if host is not None or tp_host_of(p) is None else info.is_local):
+        if not (keeps_state(p) if tp_host_of(p) is None else info.is_local):
             return None
         if name == "step" or shape != tuple(p.shape):
             # counters, and whole-matrix state of other shapes (Shampoo/SOAP factors)
@@ -612,8 +612,6 @@ def load(
             params = {fqn: p for fqn, p in model.named_parameters()}
             opt_fqns = list(chain.from_iterable(g["params"] for g in osd["param_groups"]))
             state_keys = [k for k in saved if k.startswith(f"{OPTIM_KEY}.state.")]
-            from ..optim._base import MatrixOptimizer
-
             hosted_whole = isinstance(optimizer, MatrixOptimizer)
             if not any(k.startswith(f"{OPTIM_KEY}.") for k in saved):
                 raise ValueError(f"{api}: checkpoint {path!r} has no optimizer state (no {OPTIM_KEY!r} keys)")

@@ -397,8 +397,7 @@ class MatrixOptimizer(Optimizer):
             if not self.state[p]:
                 self._adamw_init_state(param, self.state[p], group)
         states = [self.state[p] for p, _, _ in items]
-        lr = group["adamw_lr"] if group["adamw_lr"] is not None else group["lr"]
-        wd = group["adamw_weight_decay"]
+        lr, wd = self._adamw_lr_wd(group)
         beta1, beta2 = group["adamw_betas"]
         (adamw_foreach_capturable if capturable else adamw_foreach)(
             [param for _, param, _ in items],
@@ -410,7 +409,7 @@ class MatrixOptimizer(Optimizer):
             beta1=beta1,
             beta2=beta2,
             eps=group["adamw_eps"],
-            weight_decay=wd if wd is not None else group["weight_decay"],
+            weight_decay=wd,
         )
 
     def _matrix_group(self, items: list[tuple[Tensor, Tensor, Tensor]], group: dict[str, Any]) -> None:
@@ -497,14 +496,12 @@ class MatrixOptimizer(Optimizer):
                     self._note_remote(p)
                 continue
             param = local_tensor(p)
-            if route != "adamw" and tp_host_of(p) is not None:
-                # a TP-hosted matrix: its host keeps whole-matrix state, not its shard's (the
-                # initializers read only shape, dtype and device)
+            if tp_host_of(p) is not None:
+                # a TP-hosted matrix, either rule: its host keeps whole-matrix state, not its
+                # shard's (the initializers read only shape, dtype and device)
                 param = param.new_empty(tuple(p.shape))
             if p.grad is None or param.numel() == 0:
                 continue
-            if tp_host_of(p) is not None:  # its host keeps the whole matrix's state
-                param = torch.empty(tuple(p.shape), dtype=param.dtype, device=param.device)
             if route == "adamw":
                 self._adamw_init_state(param, self.state[p], group)
             else:
@@ -547,11 +544,23 @@ class MatrixOptimizer(Optimizer):
         """Create the state a first ``_matrix_step`` would start from (see the Note above)."""
         raise NotImplementedError
 
+    @staticmethod
+    def _adamw_lr_wd(group: dict[str, Any]) -> tuple[Any, Any]:
+        """The AdamW rule's ``(lr, weight_decay)`` in ``group`` (``None`` means the group's own)."""
+        lr = group["adamw_lr"] if group.get("adamw_lr") is not None else group["lr"]
+        wd = group.get("adamw_weight_decay")
+        return lr, wd if wd is not None else group.get("weight_decay", 0.0)
+
+    def _decay(self, group: dict[str, Any], p: Tensor) -> tuple[Any, Any]:
+        """``(lr, weight_decay)`` of ``p``'s decoupled decay under its rule in ``group``."""
+        if self._route(group, p) == "adamw":
+            return self._adamw_lr_wd(group)
+        return group["lr"], group.get("weight_decay", 0.0)
+
     def _adamw_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         if not state:
             self._adamw_init_state(param, state)
-        lr = group["adamw_lr"] if group["adamw_lr"] is not None else group["lr"]
-        wd = group["adamw_weight_decay"]
+        lr, wd = self._adamw_lr_wd(group)
         beta1, beta2 = group["adamw_betas"]
         adamw_step(
             param,
@@ -563,7 +572,7 @@ class MatrixOptimizer(Optimizer):
             beta1=beta1,
             beta2=beta2,
             eps=group["adamw_eps"],
-            weight_decay=wd if wd is not None else group["weight_decay"],
+            weight_decay=wd,
         )
 
     def _matrix_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:

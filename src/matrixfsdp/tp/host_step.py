@@ -177,23 +177,13 @@ class TPHostStep:
             for m in members:
                 if m.host != h:
                     continue
-                lr, wd = _decay(opt, group, m.param)
+                lr, wd = opt._decay(group, m.param)
                 local = m.param._local_tensor
                 n = local.numel()
                 if wd:
                     local.mul_(1 - lr * wd)
                 local.add_(recv[off:off + n].view(local.shape))
                 off += n
-
-
-def _decay(opt: Any, group: dict[str, Any], p: Any) -> tuple[Any, float]:
-    """The ``(lr, weight_decay)`` of ``p``'s decoupled decay under ``opt``'s rule for it (AdamW's
-    own hyperparameters in an ``"adamw"`` route, as ``MatrixOptimizer._adamw_step``)."""
-    if opt._route(group, p) == "adamw":
-        lr = group["adamw_lr"] if group.get("adamw_lr") is not None else group["lr"]
-        wd = group.get("adamw_weight_decay")
-        return lr, wd if wd is not None else group.get("weight_decay", 0.0)
-    return group["lr"], group.get("weight_decay", 0.0)
 
 
 def _offsets(n: int, tp: int) -> list[int]:
