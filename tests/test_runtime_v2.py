@@ -37,7 +37,7 @@ from test_runtime_parity import compare_to_ref, shard_model
 
 import matrixfsdp
 from matrixfsdp._fully_shard import get_state
-from matrixfsdp._fully_shard.param_group import divide_factors
+from matrixfsdp.engine.reduce import divide_factors
 
 BATCH = 12
 TOL = 1e-6
@@ -568,7 +568,7 @@ def test_inplace_on_outputs_and_model_to_dtype(W):
 
 # ================================================================================ reduce streams
 def reduce_copy_in_stream_check() -> dict:
-    """[Note: reduce streams]: the reduction's copy-in (``torch.cat`` of autograd's gradients) is
+    """[Note: streams] in engine/reducer.py: the reduction's copy-in (``torch.cat`` of autograd's gradients) is
     issued outside ``CommContext.use`` (on the compute stream), and the reduce-scatter inside it.
     On the CPU both contexts are no-ops, so the order is checked on the calls themselves."""
     import sys
@@ -595,7 +595,7 @@ def reduce_copy_in_stream_check() -> dict:
         return Tracked()
 
     def cat(*a, **k):
-        if sys._getframe(1).f_code.co_name == "reduce":
+        if sys._getframe(1).f_code.co_name == "copy_in":
             seen.append(("copy-in", depth[0]))
         return orig_cat(*a, **k)
 

@@ -1,40 +1,23 @@
 """A block's parameter group: its buffers, its two collectives and the streams they run on.
 
 One :class:`ParamGroup` per ``fully_shard``-ed module. It knows the block's
-:class:`~matrixfsdp._layout.BlockLayout` and moves data; *when* it does so is decided by the hooks
+:class:`~matrixfsdp.engine.layout.BlockLayout` and moves data; *when* it does so is decided by the hooks
 in ``state.py``. Per step (``W`` ranks, this rank ``r``)::
 
     unshard       copy-in (this rank's chunk) -> all_gather_segments of the block's chunks
     wait          copy-out (pieces of evenly sharded params into the assembly buffer)
     reshard       free the receive and assembly buffers (owners keep their own storage)
-    reduce        copy-in of the unsharded grads (+ usage flags, padding) -> reduce_scatter_segments,
-                  then (accelerator) divide and cast on the reduce stream
-    finish        (CPU: divide and cast), write the sharded ``.grad``, run post-accumulate-grad hooks
+    reduce        the block's :class:`~matrixfsdp.engine.reducer.Reducer`: one copy-in of the unsharded
+                  grads (+ usage flags, padding) -> reduce_scatter_segments (+ replica phase)
+    finish        write the sharded ``.grad``, run post-accumulate-grad hooks
 
-[Note: streams]
-As in FSDP2, on an accelerator the gather's copy-in runs on a copy-in stream, the gather on a
-gather stream and the reduction (its pre-division, the reduce-scatter, the post-division and the
-one cast to the parameters' dtype) on a reduce stream; events order them against the compute
-stream, so the host never waits for the device in forward or backward. The compute stream
-waits for a gather only when the block's parameters are about to be used, and for a reduction only
-when its gradients are written to ``.grad``. Buffers are resized (allocated) on the compute stream
-before the gather stream writes them and freed on the compute stream after it waited, so the
-caching allocator never hands memory to another user while a collective still writes it. On the
-CPU (gloo) there are no streams: collectives are asynchronous ``Work`` objects waited for by the
-host, which is what gloo offers.
-
-[Note: reduce streams]
-The reduction's copy-in (``torch.cat`` of the unsharded gradients into the reduce-scatter input)
-runs on the *compute* stream, and the reduce stream waits for it (FSDP2's ``foreach_reduce``
-order). The gradients are autograd's tensors: their last references die when ``post_backward``
-returns, and the caching allocator hands their memory to the next block's backward kernels on
-the compute stream. Read on the compute stream, that reuse is ordered after the copy; read on the
-reduce stream (queued behind the previous reduce-scatter), the next block's kernels could
-overwrite them first. The input buffer is allocated on the compute stream and kept by
-:class:`PendingReduce` until the compute stream waited for the reduction (``finish``); tensors
-the reduce stream allocates (its output, the cast gradients) are ``record_stream``-ed to the
-compute stream, which reads them from then on. On the CPU both are one host-ordered sequence:
-the same kernels in the same order, so the bits are those of an unstreamed reduction.
+[Note: gather streams]
+The reduction's streams are the engine's ([Note: streams] in ``engine/reducer.py``). As in
+FSDP2, the gather's copy-in runs on a copy-in stream and the gather on a gather stream; the
+compute stream waits for a gather only when the block's parameters are about to be used. Buffers
+are resized (allocated) on the compute stream before the gather stream writes them and freed on
+the compute stream after it waited, so the caching allocator never hands memory to another user
+while a collective still writes it.
 
 [Note: buffer lifetime]
 Everything that is not the owner's own storage lives in per-block buffers: ``recv`` (peers'
@@ -63,25 +46,12 @@ tensors are its norms) the copy would cost more than the duplicate it saves, and
 stays until reshard. Either way the duplicate held is at most ``min(single, multi)`` peer
 elements, and only when ``recv`` is kept.
 
-[Note: replica phase]
-On an HSDP mesh the shard reduction is followed by a second phase over this rank's replicate
-group (see [Note: replicas and step replicas] in ``planner/record.py``). A block's parameters are
-ordered so that every chunk starts with its ``split`` pieces, in step-replica order, and ends with
-the rest; the replicas then reduce-scatter the split prefix in whole-tensor intervals (the step
-replica alone receives each sum) and all-reduce the remainder (``repeat`` pieces, evenly sharded
-rows, usage flags and padding). On an accelerator the phase follows the shard reduction on the
-reduce stream; on the CPU it runs when the reduction is finished. Divisions use the whole
-data-parallel world (``R * S``), as HSDP's average. After ``step()`` the step replica's new values
-go back to the other owners through the engine's deferred gathers ([Note: deferred gathers]),
-awaited by :meth:`ParamGroup.unshard` before the block's own gather sends them.
-
-[Note: usage flags in a block]
-The engine's [Note: unused parameters] rule, in a block's wire format: every destination's chunk
-ends with one flag per reduced parameter of the block (evenly sharded parameters have rows on
-every rank), then zeros up to a 16-byte boundary (see [Note: aligned reduce chunks] in
-``engine/layout.py``). ``finish`` writes the ``.grad`` of each parameter this rank used without reading a
-flag; the root resolves the rest once at the end of backward. Post-accumulate-grad hooks run right
-after ``.grad`` is written, once per parameter that got a gradient.
+[Note: replica steps]
+On an HSDP mesh a block's parameters are ordered so that every chunk starts with its ``split``
+pieces, in step-replica order (the engine's [Note: replica phase] in ``engine/reducer.py``).
+After ``step()`` the step replica's new values go back to the other owners through the engine's
+deferred gathers ([Note: deferred gathers]), awaited by :meth:`ParamGroup.unshard` before the
+block's own gather sends them.
 """
 
 from __future__ import annotations
@@ -97,11 +67,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from ..comm.collectives import Handle, SegmentCollectives
 from ..engine.exchange import Exchange, GatherUnit
 from ..engine.layout import BlockLayout
-from ..engine.reduce import divide_factors
+from ..engine.reducer import PendingReduce, Reducer, ReplicaComm
+from ..engine.streams import CommContext
 from ..placement.owned import make_sharded_grad
 from .param import ManagedParam
 
-__all__ = ["CommContext", "ParamGroup", "PendingReduce", "ReplicaComm", "accumulate_grad"]
+__all__ = ["BlockReduce", "CommContext", "ParamGroup", "ReplicaComm", "accumulate_grad"]
 
 
 def _free(t: torch.Tensor | None) -> None:
@@ -116,57 +87,18 @@ def _alloc(t: torch.Tensor | None) -> None:
             t.untyped_storage().resize_(nbytes)
 
 
-class CommContext:
-    """The streams shared by all blocks under one root (FSDP2's ``FSDPCommContext``; see
-    [Note: streams]). ``None`` streams on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        if device.type == "cpu":
-            self.copy_in = self.gather = self.reduce = None
-        else:
-            mod = torch.get_device_module(device.type)
-            # high priority, as FSDP2's: communication should not queue behind compute kernels
-            self.copy_in = mod.Stream(device=device, priority=-1)
-            self.gather = mod.Stream(device=device, priority=-1)
-            self.reduce = mod.Stream(device=device, priority=-1)
-
-    @property
-    def on_device(self) -> bool:
-        return self.gather is not None
-
-    def use(self, stream: Any) -> contextlib.AbstractContextManager:
-        """Run the enclosed ops on ``stream`` after it waited for the compute stream."""
-        if stream is None:
-            return contextlib.nullcontext()
-        stream.wait_stream(torch.accelerator.current_stream(self.device))
-        return torch.get_device_module(self.device.type).stream(stream)
-
-
-@dataclass(frozen=True, eq=False)
-class ReplicaComm:
-    """This rank's replicate group (HSDP): its collectives, coordinate and size."""
-
-    coll: SegmentCollectives
-    rank: int
-    size: int
-
-
 @dataclass(eq=False)
-class PendingReduce:
-    """One issued reduction: what ``ParamGroup.finish`` needs once it completed."""
+class BlockReduce:
+    """One issued reduction of a block: the engine's pending reduction and the trainable
+    parameters it covers (indices into the block's parameters)."""
 
     group: "ParamGroup"
-    handle: Handle
-    out: torch.Tensor  #: this rank's chunk (+ summed usage flags)
-    inp: torch.Tensor  #: kept alive until the collective completed
-    post: float
     trainable: tuple[int, ...]
-    layout: BlockLayout
-    local_used: tuple[bool, ...]  #: per reduced param: this rank contributed a gradient
-    #: on an accelerator: the sharded gradients (and the tensors behind them) the reduce stream
-    #: produced after the collective; ``None`` on the CPU (made by ``finish``)
-    reduced: tuple[list[torch.Tensor | None], list[torch.Tensor]] | None = None
+    pending: PendingReduce
+
+    @property
+    def handle(self) -> Handle:
+        return self.pending.handle
 
 
 class ParamGroup:
@@ -186,9 +118,9 @@ class ParamGroup:
         #: host read] in ``engine/reduce.py``); ``set_find_unused_parameters(False)`` clears it
         self.find_unused = True
         self.replicas: ReplicaComm | None = None
-        #: HSDP split: the deferred gather of the step replicas' new values (see [Note: replica phase])
+        #: HSDP split: the deferred gather of the step replicas' new values (see [Note: replica steps])
         self.exchange: tuple[Exchange, GatherUnit] | None = None
-        self._replica_splits: tuple[BlockLayout, tuple[int, list[int]]] | None = None
+        self._reducer: Reducer | None = None
 
     # ============================================================================ resolution
     def resolve(self, *, fqn: str, rank: int, coll: SegmentCollectives, comm: CommContext,
@@ -342,7 +274,7 @@ class ParamGroup:
         if self.layout.numel == 0 or self.world_size == 1 and not self._own_copy[0]:
             self._pending_gather = (Handle(), None)
             return
-        for t in self._buffers:  # on the compute stream, see [Note: streams]
+        for t in self._buffers:  # on the compute stream, see [Note: gather streams]
             _alloc(t)
         comm, lay = self.comm, self.layout
         with torch.no_grad(), comm.use(comm.copy_in):
@@ -440,40 +372,29 @@ class ParamGroup:
     def has_unsharded_grads(self) -> bool:
         return any(mp.unsharded is not None and mp.unsharded.grad is not None for mp in self.params)
 
+    @property
+    def reducer(self) -> Reducer:
+        """The engine's reduction of the trainable parameters (rebuilt when they or their dtypes
+        change)."""
+        grad_dtypes = tuple(self.params[i].sharded.dtype for i in self.trainable)
+        r = self._reducer
+        if (r is None or r.layout is not self.reduce_layout or r.reduce_dtype != self.reduce_dtype
+                or r.grad_dtypes != grad_dtypes or r.coll is not self.coll):
+            r = self._reducer = Reducer(
+                self.reduce_layout, rank=self.rank, coll=self.coll, comm=self.comm,
+                reduce_dtype=self.reduce_dtype, grad_dtypes=grad_dtypes, replicas=self.replicas,
+                step_replicas=[self.params[i].plan.step_replica for i in self.trainable],  # type: ignore[union-attr]
+                api="matrixfsdp.fully_shard")
+        return r
+
     def reduce(self, grads: Sequence[torch.Tensor | None], *, sync: bool,
-               divide_factor: float | None) -> PendingReduce | None:
-        """Copy the gradients rank-major into one buffer and issue its reduce-scatter (``sync``),
-        or add it to the no-sync accumulation. No host sync: the usage flags are built on the
-        device from constant ones and zeros (see [Note: usage flags in a block]); the copy-in runs
-        on the compute stream and the reduction on the reduce stream (see [Note: reduce
-        streams])."""
-        rl, W = self.reduce_layout, self.world_size
-        F = len(rl.params)
-        dt = self.reduce_dtype
-        comm = self.comm
-        # every destination chunk 16-byte aligned (see [Note: aligned reduce chunks])
-        splits = rl.reduce_splits(F, itemsize=dt.itemsize)
+               divide_factor: float | None) -> BlockReduce | None:
+        """Copy the gradients into one buffer and issue its reduction (``sync``), or add it to
+        the no-sync accumulation. No host sync: the usage flags are built on the device (see
+        [Note: usage flags] and [Note: streams] in ``engine/reducer.py``)."""
+        reducer = self.reducer
         with torch.no_grad():
-            dev = self._recv.device
-            flat = [None if g is None else g.reshape(-1) for g in grads]
-            ones = torch.ones(F, dtype=dt, device=dev)
-            # zeros stand in for missing gradients and fill the alignment padding: as large as
-            # the largest missing piece or padding
-            pads = [s - n - F for s, n in zip(splits, rl.chunk_numel)]
-            n_zero = max([q.numel for q in rl.pieces if flat[q.param] is None] + pads + [1])
-            zeros = torch.zeros(n_zero, dtype=dt, device=dev)
-            flags = [ones[j: j + 1] if g is not None else zeros[:1] for j, g in enumerate(grads)]
-            parts: list[torch.Tensor] = []
-            for d in range(W):
-                for q in rl.pieces_of_rank(d):
-                    g = flat[q.param]
-                    parts.append(zeros[: q.numel] if g is None else g[q.flat_start: q.flat_start + q.numel])
-                parts.extend(flags)
-                if pads[d]:
-                    parts.append(zeros[: pads[d]])
-            buf = torch.empty(sum(splits), dtype=dt, device=dev)
-            torch.cat(parts, out=buf)  # one copy-in kernel, on the compute stream
-            del parts, flat  # the gradient views: buf holds the data now
+            buf = reducer.copy_in(grads, self._recv.device)
             used = tuple(g is not None for g in grads)
             if self.accum is not None:
                 buf.add_(self.accum)
@@ -482,147 +403,29 @@ class ParamGroup:
             if not sync:
                 self.accum, self.accum_used = buf, used
                 return None
-            pre, post = divide_factors(W * (self.replicas.size if self.replicas else 1), divide_factor, dt)
-            with comm.use(comm.reduce):  # the reduce stream waits for the copy-in
-                if pre != 1:
-                    buf.div_(pre)
-                out = torch.empty(splits[self.rank], dtype=dt, device=dev)
-                handle = self.coll.reduce_scatter_segments(out, buf, splits, async_op=not comm.on_device)
-                reduced = None
-                if comm.on_device:
-                    # the replica phase, the division and the cast to the parameters' dtype
-                    # follow the collective on the reduce stream, off the compute stream
-                    # (FSDP2's post-reduce; see [Note: replica phase])
-                    mine = self._combine_replicas(out, rl, async_op=False)
-                    reduced = self._reduced_grads(out, post, self.trainable, rl, mine)
-                    handle = Handle(event=comm.reduce.record_event())
-        return PendingReduce(self, handle, out, buf, post, self.trainable, rl, used, reduced)
+            pending = reducer.launch(buf, used, divide_factor=divide_factor)
+        return BlockReduce(self, self.trainable, pending)
 
-    def replica_splits(self, rl: BlockLayout) -> tuple[int, list[int]]:
-        """``(m, splits)``: the first ``m`` elements of this rank's chunk are its ``split`` pieces,
-        ``splits[q]`` of them stepped by replica ``q`` (see [Note: replica phase]). Computed once
-        per reduction layout (each reduction asks twice)."""
-        cached = self._replica_splits
-        if cached is not None and cached[0] is rl:
-            return cached[1]
-        R = self.replicas.size if self.replicas else 1
-        splits = [0] * R
-        m, last, rest = 0, 0, False
-        for q in rl.pieces_of_rank(self.rank):
-            st = self.params[self.trainable[q.param]].plan.step_replica  # type: ignore[union-attr]
-            if st is None:
-                rest = True
-                continue
-            if rest or st < last or q.offset != m:
-                raise RuntimeError(f"matrixfsdp.fully_shard: internal error, block {self.fqn!r} chunk "
-                                   "is not ordered by step replica")
-            splits[st] += q.numel
-            m += q.numel
-            last = st
-        self._replica_splits = (rl, (m, splits))
-        return m, splits
-
-    def _combine_replicas(self, out: torch.Tensor, rl: BlockLayout, *, async_op: bool) -> torch.Tensor | None:
-        """The replica phase (see [Note: replica phase]); returns this replica's reduced split
-        interval (``None`` without HSDP or split pieces). Waited for before returning."""
-        if self.replicas is None:
-            return None
-        rep = self.replicas
-        m, splits = self.replica_splits(rl)
-        handles = []
-        mine = None
-        if m:
-            mine = out.new_empty(splits[rep.rank])
-            handles.append(rep.coll.reduce_scatter_segments(mine, out[:m], splits, async_op=async_op))
-        handles.append(rep.coll.all_reduce(out[m:], async_op=async_op))
-        for h in handles:
-            h.wait()
-        return mine
-
-    def _reduced_grads(self, out: torch.Tensor, post: float, trainable: tuple[int, ...],
-                       rl: BlockLayout, split_mine: torch.Tensor | None = None
-                       ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
-        """Divide this rank's reduced chunk by ``post`` and cast it to the parameters' dtype, once
-        for the whole chunk when they share one (an elementwise cast: the same bits as per
-        parameter). Returns the sharded gradients per trainable parameter (``None`` for a
-        ``split`` parameter another replica steps) and the tensors the compute stream must keep
-        alive (``record_stream``)."""
-        n = rl.chunk_numel[self.rank]
-        m, splits = self.replica_splits(rl) if self.replicas is not None else (0, [0])
-        start = sum(splits[: self.replicas.rank]) if self.replicas is not None else 0
-        targets = {self.params[i].sharded.dtype for i in trainable}
-        made: list[torch.Tensor] = []
-
-        def finish(t: torch.Tensor) -> torch.Tensor:
-            if post != 1:
-                t.div_(post)
-            if len(targets) == 1 and t.dtype not in targets:
-                t = t.to(next(iter(targets)))
-                made.append(t)
-            return t
-
-        data = finish(out[m:n])  # the split prefix, reduce-scattered, is in split_mine
-        if split_mine is not None:
-            made.append(split_mine)  # made on the reduce stream: the compute stream keeps it alive
-        own = finish(split_mine) if split_mine is not None and split_mine.numel() else None
-        mine = {q.param: q for q in rl.pieces_of_rank(self.rank)}
-        grads: list[torch.Tensor | None] = []
-        for j, i in enumerate(trainable):
-            sharded = self.params[i].sharded
-            shape = rl.params[j].local_shape(self.rank)
-            q = mine.get(j)
-            if q is None:  # no rows on this rank: an empty gradient
-                g = torch.empty(shape, dtype=sharded.dtype, device=out.device)
-            elif q.offset < m:  # split: only the step replica holds the sum
-                if self.params[i].plan.step_replica != self.replicas.rank:  # type: ignore[union-attr]
-                    grads.append(None)
-                    continue
-                g = own[q.offset - start: q.offset - start + q.numel].view(shape)  # type: ignore[index]
-                if g.dtype != sharded.dtype:
-                    g = g.to(sharded.dtype)
-                    made.append(g)
-            else:
-                g = data[q.offset - m: q.offset - m + q.numel].view(shape)
-                if g.dtype != sharded.dtype:  # mixed parameter dtypes: one cast each
-                    g = g.to(sharded.dtype)
-                    made.append(g)
-            grads.append(g)
-        return grads, made
-
-    def finish(self, pending: PendingReduce) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]:
-        """Wait for ``pending`` and write the sharded gradients of the parameters this rank used
+    def finish(self, br: BlockReduce) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]:
+        """Wait for ``br`` and write the sharded gradients of the parameters this rank used
         (running their post-accumulate-grad hooks). Returns ``(param, grad, summed_flag)`` for the
         others, which the root resolves (see [Note: unused parameters])."""
-        pending.handle.wait()
-        rl, out = pending.layout, pending.out
-        with torch.no_grad():
-            if pending.reduced is None:  # CPU: the host waited for the collective, divide now
-                mine = self._combine_replicas(out, rl, async_op=True)
-                grads, made = self._reduced_grads(out, pending.post, pending.trainable, rl, mine)
-            else:
-                grads, made = pending.reduced
-                # allocated on the reduce stream, read by the compute stream from now on
-                # (gradients are views of them): their memory must not return to the reduce
-                # stream's pool early
-                for t in (out, *made):
-                    t.record_stream(torch.accelerator.current_stream(out.device))
-        n = rl.chunk_numel[self.rank]
+        red = br.pending.reducer.finish(br.pending)
         undecided = []
-        for j, i in enumerate(pending.trainable):
+        for j, i in enumerate(br.trainable):
             sharded = self.params[i].sharded
-            if grads[j] is None:
+            if red.grads[j] is None:
                 continue  # HSDP split: another replica steps it (and only it gets the gradient)
-            if pending.local_used[j]:
-                accumulate_grad(sharded, grads[j])
+            if red.used[j]:
+                accumulate_grad(sharded, red.grads[j])
             else:
-                undecided.append((sharded, grads[j], out[n + j: n + j + 1]))
+                undecided.append((sharded, red.grads[j], red.flags[j]))
         return undecided
-
 
     # ============================================================================ replicas
     def replica_gather(self) -> Handle:
         """Issue the step replicas' new values of this block's ``split`` parameters to the other
-        owners (see [Note: replica phase]): one whole-tensor exchange over the replicate group."""
+        owners (see [Note: replica steps]): one whole-tensor exchange over the replicate group."""
         rep = self.replicas
         if rep is None:
             return Handle()

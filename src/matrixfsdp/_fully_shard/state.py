@@ -75,7 +75,7 @@ from ..mesh import MeshInfo
 
 from ..comm.collectives import SegmentCollectives
 from .param import ManagedParam
-from .param_group import CommContext, ParamGroup, PendingReduce, ReplicaComm, accumulate_grad
+from .param_group import BlockReduce, CommContext, ParamGroup, ReplicaComm, accumulate_grad
 
 __all__ = ["ShardConfig", "BlockState", "RootContext", "TrainingState", "MAX_REDUCES_IN_FLIGHT"]
 
@@ -121,7 +121,7 @@ class RootContext:
     #: a grad-mode forward ran since the last backward or iteration start (checkpoint helpers
     #: refuse to touch parameters a pending backward would read)
     awaiting_backward: bool = False
-    pending: list[PendingReduce] = field(default_factory=list)
+    pending: list[BlockReduce] = field(default_factory=list)
     #: gradients of parameters this rank did not use, awaiting the summed usage flags
     undecided: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     #: HSDP split: the step replicas' values to the other owners (see [Note: deferred gathers])

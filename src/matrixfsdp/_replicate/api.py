@@ -15,6 +15,7 @@ from ..comm.collectives import KINDS, CommCounter, collectives_for
 from ..engine.plan_check import check_world_size, verify_plan_digest
 from ..engine.exchange import watch_optimizer_steps
 from ..engine.reduce import check_find_unused
+from ..engine.streams import CommContext
 from ..mesh import MeshInfo, default_mesh, mesh_info
 from ..placement.owner import Owned, keeps_state, owner_of, set_owner
 from ..engine.swap import front_end_of, swap_class
@@ -111,8 +112,9 @@ def replicate(
         error = f"{API}: parameters must be materialized on one device, got {sorted(map(str, devices))}"
     layouts = build_layout(plan, trainable, bucket_numel=bucket_numel)
     _agree_on_layout(layouts, stage, reduce_dtype, collectives, error, info)
+    comm = CommContext(info.device)
     buckets = [
-        Bucket(lay, [named[s.fqn] for s in lay.slots], rank=rank, world_size=W, coll=coll,
+        Bucket(lay, [named[s.fqn] for s in lay.slots], rank=rank, coll=coll, comm=comm,
                reduce_dtype=reduce_dtype, persistent=stage == 1)
         for lay in layouts
     ]
@@ -128,7 +130,7 @@ def replicate(
     from ..placement.owned import owner_meshes
 
     owner_meshes(mesh)  # optimizer state is presented on them (see [Note: optimizer state in state dicts])
-    state = ReplicateState(module, buckets, named, rank=rank, world_size=W, coll=coll, stage=stage)
+    state = ReplicateState(module, buckets, named, rank=rank, world_size=W, coll=coll, comm=comm, stage=stage)
     state.plan = plan
     state.mesh = mesh
     for b in buckets:

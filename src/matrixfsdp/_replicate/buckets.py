@@ -21,12 +21,12 @@ DDP), whenever the next bucket becomes complete; a bucket waiting for a paramete
 already reduced simply launches later, so timing differences never reorder collectives. The
 gathers are issued at the root's pre-forward (one program point on every rank), in forward order.
 
-[Note: usage flags in a bucket]
-The engine's [Note: unused parameters] rule, in a bucket's wire format: rank ``r``'s interval of
-the gradient buffer is its parameters' gradients followed by one flag per parameter it owns, so
-only owners receive flags, then zeros up to a 16-byte boundary, so every rank's interval starts
-aligned (see [Note: aligned reduce chunks] in ``engine/layout.py``). Parameters the engine will not reach are marked unused at backward
-start (``torch._C._will_engine_execute_node``), so their buckets launch on time.
+A bucket's reduction is the engine's :class:`~matrixfsdp.engine.reducer.Reducer` over the
+bucket's layout, filled parameter by parameter as gradients become ready (DDP's pre-division
+while copying), in the engine's one wire format ([Note: usage flags] in ``engine/reducer.py``: an
+owner reads only its own parameters' flags). Parameters the engine will not reach are marked
+unused at backward start (``torch._C._will_engine_execute_node``), so their buckets launch on
+time.
 
 [Note: stale parameters]
 After ``step()`` only owners hold the new values until the next forward's gathers complete: one
@@ -51,8 +51,9 @@ import torch.nn as nn
 from ..comm.collectives import Handle, SegmentCollectives
 from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
 from ..engine.exchange import Exchange, GatherUnit
-from ..engine.layout import aligned_numel
-from ..engine.reduce import divide_factors, read_flags
+from ..engine.reduce import read_flags
+from ..engine.reducer import PendingReduce, Reducer
+from ..engine.streams import CommContext
 from .layout import BucketLayout
 
 __all__ = ["Bucket", "ReplicateState"]
@@ -60,18 +61,20 @@ __all__ = ["Bucket", "ReplicateState"]
 class Bucket:
     """One bucket's flat parameter buffer, gradient buffer and in-flight reduction."""
 
-    def __init__(self, layout: BucketLayout, params: list[nn.Parameter], *, rank: int, world_size: int,
-                 coll: SegmentCollectives, reduce_dtype: torch.dtype | None, persistent: bool):
+    def __init__(self, layout: BucketLayout, params: list[nn.Parameter], *, rank: int,
+                 coll: SegmentCollectives, comm: CommContext, reduce_dtype: torch.dtype | None,
+                 persistent: bool):
         self.layout = layout
         self.params = params  # slot order
-        self.rank, self.W, self.coll = rank, world_size, coll
-        # DDP's pre-divide (every contribution times 1/W before the sum): bitwise DDP parity
-        self.pre, _ = divide_factors(world_size, None, reduce_dtype or params[0].dtype, predivide=True)
+        self.rank, self.coll, self.comm = rank, coll, comm
         p0 = params[0]
         self.device = p0.device
         self.param_dtype = p0.dtype
         self.reduce_dtype = reduce_dtype or p0.dtype
         self.persistent = persistent  # ZeRO-1: the gradient buffer lives for the whole run
+        self.reducer = Reducer(layout.block, rank=rank, coll=coll, comm=comm, reduce_dtype=self.reduce_dtype,
+                               grad_dtypes=[self.param_dtype] * len(params), predivide=True,
+                               flags_to="holders", api="matrixfsdp.replicate")
         # [Note: atomic intervals] parameters become views of one flat buffer, so the gather
         # writes them in place
         self.flat = torch.empty(layout.numel, dtype=self.param_dtype, device=self.device)
@@ -79,105 +82,80 @@ class Bucket:
             view = self.flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
             view.copy_(p.detach())
             p.data = view
-        # gradient-buffer offsets: rank r's interval is [its gradients..., its usage flags...,
-        # zeros to a 16-byte boundary] ([Note: aligned reduce chunks])
-        gsplits = self.grad_splits = tuple(aligned_numel(n, self.reduce_dtype.itemsize)
-                                           for n in layout.grad_splits)
-        self.grad_numel = sum(gsplits)
-        self.goff: list[int] = []
-        self.flag: list[int] = []
-        base, k = {}, {}
-        for r in range(world_size):
-            base[r] = sum(gsplits[:r])
-            k[r] = 0
-        for slot in layout.slots:
-            r = slot.owner
-            self.goff.append(base[r] + slot.offset - layout.interval(r)[0])
-            self.flag.append(base[r] + layout.param_splits[r] + k[r])
-            k[r] += 1
         self.mine = [i for i, s in enumerate(layout.slots) if s.owner == rank]
-        # the padding is never written by put(): zeroed once per buffer (one kernel), so the
-        # reduction never sums uninitialized memory
-        pad = [i for r in range(world_size)
-               for i in range(base[r] + layout.grad_splits[r], base[r] + gsplits[r])]
-        self.pad_index = torch.tensor(pad, dtype=torch.long, device=self.device) if pad else None
-        self.grad_buf: torch.Tensor | None = self._new_grad_buf() if persistent else None
+        self.grad_buf: torch.Tensor | None = self.reducer.new_input(self.device) if persistent else None
         self.ready = [False] * len(params)
         self.n_ready = 0
         self.used = [False] * len(params)
-        self.out: torch.Tensor | None = None
-        self.reduce_handle: Handle | None = None
+        self.pending: PendingReduce | None = None
         #: the deferred in-place gather of the owners' new values (see [Note: stale parameters])
-        self.gather = GatherUnit(lambda: self.coll.all_gather_inplace(self.flat, self.layout.param_splits,
-                                                                      async_op=True))
+        self.gather = GatherUnit(self._start_gather)
+
+    def _start_gather(self) -> Handle:
+        """The owners' values to every rank, in place, on the gather stream (the compute stream
+        waits for its event where the parameters are read)."""
+        comm = self.comm
+        with torch.no_grad(), comm.use(comm.gather):
+            handle = self.coll.all_gather_inplace(self.flat, self.layout.param_splits,
+                                                  async_op=not comm.on_device)
+            if comm.on_device:
+                handle = Handle(event=comm.gather.record_event())
+        return handle
+
+    @property
+    def grad_numel(self) -> int:
+        """Elements of the gradient buffer (every rank's interval, flags and padding)."""
+        return self.reducer.numel
 
     # ----------------------------------------------------------------------------- backward
-    def _new_grad_buf(self) -> torch.Tensor:
-        buf = torch.empty(self.grad_numel, dtype=self.reduce_dtype, device=self.device)
-        if self.pad_index is not None:
-            buf.index_fill_(0, self.pad_index, 0)
-        return buf
-
     def begin(self) -> None:
         self.ready = [False] * len(self.params)
         self.n_ready = 0
         self.used = [False] * len(self.params)
         if self.grad_buf is None:
-            self.grad_buf = self._new_grad_buf()
+            self.grad_buf = self.reducer.new_input(self.device)
 
     @property
     def complete(self) -> bool:
         return self.n_ready == len(self.params)
 
     def put(self, i: int, grad: torch.Tensor | None) -> None:
-        """Slot ``i``'s contribution: ``grad / W`` (DDP's pre-divide) and flag 1, or zeros and
-        flag 0 for a parameter this rank did not use."""
+        """Slot ``i``'s contribution: ``grad / W`` (DDP's pre-divide), or zeros for a parameter
+        this rank did not use."""
         if self.grad_buf is None or self.ready[i]:
             raise RuntimeError(f"matrixfsdp.replicate: internal error, slot {i} of bucket "
                                f"{self.layout.index} written twice or outside a backward")
-        n = self.layout.slots[i].numel
-        dst = self.grad_buf[self.goff[i]:self.goff[i] + n]
-        if grad is None:
-            dst.zero_()
-        else:
-            torch.mul(grad.reshape(-1), 1.0 / self.pre, out=dst)
-        self.grad_buf[self.flag[i]:self.flag[i] + 1].fill_(0.0 if grad is None else 1.0)
+        self.reducer.put(self.grad_buf, i, grad)
         self.used[i] = grad is not None
         self.ready[i] = True
         self.n_ready += 1
 
     def launch(self) -> None:
-        splits = self.grad_splits
-        self.out = torch.empty(splits[self.rank], dtype=self.reduce_dtype, device=self.device)
-        self.reduce_handle = self.coll.reduce_scatter_segments(self.out, self.grad_buf, splits, async_op=True)
+        buf = self.grad_buf
+        if buf is None:
+            raise RuntimeError(f"matrixfsdp.replicate: internal error, bucket {self.layout.index} "
+                               "launched outside a backward")
+        self.reducer.write_flags(buf, self.used)
+        self.pending = self.reducer.launch(buf, self.used, prescaled=True)
 
     def finish(self) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]]:
         """Wait for the reduction; ``(param, averaged grad, summed flag or None)`` for every
         parameter this rank owns (the flag only where this rank did not use the parameter)."""
-        if self.reduce_handle is None or self.out is None:
+        if self.pending is None:
             raise RuntimeError(f"matrixfsdp.replicate: internal error, bucket {self.layout.index} "
                                "finished without a reduction in flight")
-        self.reduce_handle.wait()
-        self.reduce_handle = None
-        out, self.out = self.out, None
+        pending, self.pending = self.pending, None
+        red = self.reducer.finish(pending)
         if not self.persistent:
             self.grad_buf = None  # ZeRO-2: only this rank's interval survives the reduction
-        result = []
-        start = sum(self.grad_splits[:self.rank])
-        for i in self.mine:
-            slot = self.layout.slots[i]
-            g = out[self.goff[i] - start:self.goff[i] - start + slot.numel].view(slot.shape)
-            if g.dtype != self.param_dtype:
-                g = g.to(self.param_dtype)
-            flag = None if self.used[i] else out[self.flag[i] - start:self.flag[i] - start + 1]
-            result.append((self.params[i], g, flag))
-        return result
+        return [(self.params[i], red.grads[i], None if red.used[i] else red.flags[i])  # type: ignore[misc]
+                for i in self.mine]
 
     def drop(self) -> None:
         """After an aborted backward: wait for an issued reduction and discard it."""
-        if self.reduce_handle is not None:
-            self.reduce_handle.wait()
-        self.reduce_handle, self.out = None, None
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self.reducer.drop(pending)
         if not self.persistent:
             self.grad_buf = None
 
@@ -186,11 +164,11 @@ class ReplicateState:
     """Everything ``matrixfsdp.replicate`` attaches to one model."""
 
     def __init__(self, module: nn.Module, buckets: list[Bucket], params: dict[str, nn.Parameter], *,
-                 rank: int, world_size: int, coll: SegmentCollectives, stage: int):
+                 rank: int, world_size: int, coll: SegmentCollectives, comm: CommContext, stage: int):
         self.module = module
         self.buckets = buckets  # forward (registration) order; reduced in reverse
         self.params = params
-        self.rank, self.W, self.coll, self.stage = rank, world_size, coll, stage
+        self.rank, self.W, self.coll, self.comm, self.stage = rank, world_size, coll, comm, stage
         self.where: dict[int, tuple[Bucket, int]] = {}
         for b in buckets:
             for i, p in enumerate(b.params):

@@ -12,10 +12,9 @@ with uneven splits, its parameters one all-gather. The partitions of ``alpha_bal
 *is* the registration order; for the owner policies (``balanced``, ``scope_greedy``: the
 layer-wise baseline) the sort makes any owner assignment one collective per bucket.
 
-The gradient buffer of a bucket carries one usage flag per parameter after each rank's
-gradients (``grad_splits = param_splits + counts``): the reduce-scatter sums them, so an owner
-learns how many ranks used a parameter without another collective (see [Note: usage flags in a
-bucket] in ``buckets.py``).
+A bucket's gradient is reduced by the engine's ``Reducer`` over ``block``, whose wire format puts
+one usage flag per owned parameter after each rank's gradients (``counts``; see [Note: usage
+flags] in ``engine/reducer.py``).
 """
 
 from __future__ import annotations
@@ -79,17 +78,6 @@ class BucketLayout:
     @property
     def numel(self) -> int:
         return self.block.numel
-
-    @property
-    def grad_splits(self) -> tuple[int, ...]:
-        return tuple(n + c for n, c in zip(self.param_splits, self.counts))
-
-    def interval(self, rank: int) -> tuple[int, int]:
-        start = sum(self.param_splits[:rank])
-        return start, start + self.param_splits[rank]
-
-    def owned_slots(self, rank: int) -> tuple[Slot, ...]:
-        return tuple(s for s in self.slots if s.owner == rank)
 
 
 def build_layout(plan: OwnerPlan, fqns: list[str], *, bucket_numel: int | None = None) -> tuple[BucketLayout, ...]:

@@ -1,0 +1,368 @@
+"""The one gradient reduction of both front-ends: a segment layout's reduce-scatter, with its
+usage flags, division, replica phase, streams, finish and abort.
+
+``fully_shard`` reduces one :class:`Reducer` per block (all gradients at once, at the block's
+post-backward: :meth:`Reducer.copy_in`); ``replicate`` one per bucket (each gradient as its
+post-accumulate-grad hook fires: :meth:`Reducer.put`, then :meth:`Reducer.write_flags`). Both
+lay the same wire format out at the same offsets and then share every later stage::
+
+    copy-in     the gradients destination-major into one buffer (+ usage flags, padding)
+    launch      pre-divide and reduce-scatter on the reduce stream; on an accelerator the replica
+                phase, the post-division and the cast follow on the same stream
+    finish      wait; (CPU) the replica phase, post-division and cast; per-parameter views
+    drop        after an aborted backward: wait for the issued reduction and discard it
+
+[Note: usage flags]
+The engine's [Note: unused parameters] rule, in one wire format: every destination's chunk is its
+pieces (see [Note: chunks and pieces] in ``engine/layout.py``), then one usage flag for each
+parameter *flagged to* that destination (1 where this rank contributed a gradient, 0 where it
+sent zeros), in layout order, then zeros up to a 16-byte boundary (see [Note: aligned reduce
+chunks]). Which parameters are flagged to a destination is the one policy knob:
+
+* ``flags_to="all"`` (``fully_shard``): every parameter, to every destination. Every rank learns,
+  for every parameter, whether any rank used it, including those it holds no rows of, so every
+  rank gives the same ``.grad is None`` answer (FSDP2's).
+* ``flags_to="holders"`` (``replicate``): a parameter's flag goes only to the ranks that hold it
+  (its owner, or the ranks its rows land on): non-owners get no ``.grad`` anyway, so the flags
+  cost one scalar per parameter, not ``W``, on the wire.
+
+Only a flag's sign is read.
+
+[Note: streams]
+As in FSDP2, on an accelerator the copy-in runs on the *compute* stream and the reduce stream
+waits for it (FSDP2's ``foreach_reduce`` order): the gradients are autograd's tensors, whose
+memory the caching allocator hands to the next kernels of the compute stream once their last
+reference dies; read on the compute stream, that reuse is ordered after the copy. The input
+buffer is allocated on the compute stream and kept by :class:`PendingReduce` until the compute
+stream waited for the reduction (:meth:`Reducer.finish`); tensors the reduce stream allocates
+(its output, the cast gradients) are ``record_stream``-ed to the compute stream, which reads them
+from then on. The compute stream waits for a reduction only when its gradients are written to
+``.grad``, so the host never waits for the device in backward. On the CPU (gloo) there are no
+streams: the same kernels in the same order, host-ordered, so the bits are those of an
+unstreamed reduction.
+
+[Note: replica phase]
+On an HSDP mesh the shard reduction is followed by a second phase over this rank's replicate
+group (see [Note: replicas and step replicas] in ``planner/record.py``). The layout's parameters
+are ordered so that every chunk starts with its ``split`` pieces, in step-replica order, and ends
+with the rest; the replicas then reduce-scatter the split prefix in whole-tensor intervals (the
+step replica alone receives each sum) and all-reduce the remainder (``repeat`` pieces, evenly
+sharded rows, usage flags and padding). On an accelerator the phase follows the shard reduction
+on the reduce stream; on the CPU it runs when the reduction is finished. Divisions use the whole
+data-parallel world (``R * S``), as HSDP's average.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..comm.collectives import Handle, SegmentCollectives
+from .layout import BlockLayout, aligned_numel
+from .reduce import divide_factors
+from .streams import CommContext
+
+__all__ = ["PendingReduce", "ReplicaComm", "Reducer"]
+
+
+@dataclass(frozen=True, eq=False)
+class ReplicaComm:
+    """This rank's replicate group (HSDP): its collectives, coordinate and size."""
+
+    coll: SegmentCollectives
+    rank: int
+    size: int
+
+
+@dataclass(eq=False)
+class PendingReduce:
+    """One issued reduction: what :meth:`Reducer.finish` needs once it completed."""
+
+    reducer: "Reducer"
+    handle: Handle
+    out: torch.Tensor  #: this rank's chunk (+ summed usage flags)
+    inp: torch.Tensor  #: kept alive until the collective completed
+    post: float
+    used: tuple[bool, ...]  #: per parameter: this rank contributed a gradient
+    #: on an accelerator: the reduced gradients (and the tensors behind them) the reduce stream
+    #: produced after the collective; ``None`` on the CPU (made by ``finish``)
+    reduced: tuple[list[torch.Tensor | None], list[torch.Tensor]] | None = None
+
+
+@dataclass(eq=False)
+class Reduced:
+    """A finished reduction, per parameter of the layout: ``grads[j]`` (this rank's rows of the
+    averaged gradient, in the parameter's dtype; ``None`` for a ``split`` parameter another
+    replica steps), ``flags[j]`` (the summed usage flag; ``None`` where it is not flagged to this
+    rank) and ``used[j]`` (this rank contributed)."""
+
+    grads: list[torch.Tensor | None]
+    flags: list[torch.Tensor | None]
+    used: tuple[bool, ...]
+
+
+class Reducer:
+    """The reduction of one segment layout (a block, or a bucket of whole parameters).
+
+    Args:
+        layout: the parameters reduced, in wire order.
+        rank, coll: this rank and the shard group's collectives.
+        comm: the model's streams.
+        reduce_dtype: the dtype summed on the wire.
+        grad_dtypes: each parameter's gradient dtype (the cast target).
+        replicas: this rank's replicate group on an HSDP mesh (``None``: none, or of size 1).
+        step_replicas: each parameter's step replica (``split``) or ``None`` (see [Note: replica
+            phase]); the chunk must hold split pieces first, in step-replica order.
+        predivide: DDP's rule, every contribution times ``1 / factor`` before the sum
+            (``replicate``: bitwise DDP parity), else FSDP2's (see :func:`divide_factors`).
+        flags_to: ``"all"`` or ``"holders"`` (see [Note: usage flags]).
+        api: the front-end's name, for errors.
+    """
+
+    def __init__(self, layout: BlockLayout, *, rank: int, coll: SegmentCollectives, comm: CommContext,
+                 reduce_dtype: torch.dtype, grad_dtypes: Sequence[torch.dtype],
+                 replicas: ReplicaComm | None = None, step_replicas: Sequence[int | None] | None = None,
+                 predivide: bool = False, flags_to: str = "all", api: str = "matrixfsdp"):
+        self.layout, self.rank, self.coll, self.comm = layout, rank, coll, comm
+        self.world_size = coll.world_size
+        self.reduce_dtype = reduce_dtype
+        self.grad_dtypes = tuple(grad_dtypes)
+        self.replicas = replicas if replicas is not None and replicas.size > 1 else None
+        self.predivide = predivide
+        self.api = api
+        F = self.num_flags = len(layout.params)
+        W = self.world_size
+        if flags_to == "all":
+            flagged: tuple[tuple[int, ...], ...] = (tuple(range(F)),) * W
+        elif flags_to == "holders":
+            flagged = tuple(tuple(j for j, p in enumerate(layout.params)
+                                  if p.owner == d or p.rows[d][1] > p.rows[d][0]) for d in range(W))
+        else:
+            raise ValueError(f"{api}: flags_to must be 'all' or 'holders', got {flags_to!r}")
+        #: the parameters flagged to each destination, in layout order (see [Note: usage flags])
+        self.flagged = flagged
+        n = layout.chunk_numel
+        self.splits = tuple(aligned_numel(n[d] + len(flagged[d]), reduce_dtype.itemsize) for d in range(W))
+        self.offsets = tuple(sum(self.splits[:d]) for d in range(W))
+        self.numel = sum(self.splits)
+        self.chunk = n[rank]
+        self._pads = [self.splits[d] - n[d] - len(flagged[d]) for d in range(W)]
+        self.step_replicas = tuple(step_replicas) if step_replicas is not None else (None,) * F
+        self._replica_split = self._split_prefix()
+        #: DDP's pre-division, applied by :meth:`put` while copying (as DDP's bucket copy)
+        self._put_scale = 1.0 / divide_factors(self._group_size, None, reduce_dtype, predivide=True)[0]
+        self._flag_index: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ============================================================================ copy-in
+    def copy_in(self, grads: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+        """The whole input in one kernel (a block's gradients at its post-backward): zeros stand
+        in for missing gradients and fill the padding; the flags come from device constants, so
+        there is no host-to-device copy."""
+        lay, dt = self.layout, self.reduce_dtype
+        F = self.num_flags
+        flat = [None if g is None else g.reshape(-1) for g in grads]
+        ones = torch.ones(F, dtype=dt, device=device)
+        # as large as the largest missing piece or padding
+        n_zero = max([q.numel for q in lay.pieces if flat[q.param] is None] + self._pads + [1])
+        zeros = torch.zeros(n_zero, dtype=dt, device=device)
+        flags = [ones[j: j + 1] if g is not None else zeros[:1] for j, g in enumerate(grads)]
+        parts: list[torch.Tensor] = []
+        for d in range(self.world_size):
+            for q in lay.pieces_of_rank(d):
+                g = flat[q.param]
+                parts.append(zeros[: q.numel] if g is None else g[q.flat_start: q.flat_start + q.numel])
+            parts.extend(flags[j] for j in self.flagged[d])
+            if self._pads[d]:
+                parts.append(zeros[: self._pads[d]])
+        buf = torch.empty(self.numel, dtype=dt, device=device)
+        torch.cat(parts, out=buf)  # one copy-in kernel, on the compute stream
+        return buf
+
+    def new_input(self, device: torch.device) -> torch.Tensor:
+        """An input for :meth:`put` (a bucket's gradients as they become ready). Its padding is
+        zeroed here, once (one kernel), and never written again, so the reduction never sums
+        uninitialized memory; every piece and flag is written before each launch."""
+        buf = torch.empty(self.numel, dtype=self.reduce_dtype, device=device)
+        pads = [i for d in range(self.world_size)
+                for i in range(self.offsets[d] + self.splits[d] - self._pads[d], self.offsets[d] + self.splits[d])]
+        if pads:
+            buf.index_fill_(0, torch.tensor(pads, dtype=torch.long, device=device), 0)
+        return buf
+
+    def put(self, buf: torch.Tensor, j: int, grad: torch.Tensor | None) -> None:
+        """Parameter ``j``'s pieces into ``buf`` (zeros for a parameter this rank did not use),
+        times ``1 / factor`` with ``predivide`` (DDP multiplies while copying into its bucket; the
+        launch then must say ``prescaled=True``)."""
+        flat = None if grad is None else grad.reshape(-1)
+        for q in self.layout.pieces_of_param(j):
+            start = self.offsets[q.rank] + q.offset
+            dst = buf[start: start + q.numel]
+            if flat is None:
+                dst.zero_()
+            elif self.predivide:
+                torch.mul(flat[q.flat_start: q.flat_start + q.numel], self._put_scale, out=dst)
+            else:
+                dst.copy_(flat[q.flat_start: q.flat_start + q.numel])
+
+    def write_flags(self, buf: torch.Tensor, used: Sequence[bool]) -> None:
+        """Every destination's flag block (after :meth:`put`): 1 where this rank used the
+        parameter, from device constants (no host-to-device copy)."""
+        F, dt = self.num_flags, self.reduce_dtype
+        if not F:
+            return
+        flags = torch.zeros(F, dtype=dt, device=buf.device)
+        for j, u in enumerate(used):
+            if u:
+                flags[j: j + 1].fill_(1.0)
+        if self._flag_index is None or self._flag_index[0].device != buf.device:
+            n = self.layout.chunk_numel
+            dst = [self.offsets[d] + n[d] + k for d in range(self.world_size) for k in range(len(self.flagged[d]))]
+            src = [j for d in range(self.world_size) for j in self.flagged[d]]
+            self._flag_index = (torch.tensor(dst, dtype=torch.long, device=buf.device),
+                                torch.tensor(src, dtype=torch.long, device=buf.device))
+        dst_index, src_index = self._flag_index
+        buf.index_copy_(0, dst_index, flags.index_select(0, src_index))
+
+    # ============================================================================ launch
+    @property
+    def _group_size(self) -> int:
+        """The data-parallel world the average runs over (``R * S`` on an HSDP mesh)."""
+        return self.world_size * (self.replicas.size if self.replicas else 1)
+
+    def launch(self, buf: torch.Tensor, used: Sequence[bool], *, divide_factor: float | None = None,
+               prescaled: bool = False) -> PendingReduce:
+        """Divide ``buf`` (unless :meth:`put` did, ``prescaled``) and issue its reduce-scatter
+        (see [Note: streams])."""
+        comm, dt = self.comm, self.reduce_dtype
+        pre, post = divide_factors(self._group_size, divide_factor, dt, predivide=self.predivide)
+        with torch.no_grad(), comm.use(comm.reduce):  # the reduce stream waits for the copy-in
+            if pre != 1 and not prescaled:
+                # times the reciprocal, as DDP (bitwise DDP parity); FSDP2's pre-divisors are
+                # powers of two, for which this is the division's exact result
+                buf.mul_(1.0 / pre)
+            out = torch.empty(self.splits[self.rank], dtype=dt, device=buf.device)
+            handle = self.coll.reduce_scatter_segments(out, buf, self.splits, async_op=not comm.on_device)
+            reduced = None
+            if comm.on_device:
+                # the replica phase, the division and the cast follow the collective on the
+                # reduce stream, off the compute stream (FSDP2's post-reduce)
+                mine = self._combine_replicas(out, async_op=False)
+                reduced = self._reduced_grads(out, post, mine)
+                handle = Handle(event=comm.reduce.record_event())
+        return PendingReduce(self, handle, out, buf, post, tuple(used), reduced)
+
+    # ============================================================================ replicas
+    def _split_prefix(self) -> tuple[int, list[int], int]:
+        """``(m, splits, start)``: the first ``m`` elements of this rank's chunk are its ``split``
+        pieces, ``splits[q]`` of them stepped by replica ``q``, this replica's from ``start``."""
+        if self.replicas is None:
+            return 0, [0], 0
+        R = self.replicas.size
+        splits = [0] * R
+        m, last, rest = 0, 0, False
+        for q in self.layout.pieces_of_rank(self.rank):
+            st = self.step_replicas[q.param]
+            if st is None:
+                rest = True
+                continue
+            if rest or st < last or q.offset != m:
+                raise RuntimeError(f"{self.api}: internal error, a reduction chunk is not ordered by "
+                                   "step replica")
+            splits[st] += q.numel
+            m += q.numel
+            last = st
+        return m, splits, sum(splits[: self.replicas.rank])
+
+    def _combine_replicas(self, out: torch.Tensor, *, async_op: bool) -> torch.Tensor | None:
+        """The replica phase (see [Note: replica phase]); returns this replica's reduced split
+        interval (``None`` without HSDP or split pieces). Waited for before returning."""
+        if self.replicas is None:
+            return None
+        rep = self.replicas
+        m, splits, _ = self._replica_split
+        handles = []
+        mine = None
+        if m:
+            mine = out.new_empty(splits[rep.rank])
+            handles.append(rep.coll.reduce_scatter_segments(mine, out[:m], splits, async_op=async_op))
+        handles.append(rep.coll.all_reduce(out[m:], async_op=async_op))
+        for h in handles:
+            h.wait()
+        return mine
+
+    def _reduced_grads(self, out: torch.Tensor, post: float, split_mine: torch.Tensor | None
+                       ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+        """Divide this rank's reduced chunk by ``post`` and cast it to the gradients' dtype, once
+        for the whole chunk when they share one (an elementwise cast: the same bits as per
+        parameter). Returns the gradient per parameter (``None`` for a ``split`` parameter another
+        replica steps) and the tensors the compute stream must keep alive (``record_stream``)."""
+        lay, n = self.layout, self.chunk
+        m, _, start = self._replica_split
+        targets = set(self.grad_dtypes)
+        made: list[torch.Tensor] = []
+
+        def finish(t: torch.Tensor) -> torch.Tensor:
+            if post != 1:
+                t.div_(post)
+            if len(targets) == 1 and t.dtype not in targets:
+                t = t.to(next(iter(targets)))
+                made.append(t)
+            return t
+
+        data = finish(out[m:n])  # the split prefix, reduce-scattered, is in split_mine
+        if split_mine is not None:
+            made.append(split_mine)  # made on the reduce stream: the compute stream keeps it alive
+        own = finish(split_mine) if split_mine is not None and split_mine.numel() else None
+        mine = {q.param: q for q in lay.pieces_of_rank(self.rank)}
+        grads: list[torch.Tensor | None] = []
+        for j, p in enumerate(lay.params):
+            dtype = self.grad_dtypes[j]
+            shape = p.local_shape(self.rank)
+            q = mine.get(j)
+            if q is None:  # no rows on this rank: an empty gradient
+                g = torch.empty(shape, dtype=dtype, device=out.device)
+            elif q.offset < m:  # split: only the step replica holds the sum
+                if self.step_replicas[j] != self.replicas.rank:  # type: ignore[union-attr]
+                    grads.append(None)
+                    continue
+                g = own[q.offset - start: q.offset - start + q.numel].view(shape)  # type: ignore[index]
+                if g.dtype != dtype:
+                    g = g.to(dtype)
+                    made.append(g)
+            else:
+                g = data[q.offset - m: q.offset - m + q.numel].view(shape)
+                if g.dtype != dtype:  # mixed gradient dtypes: one cast each
+                    g = g.to(dtype)
+                    made.append(g)
+            grads.append(g)
+        return grads, made
+
+    # ============================================================================ finish
+    def finish(self, pending: PendingReduce) -> Reduced:
+        """Wait for ``pending``; this rank's averaged gradients and the summed usage flags."""
+        pending.handle.wait()
+        out = pending.out
+        with torch.no_grad():
+            if pending.reduced is None:  # CPU: the host waited for the collective, divide now
+                mine = self._combine_replicas(out, async_op=True)
+                grads, made = self._reduced_grads(out, pending.post, mine)
+            else:
+                grads, made = pending.reduced
+                # allocated on the reduce stream, read by the compute stream from now on
+                # (gradients are views of them): their memory must not return to the reduce
+                # stream's pool early
+                for t in (out, *made):
+                    t.record_stream(torch.accelerator.current_stream(out.device))
+        n = self.chunk
+        flags: list[torch.Tensor | None] = [None] * self.num_flags
+        for k, j in enumerate(self.flagged[self.rank]):
+            flags[j] = out[n + k: n + k + 1]
+        return Reduced(grads, flags, pending.used)
+
+    @staticmethod
+    def drop(pending: PendingReduce) -> None:
+        """After an aborted backward: wait for the issued reduction (every rank issued it) and
+        discard its result."""
+        pending.handle.wait()
