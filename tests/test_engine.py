@@ -124,17 +124,21 @@ def _mesh_info_2d() -> str:
     m = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp_replicate", "dp_shard"))
     info = mesh_mod.mesh_info(m["dp_shard"], api="x")
     out = f"{info.shard_size} {info.shard_rank} {info.replicate_size} {info.tp_size} {info.device}"
+    matrixfsdp.replicate(Net(), mesh=m)  # an HSDP mesh (here of one replica) is taken
+    swapped = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp_shard", "dp_replicate"))
     try:
-        matrixfsdp.replicate(Net(), mesh=m)
+        matrixfsdp.replicate(Net(), mesh=swapped)
     except ValueError as e:
         return out + " | " + str(e)
     return out + " | no error"
 
 
-def test_mesh_info_roles_and_the_2d_refusal_of_replicate():
+def test_mesh_info_roles_and_the_2d_mesh_of_replicate():
     for r, out in enumerate(get_pool(2).run(_mesh_info_2d)):
-        assert out == (f"2 {r} 1 1 cpu | matrixfsdp.replicate: mesh must be 1-D (the data-parallel shard "
-                       "dimension), got a 2-D mesh of shape (1, 2); pass mesh['dp_shard'] or a 1-D mesh")
+        assert out == (f"2 {r} 1 1 cpu | matrixfsdp.replicate: dimension 0 of a 2-D mesh replicates and "
+                       "dimension 1 shards (as torch's HSDP), but this mesh is named ('dp_shard', "
+                       "'dp_replicate'); build it as init_device_mesh(device_type, (R, S), "
+                       "mesh_dim_names=(\"dp_replicate\", \"dp_shard\"))"), out
 
 
 def _paths_under(config: str) -> dict:

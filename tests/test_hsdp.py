@@ -159,15 +159,18 @@ def _flat(W):
 @pytest.mark.parametrize("R, S", [(2, 2), (2, 3), (3, 2)])
 @pytest.mark.parametrize("mode", ["repeat", "split"])
 def test_hsdp_parity_all_optimizers(R, S, mode):
-    """Muon, Shampoo and SOAP at (2, 2), (2, 3) and (3, 2): gradients within 1e-6 relative on
-    every rank holding a sum (same parameters), the parameters after 5 steps as close to the
+    """Muon, Shampoo and SOAP at (2, 2), (2, 3) and (3, 2): gradients within 1e-6 relative (or
+    1.5x a flat run's difference, where that is larger) on every rank holding a sum (same
+    parameters), the parameters after 5 steps as close to the
     single-process run as a flat run on as many ranks is, zero collectives in step()."""
     res = get_pool(R * S).run(hsdp_parity_all, R, S, mode)
     flat = _flat(R * S)
     for name in ("muon", "shampoo", "soap"):
         worst = _worst([r[name] for r in res])
         print(R, S, mode, name, worst, "flat:", flat[name])
-        assert worst["grad0"] < 1e-6, (name, worst)
+        # the reduction order's rounding, relative to the largest gradient: as a flat run's
+        # (whose own bound depends on the CPU's kernels: 9.3e-7 at W=6 on an AVX-512 EPYC)
+        assert worst["grad0"] < max(1e-6, 1.5 * flat[name]["grad0"]), (name, worst, flat[name])
         assert worst["param"] <= 3 * flat[name]["param"] + 1e-6, (name, worst, flat[name])
         assert worst["step_calls"] == 0, (name, worst)
 
@@ -313,8 +316,9 @@ def hsdp_errors():
     with pytest.raises(ValueError) as e:
         fully_shard(model.blocks[0], mesh=mesh, plan=flat_plan)
     msgs["flat_plan"] = str(e.value)
-    with pytest.raises(ValueError) as e:
-        matrixfsdp.replicate(TinyDecoder(TinyConfig(), seed=0), mesh=mesh)
+    other = TinyDecoder(TinyConfig(), seed=0)
+    with pytest.raises(ValueError) as e:  # replicate takes HSDP meshes, with a plan built for them
+        matrixfsdp.replicate(other, mesh=mesh, plan=matrixfsdp.plan_owners(other, 2, elementwise="owned"))
     msgs["replicate"] = str(e.value)
     return msgs
 
@@ -325,4 +329,6 @@ def test_hsdp_errors_name_the_fix():
         assert "got a 3-D mesh" in msgs["3d"]
         assert ("the plan was built for world_size=2 but the mesh has 2 replicas x 2 shard ranks; rebuild it "
                 "with matrixfsdp.plan_owners(model, mesh, ...) on this mesh") in msgs["flat_plan"]
-        assert msgs["replicate"].startswith("matrixfsdp.replicate: mesh must be 1-D"), msgs["replicate"]
+        assert msgs["replicate"] == (
+            "matrixfsdp.replicate: the plan was built for world_size=2 but the mesh has 2 replicas x 2 shard "
+            "ranks; rebuild it with matrixfsdp.plan_owners(model, mesh, ...) on this mesh"), msgs["replicate"]

@@ -151,6 +151,12 @@ class MeshInfo:
         return self.replicate_mesh.get_group() if self.replicate_mesh is not None else None
 
     @property
+    def dp_group(self) -> Any:
+        """Every data-parallel rank's group (an HSDP mesh flattened; the first call is collective):
+        the group of the agreements that must fail on every rank alike."""
+        return flat_dp_mesh(self.mesh).get_group() if self.is_hsdp else self.shard_group
+
+    @property
     def device(self) -> torch.device:
         return mesh_device(self.mesh)
 

@@ -43,7 +43,8 @@ from ..comm.collectives import SegmentCollectives, collectives_for
 from ..planner.record import OwnerPlan, ParamPlan
 from ..mesh import MeshInfo
 from .param import ManagedParam, shard_param
-from .param_group import CommContext, ReplicaComm
+from ..engine.reducer import replica_comm
+from .param_group import CommContext
 from .tp import attach_tp_hosts, check_plan_tp, localize, tp_layout
 from .state import BlockState, RootContext
 
@@ -156,13 +157,6 @@ def chunk_order(params: list[ManagedParam], plan_order: dict[str, int]) -> None:
     order, which puts each owner's in step-replica order), then the rest (see [Note: replica
     phase] in ``param_group.py``). Without HSDP split this is plan order."""
     params.sort(key=lambda mp: (mp.plan.step_replica is None, plan_order[mp.fqn]))  # type: ignore[union-attr]
-
-
-def replica_comm(info: MeshInfo, kind: str) -> ReplicaComm | None:
-    """The replicate group's collectives (HSDP), else ``None``."""
-    if not info.is_hsdp:
-        return None
-    return ReplicaComm(collectives_for(info.replicate_group, kind), info.replicate_rank, info.replicate_size)
 
 
 def attach_exchange(ctx: RootContext, info: MeshInfo) -> None:

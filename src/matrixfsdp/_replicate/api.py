@@ -15,6 +15,7 @@ from ..comm.collectives import KINDS, CommCounter, collectives_for
 from ..engine.plan_check import check_world_size, verify_plan_digest
 from ..engine.exchange import watch_optimizer_steps
 from ..engine.reduce import check_find_unused
+from ..engine.reducer import replica_comm
 from ..engine.streams import CommContext
 from ..mesh import MeshInfo, default_mesh, mesh_info
 from ..placement.owner import Owned, keeps_state, owner_of, set_owner
@@ -57,7 +58,10 @@ def replicate(
     Args:
         module: the model (the same parameters on every rank; with ``broadcast_from_rank0`` rank
             0's values are copied to the others, as DDP does at construction).
-        mesh: a 1-D data-parallel mesh (default: every rank of the default group).
+        mesh: a 1-D data-parallel mesh (default: every rank of the default group), or an HSDP
+            mesh ``(dp_replicate, dp_shard)``: buckets are planned within ``dp_shard`` and the
+            gradients combined across replicas as ``plan``'s ``replica_step`` says (see
+            docs/hsdp.md).
         plan: an :class:`OwnerPlan` with every parameter owned (no ``"even"`` placement).
         stage: 1 or 2.
         reduce_dtype: dtype of the gradient reduction (default: the parameter dtype).
@@ -86,8 +90,7 @@ def replicate(
     if reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype):
         raise TypeError(f"{API}: reduce_dtype must be a torch.dtype or None, got {reduce_dtype!r}")
     _check_not_sharded(module)
-    # HSDP for replicate would be a third reduction form; fully_shard takes 2-D meshes
-    info = mesh_info(mesh if mesh is not None else default_mesh(API), api=API, hsdp=False)
+    info = mesh_info(mesh if mesh is not None else default_mesh(API), api=API)
     mesh = info.mesh
     if plan is None:
         from ..planner.planner import plan_owners
@@ -113,29 +116,34 @@ def replicate(
     layouts = build_layout(plan, trainable, bucket_numel=bucket_numel)
     _agree_on_layout(layouts, stage, reduce_dtype, collectives, error, info)
     comm = CommContext(info.device)
+    replicas = replica_comm(info, collectives)
     buckets = [
         Bucket(lay, [named[s.fqn] for s in lay.slots], rank=rank, coll=coll, comm=comm,
-               reduce_dtype=reduce_dtype, persistent=stage == 1)
+               reduce_dtype=reduce_dtype, persistent=stage == 1, replicas=replicas,
+               step_replicas=[plan[s.fqn].step_replica for s in lay.slots])
         for lay in layouts
     ]
-    if broadcast_from_rank0 and W > 1:
+    if broadcast_from_rank0 and info.world_size > 1:
+        # (HSDP) replica 0's values to every replica, then shard rank 0's to its shard group:
+        # rank 0's values everywhere
         with torch.no_grad():
-            for b in buckets:
-                coll.broadcast(b.flat, 0)
-            for f, p in named.items():
-                if not p.requires_grad:
-                    coll.broadcast(p.data, 0)
-            for buf in module.buffers():
-                coll.broadcast(buf.data, 0)
+            tensors = [b.flat for b in buckets] + [p.data for p in named.values() if not p.requires_grad]
+            for t in tensors + [buf.data for buf in module.buffers()]:
+                if replicas is not None:
+                    replicas.coll.broadcast(t, 0)
+                coll.broadcast(t, 0)
     from ..placement.owned import owner_meshes
 
     owner_meshes(mesh)  # optimizer state is presented on them (see [Note: optimizer state in state dicts])
-    state = ReplicateState(module, buckets, named, rank=rank, world_size=W, coll=coll, comm=comm, stage=stage)
+    state = ReplicateState(module, buckets, named, rank=rank, world_size=W, coll=coll, comm=comm, stage=stage,
+                           replicas=replicas)
     state.plan = plan
     state.mesh = mesh
     for b in buckets:
         for slot, p in zip(b.layout.slots, b.params):
-            set_owner(p, Owned(owner=slot.owner, kind=plan[slot.fqn].placement, mesh=mesh, storage="replicated"))
+            pp = plan[slot.fqn]
+            set_owner(p, Owned(owner=slot.owner, kind=pp.placement, mesh=mesh, storage="replicated",
+                               step_replica=pp.step_replica))
             p.register_post_accumulate_grad_hook(state.on_grad)
     _install_hooks(module, state)
     _watch_optimizer_steps(state)
@@ -154,7 +162,7 @@ def _agree_on_layout(layouts: Any, stage: int, reduce_dtype: Any, collectives: s
     what = repr(([(lay.dtype, lay.slots, lay.param_splits) for lay in layouts], stage, str(reduce_dtype),
                  collectives))
     fingerprints = agree(None if error is None else encode_error(ValueError(error)),
-                         hashlib.sha256(what.encode()).hexdigest(), group=info.shard_group, device=info.device)
+                         hashlib.sha256(what.encode()).hexdigest(), group=info.dp_group, device=info.device)
     if len(set(fingerprints)) != 1:
         raise ValueError(
             f"{API}: the ranks disagree on the bucket layout (bucket_numel, stage, reduce_dtype, "
@@ -285,8 +293,16 @@ class MatrixReplicateModule:
     def owner_plan(self) -> OwnerPlan:
         return state_of(self).plan  # type: ignore[arg-type]
 
-    def comm_counter(self) -> CommCounter:
-        return state_of(self).coll.counter  # type: ignore[arg-type]
+    def comm_counter(self, role: str = "shard") -> CommCounter:
+        """Calls and bytes of this model's collectives over the shard group, or (``role=
+        "replicate"``, an HSDP mesh) over this rank's replicate group."""
+        state = state_of(self)  # type: ignore[arg-type]
+        if role == "shard":
+            return state.coll.counter
+        if role == "replicate" and state.replicas is not None:
+            return state.replicas.coll.counter
+        raise ValueError(f"{API}.comm_counter: role must be 'shard' or, on an HSDP mesh, 'replicate'; "
+                         f"got role={role!r}" + ("" if state.replicas is not None else " on a 1-D mesh"))
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """``to()``, ``double()``, ``to_empty()``...: the parameters are views of the flat buckets,

@@ -28,6 +28,15 @@ owner reads only its own parameters' flags). Parameters the engine will not reac
 unused at backward start (``torch._C._will_engine_execute_node``), so their buckets launch on
 time.
 
+[Note: replicas in buckets]
+On an HSDP mesh ``(dp_replicate, dp_shard)`` the buckets are planned within ``dp_shard`` and
+every replica holds the same layout. A bucket's reduction is the engine's, with its replica phase
+(see [Note: replica phase] in ``engine/reducer.py``): ``repeat`` parameters are all-reduced
+across the replicas, so every replica's owner steps them alike and the in-replica gather suffices;
+a ``split`` parameter's full sum reaches its step replica's owner alone. Those lead each owner's
+interval, by step replica, so the gather first all-gathers that prefix in place across the
+replicas (each step replica sends its part), then the in-replica gather sends the whole interval.
+
 [Note: stale parameters]
 After ``step()`` only owners hold the new values until the next forward's gathers complete: one
 :class:`~matrixfsdp.engine.exchange.Exchange` with a gather unit per bucket, the engine's
@@ -43,7 +52,7 @@ managed module's pre-forward instead, and waits for every bucket.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
@@ -52,7 +61,7 @@ from ..comm.collectives import Handle, SegmentCollectives
 from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
 from ..engine.exchange import Exchange, GatherUnit
 from ..engine.reduce import read_flags
-from ..engine.reducer import PendingReduce, Reducer
+from ..engine.reducer import PendingReduce, Reducer, ReplicaComm
 from ..engine.streams import CommContext
 from .layout import BucketLayout
 
@@ -63,7 +72,8 @@ class Bucket:
 
     def __init__(self, layout: BucketLayout, params: list[nn.Parameter], *, rank: int,
                  coll: SegmentCollectives, comm: CommContext, reduce_dtype: torch.dtype | None,
-                 persistent: bool):
+                 persistent: bool, replicas: ReplicaComm | None = None,
+                 step_replicas: Sequence[int | None] | None = None):
         self.layout = layout
         self.params = params  # slot order
         self.rank, self.coll, self.comm = rank, coll, comm
@@ -73,8 +83,10 @@ class Bucket:
         self.reduce_dtype = reduce_dtype or p0.dtype
         self.persistent = persistent  # ZeRO-1: the gradient buffer lives for the whole run
         self.reducer = Reducer(layout.block, rank=rank, coll=coll, comm=comm, reduce_dtype=self.reduce_dtype,
-                               grad_dtypes=[self.param_dtype] * len(params), predivide=True,
-                               flags_to="holders", api="matrixfsdp.replicate")
+                               grad_dtypes=[self.param_dtype] * len(params), replicas=replicas,
+                               step_replicas=step_replicas, predivide=True, flags_to="holders",
+                               api="matrixfsdp.replicate")
+        self.replicas = self.reducer.replicas
         # [Note: atomic intervals] parameters become views of one flat buffer, so the gather
         # writes them in place
         self.flat = torch.empty(layout.numel, dtype=self.param_dtype, device=self.device)
@@ -93,9 +105,18 @@ class Bucket:
 
     def _start_gather(self) -> Handle:
         """The owners' values to every rank, in place, on the gather stream (the compute stream
-        waits for its event where the parameters are read)."""
+        waits for its event where the parameters are read). On an HSDP mesh with ``split``
+        parameters the step replicas' new values first reach every replica's owner (see [Note:
+        replicas in buckets])."""
         comm = self.comm
         with torch.no_grad(), comm.use(comm.gather):
+            m, splits, _ = self.reducer.split_prefix
+            if m:
+                start = sum(self.layout.param_splits[: self.rank])
+                h = self.replicas.coll.all_gather_inplace(  # type: ignore[union-attr]
+                    self.flat[start: start + m], splits, async_op=not comm.on_device)
+                if not comm.on_device:
+                    h.wait()  # the shard gather below sends these values (a device orders it)
             handle = self.coll.all_gather_inplace(self.flat, self.layout.param_splits,
                                                   async_op=not comm.on_device)
             if comm.on_device:
@@ -148,8 +169,9 @@ class Bucket:
         red = self.reducer.finish(pending)
         if not self.persistent:
             self.grad_buf = None  # ZeRO-2: only this rank's interval survives the reduction
+        # a ``split`` parameter another replica steps has no gradient here
         return [(self.params[i], red.grads[i], None if red.used[i] else red.flags[i])  # type: ignore[misc]
-                for i in self.mine]
+                for i in self.mine if red.grads[i] is not None]
 
     def drop(self) -> None:
         """After an aborted backward: wait for an issued reduction and discard it."""
@@ -164,8 +186,10 @@ class ReplicateState:
     """Everything ``matrixfsdp.replicate`` attaches to one model."""
 
     def __init__(self, module: nn.Module, buckets: list[Bucket], params: dict[str, nn.Parameter], *,
-                 rank: int, world_size: int, coll: SegmentCollectives, comm: CommContext, stage: int):
+                 rank: int, world_size: int, coll: SegmentCollectives, comm: CommContext, stage: int,
+                 replicas: ReplicaComm | None = None):
         self.module = module
+        self.replicas = replicas  # this rank's replicate group (HSDP), else None
         self.buckets = buckets  # forward (registration) order; reduced in reverse
         self.params = params
         self.rank, self.W, self.coll, self.comm, self.stage = rank, world_size, coll, comm, stage

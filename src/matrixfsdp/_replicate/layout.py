@@ -5,8 +5,9 @@ the contiguous interval of the flat buffer holding the parameters that rank owns
 
 [Note: atomic intervals]
 Every parameter is owned whole by one rank (Canzona's atomicity: a matrix optimizer needs the
-whole matrix). Inside a bucket the parameters are sorted by (owner, registration order), so each
-rank's parameters form one contiguous interval and the bucket's gradient is one reduce-scatter
+whole matrix). Inside a bucket the parameters are sorted by owner, then registration order (on
+an HSDP mesh ``split`` parameters lead each interval, by step replica), so each rank's
+parameters form one contiguous interval and the bucket's gradient is one reduce-scatter
 with uneven splits, its parameters one all-gather. The partitions of ``alpha_balanced`` and
 ``naive_static`` are contiguous runs of the registration order already, so their buffer order
 *is* the registration order; for the owner policies (``balanced``, ``scope_greedy``: the
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from ..engine.layout import BlockLayout
 from ..planner.buckets import make_buckets
-from ..planner.record import OwnerPlan
+from ..planner.record import OwnerPlan, ParamPlan
 
 __all__ = ["Slot", "BucketLayout", "build_layout"]
 
@@ -106,7 +107,15 @@ def build_layout(plan: OwnerPlan, fqns: list[str], *, bucket_numel: int | None =
             else:
                 runs.append([f])
         for run in runs:
-            order = sorted(range(len(run)), key=lambda i: (plan[run[i]].owner, i))
+            order = sorted(range(len(run)), key=lambda i: _wire_key(plan[run[i]], i))
             block = BlockLayout.from_plans([plan[run[i]] for i in order], W)
             layouts.append(BucketLayout(len(layouts), plan[run[0]].dtype, block))
     return tuple(layouts)
+
+
+def _wire_key(p: ParamPlan, i: int) -> tuple[int, bool, int, int]:
+    """Buffer order: by owner (one interval per rank), then on an HSDP mesh the ``split``
+    parameters first, by step replica (the engine's [Note: replica phase]), then the rest; within
+    each, registration order. A flat plan has no step replicas: ``(owner, i)`` order."""
+    step = p.step_replica
+    return (int(p.owner), step is None, step if step is not None else 0, i)  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ import weakref
 from typing import Any
 
 from ..comm.agree import agree
-from ..mesh import MeshInfo, flat_dp_mesh
+from ..mesh import MeshInfo
 from ..planner.record import OwnerPlan
 
 __all__ = ["verify_plan_digest", "check_world_size"]
@@ -44,8 +44,7 @@ def verify_plan_digest(plan: OwnerPlan, info: MeshInfo, *, api: str) -> None:
         return
     # over every data-parallel rank at once (an HSDP mesh flattened): two exchanges, one per
     # dimension, would let a rank whose own groups agree pass while the others raise
-    group = flat_dp_mesh(info.mesh).get_group() if info.is_hsdp else info.shard_group
-    digests = agree(fingerprint=plan.digest, group=group, device=info.device)
+    digests = agree(fingerprint=plan.digest, group=info.dp_group, device=info.device)
     if len(set(digests)) != 1:
         by_rank = ", ".join(f"rank {r}: {(d or '')[:12]}" for r, d in enumerate(digests))
         raise RuntimeError(

@@ -59,12 +59,13 @@ from typing import Sequence
 
 import torch
 
-from ..comm.collectives import Handle, SegmentCollectives
+from ..comm.collectives import Handle, SegmentCollectives, collectives_for
+from ..mesh import MeshInfo
 from .layout import BlockLayout, aligned_numel
 from .reduce import divide_factors
 from .streams import CommContext
 
-__all__ = ["PendingReduce", "ReplicaComm", "Reducer"]
+__all__ = ["PendingReduce", "ReplicaComm", "Reducer", "replica_comm"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,6 +75,14 @@ class ReplicaComm:
     coll: SegmentCollectives
     rank: int
     size: int
+
+
+def replica_comm(info: MeshInfo, kind: str) -> ReplicaComm | None:
+    """The replicate group's collectives on an HSDP mesh (``kind`` as the shard group's), else
+    ``None``: both front-ends combine replicas through it."""
+    if not info.is_hsdp:
+        return None
+    return ReplicaComm(collectives_for(info.replicate_group, kind), info.replicate_rank, info.replicate_size)
 
 
 @dataclass(eq=False)
@@ -150,7 +159,9 @@ class Reducer:
         self.chunk = n[rank]
         self._pads = [self.splits[d] - n[d] - len(flagged[d]) for d in range(W)]
         self.step_replicas = tuple(step_replicas) if step_replicas is not None else (None,) * F
-        self._replica_split = self._split_prefix()
+        #: ``(m, splits, start)``: this rank's chunk begins with ``m`` elements of ``split``
+        #: pieces, ``splits[q]`` stepped by replica ``q``, this replica's from ``start``
+        self.split_prefix = self._split_prefix()
         #: DDP's pre-division, applied by :meth:`put` while copying (as DDP's bucket copy)
         self._put_scale = 1.0 / divide_factors(self._group_size, None, reduce_dtype, predivide=True)[0]
         self._flag_index: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -281,7 +292,7 @@ class Reducer:
         if self.replicas is None:
             return None
         rep = self.replicas
-        m, splits, _ = self._replica_split
+        m, splits, _ = self.split_prefix
         handles = []
         mine = None
         if m:
@@ -299,7 +310,7 @@ class Reducer:
         parameter). Returns the gradient per parameter (``None`` for a ``split`` parameter another
         replica steps) and the tensors the compute stream must keep alive (``record_stream``)."""
         lay, n = self.layout, self.chunk
-        m, _, start = self._replica_split
+        m, _, start = self.split_prefix
         targets = set(self.grad_dtypes)
         made: list[torch.Tensor] = []
 
@@ -346,7 +357,8 @@ class Reducer:
         out = pending.out
         with torch.no_grad():
             if pending.reduced is None:  # CPU: the host waited for the collective, divide now
-                mine = self._combine_replicas(out, async_op=True)
+                with self.comm.use(self.comm.reduce):  # (no stream on the CPU: one program order)
+                    mine = self._combine_replicas(out, async_op=True)
                 grads, made = self._reduced_grads(out, pending.post, mine)
             else:
                 grads, made = pending.reduced
