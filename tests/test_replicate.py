@@ -319,9 +319,9 @@ def bytes_and_state() -> dict:
             "largest_state": largest, "buckets": len(dict(model.owner_plan.meta)["buckets"]),
             # rank r's gradient interval of a bucket: its gradients and flags, then zeros up to a
             # multiple of 4 fp32 elements ([Note: aligned reduce chunks]), derived from the layout
-            "pad": sum((-(n + c)) % 4 for b in model._matrixfsdp_replicate_state.buckets
+            "pad": sum((-(n + c)) % 4 for b in model._matrixfsdp_state.buckets
                        for n, c in zip(b.layout.param_splits, b.layout.counts)),
-            "dtypes": sorted({str(b.reduce_dtype) for b in model._matrixfsdp_replicate_state.buckets})}
+            "dtypes": sorted({str(b.reduce_dtype) for b in model._matrixfsdp_state.buckets})}
 
 
 @pytest.mark.parametrize("W", [2, 4])

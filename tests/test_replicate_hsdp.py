@@ -301,7 +301,7 @@ def stream_order(R: int, S: int, mode: str) -> dict:
     opt = matrixfsdp.optim.Muon(model, **KW)
     spy = _StreamSpy()
     colls = {}
-    for b in model._matrixfsdp_replicate_state.buckets:
+    for b in model._matrixfsdp_state.buckets:
         b.comm = b.reducer.comm = spy
         spy.wrap(b.reducer, "put", "copy-in")
         for coll in [b.coll] + ([b.replicas.coll] if b.replicas is not None else []):
@@ -316,7 +316,7 @@ def stream_order(R: int, S: int, mode: str) -> dict:
         model.loss(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per], use_extra=True).backward()
         opt.step()
         opt.zero_grad()
-    return {"seen": spy.seen, "n_buckets": len(model._matrixfsdp_replicate_state.buckets)}
+    return {"seen": spy.seen, "n_buckets": len(model._matrixfsdp_state.buckets)}
 
 
 @pytest.mark.parametrize("R, S, mode", [(1, 2, "repeat"), (2, 2, "split")])

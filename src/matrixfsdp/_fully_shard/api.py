@@ -20,13 +20,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..comm.collectives import CommCounter, collectives_for
 from ..engine.backward import in_backward
-from ..engine.swap import swap_class
+from ..engine.swap import attach_state, swap_class
 from ..placement.owned import local_tensor, owner_meshes
 from ..planner.record import OwnerPlan
 from ..engine.plan_check import check_world_size, verify_plan_digest
 from ..engine.reduce import check_find_unused
 from ..mesh import default_mesh, mesh_info
-from .init import (API, CLAIM_ATTR, STATE_ATTR, _check_call, _check_not_torch_fsdp,
+from .init import (API, CLAIM_ATTR, _check_call, _check_not_torch_fsdp,
                     _collect_managed, _is_planned_model, _resolve,
                     get_state, plan_call, resolve_call)
 from .state import BlockState, RootContext, ShardConfig
@@ -106,7 +106,7 @@ def fully_shard(
     state = BlockState(module, config, params)
     for mp in params:
         setattr(mp.orig, CLAIM_ATTR, weakref.ref(state))
-    module.__dict__[STATE_ATTR] = state
+    attach_state(module, state)
     to_sharded = functools.partial(_to_sharded_hook, state)
     state._hook_handles = [
         module.register_forward_pre_hook(functools.partial(_pre_forward_hook, state),
@@ -227,6 +227,10 @@ class MatrixFSDPModule:
         state = _state_of(self, "sync_params")  # type: ignore[arg-type]
         if state.ctx is not None and state.ctx.exchange is not None and not in_backward():
             state.ctx.exchange.settle()
+
+    def comm_counter(self, role: str = "shard") -> CommCounter:
+        """:func:`comm_counter` of this module (``replicate``'s spelling, the same counter)."""
+        return comm_counter(self, role)  # type: ignore[arg-type]
 
     def reshard(self) -> None:
         """Free the materialized parameters (owners keep their own storage)."""

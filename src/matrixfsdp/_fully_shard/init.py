@@ -44,12 +44,12 @@ from ..planner.record import OwnerPlan, ParamPlan
 from ..mesh import MeshInfo
 from .param import ManagedParam, shard_param
 from ..engine.reducer import replica_comm
+from ..engine.swap import attached_state
 from .param_group import CommContext
 from .tp import attach_tp_hosts, check_plan_tp, localize, tp_layout
 from .state import BlockState, RootContext
 
 API = "matrixfsdp.fully_shard"
-STATE_ATTR = "_matrixfsdp_state"
 # Set on parameters claimed by a fully_shard call before resolution (detects top-down wrapping
 # and parameters tied across blocks); a weakref to the claiming BlockState.
 CLAIM_ATTR = "_matrixfsdp_claimed_by"
@@ -57,7 +57,7 @@ CLAIM_ATTR = "_matrixfsdp_claimed_by"
 
 def get_state(module: nn.Module) -> BlockState | None:
     """The :class:`BlockState` of a ``matrixfsdp.fully_shard``-ed module, else ``None``."""
-    return module.__dict__.get(STATE_ATTR)
+    return attached_state(module, BlockState)
 
 
 def _collect_managed(module: nn.Module, ignored: set[nn.Parameter], dp: DeviceMesh) -> list[ManagedParam]:

@@ -75,6 +75,7 @@ from ..mesh import MeshInfo
 
 from ..comm.collectives import SegmentCollectives
 from .param import ManagedParam
+from ..engine.reducer import Reducer
 from .param_group import BlockReduce, CommContext, ParamGroup, ReplicaComm, accumulate_grad
 
 __all__ = ["ShardConfig", "BlockState", "RootContext", "TrainingState", "MAX_REDUCES_IN_FLIGHT"]
@@ -146,7 +147,7 @@ class RootContext:
         if self.backward.take_aborted():  # an exception escaped the last backward
             pending, self.pending = self.pending, []
             for p in pending:
-                p.handle.wait()  # issued on every rank; the partial result is dropped
+                Reducer.drop(p.pending)  # the engine's abort: issued on every rank, result dropped
             self.undecided = []
             for s in self.states:
                 s.group.take_grads()

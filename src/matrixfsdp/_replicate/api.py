@@ -19,7 +19,7 @@ from ..engine.reducer import replica_comm
 from ..engine.streams import CommContext
 from ..mesh import MeshInfo, default_mesh, mesh_info
 from ..placement.owner import Owned, keeps_state, owner_of, set_owner
-from ..engine.swap import front_end_of, swap_class
+from ..engine.swap import attach_state, attached_state, front_end_of, swap_class
 from ..planner.record import OwnerPlan
 from .layout import build_layout
 from .buckets import Bucket, ReplicateState
@@ -27,7 +27,6 @@ from .buckets import Bucket, ReplicateState
 __all__ = ["replicate", "MatrixReplicateModule"]
 
 API = "matrixfsdp.replicate"
-_STATE_ATTR = "_matrixfsdp_replicate_state"
 
 
 def replicate(
@@ -81,7 +80,7 @@ def replicate(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"{API}: expects an nn.Module, got {type(module).__name__}")
-    if getattr(module, _STATE_ATTR, None) is not None:
+    if attached_state(module, ReplicateState) is not None:
         raise ValueError(f"{API}: the module is already managed by matrixfsdp.replicate")
     if stage not in (1, 2) or isinstance(stage, bool):
         raise ValueError(f"{API}: stage must be 1 or 2, got stage={stage!r}")
@@ -147,7 +146,7 @@ def replicate(
             p.register_post_accumulate_grad_hook(state.on_grad)
     _install_hooks(module, state)
     _watch_optimizer_steps(state)
-    setattr(module, _STATE_ATTR, state)
+    attach_state(module, state)
     swap_class(module, MatrixReplicateModule, API)
     return module
 
@@ -251,7 +250,7 @@ def _watch_optimizer_steps(state: ReplicateState) -> None:
 
 
 def state_of(module: nn.Module, what: str = "") -> ReplicateState:
-    state = getattr(module, _STATE_ATTR, None)
+    state = attached_state(module, ReplicateState)
     if state is None:
         raise ValueError(f"{what or API}: the module is not managed by matrixfsdp.replicate")
     return state
@@ -297,12 +296,13 @@ class MatrixReplicateModule:
         """Calls and bytes of this model's collectives over the shard group, or (``role=
         "replicate"``, an HSDP mesh) over this rank's replicate group."""
         state = state_of(self)  # type: ignore[arg-type]
+        if role not in ("shard", "replicate"):
+            raise ValueError(f"{API}.comm_counter: role must be 'shard' or 'replicate', got {role!r}")
         if role == "shard":
             return state.coll.counter
-        if role == "replicate" and state.replicas is not None:
-            return state.replicas.coll.counter
-        raise ValueError(f"{API}.comm_counter: role must be 'shard' or, on an HSDP mesh, 'replicate'; "
-                         f"got role={role!r}" + ("" if state.replicas is not None else " on a 1-D mesh"))
+        if state.replicas is None:
+            raise ValueError(f"{API}.comm_counter: role='replicate' needs an HSDP (2-D) mesh")
+        return state.replicas.coll.counter
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """``to()``, ``double()``, ``to_empty()``...: the parameters are views of the flat buckets,

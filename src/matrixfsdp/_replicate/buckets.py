@@ -177,7 +177,7 @@ class Bucket:
         """After an aborted backward: wait for an issued reduction and discard it."""
         pending, self.pending = self.pending, None
         if pending is not None:
-            self.reducer.drop(pending)
+            Reducer.drop(pending)  # the engine's abort: issued on every rank, result dropped
         if not self.persistent:
             self.grad_buf = None
 

@@ -7,6 +7,13 @@ pipelines and serving engines read it back); ``isinstance(model, MatrixFSDPModul
 ``isinstance(model, MatrixReplicateModule)`` tells a managed module apart, and
 :func:`user_class` gives the original class.
 
+[Note: front-end state]
+A managed module keeps its front-end's state (``fully_shard``'s ``BlockState``, ``replicate``'s
+``ReplicateState``) in its ``__dict__`` under one key, written and read only through
+:func:`attach_state` and :func:`attached_state`: not a submodule, parameter or buffer, so it
+never reaches ``state_dict()``, ``named_modules()`` or ``nn.Module.__setattr__``'s routing, and a
+module holds at most one front-end's state.
+
 Outside code that must add methods to swapped classes (the Hugging Face integration gives
 ``save_pretrained`` its collective form) registers a *class adapter* with
 :func:`register_class_adapter`; the front-ends know nothing of it.
@@ -18,7 +25,10 @@ from typing import Any, Callable, NoReturn
 
 import torch.nn as nn
 
-__all__ = ["swap_class", "front_end_of", "user_class", "register_class_adapter"]
+__all__ = ["swap_class", "front_end_of", "user_class", "register_class_adapter", "attach_state",
+           "attached_state"]
+
+_STATE_KEY = "_matrixfsdp_state"
 
 #: ``adapter(user_cls, mixin) -> {name: attribute}`` for each swapped class (see the docstring)
 ClassAdapter = Callable[[type, type], dict[str, Any]]
@@ -72,3 +82,14 @@ def user_class(module: nn.Module | type) -> type:
     while cls.__bases__ and cls.__bases__[0] in _MIXINS:
         cls = cls.__bases__[1]
     return cls
+
+
+def attach_state(module: nn.Module, state: Any) -> None:
+    """Give ``module`` its front-end state (see [Note: front-end state])."""
+    module.__dict__[_STATE_KEY] = state
+
+
+def attached_state(module: nn.Module, kind: type | None = None) -> Any:
+    """``module``'s front-end state (of type ``kind``, if given), else ``None``."""
+    state = module.__dict__.get(_STATE_KEY)
+    return state if kind is None or isinstance(state, kind) else None
