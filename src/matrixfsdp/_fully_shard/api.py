@@ -94,7 +94,7 @@ def fully_shard(
     _check_not_torch_fsdp(module)
     info = mesh_info(mesh if mesh is not None else default_mesh(API), api=API)
     mesh = info.mesh
-    coll = collectives_for(info.shard_group, collectives)
+    collectives_for(info.shard_group, collectives)  # the kind is checked here, before any state
     if plan is not None:
         verify_plan_digest(plan, info, api=API)  # collective: before any plan-dependent check
         check_world_size(plan, info, api=API)
@@ -125,7 +125,7 @@ def fully_shard(
         call_plan = plan_call(params, info) if params else None
         if call_plan is not None:
             verify_plan_digest(call_plan, info, api=API)
-        resolve_call(module, state, call_plan, info, coll)
+        resolve_call(module, state, call_plan, info)
     elif _is_planned_model(module, plan):
         _resolve(module, plan, info)
     return module

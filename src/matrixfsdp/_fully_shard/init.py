@@ -39,7 +39,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..comm.collectives import SegmentCollectives, collectives_for
+from ..comm.collectives import collectives_for
 from ..planner.record import OwnerPlan, ParamPlan
 from ..mesh import MeshInfo
 from .param import ManagedParam, shard_param
@@ -183,15 +183,47 @@ def attach_exchange(ctx: RootContext, info: MeshInfo) -> None:
     watch_optimizer_steps(ex)
 
 
-def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, info: MeshInfo,
-                 coll: SegmentCollectives) -> None:
-    """Shard one plan-less call's parameters and make its module the root of every wrapped module
-    under it (see [Note: drop-in planning])."""
-    mesh, rank = info.mesh, info.shard_rank
+def check_wrapped(name: str, module: nn.Module, state: BlockState, mesh: Any, root: str) -> None:
+    """The checks every wrapped module passes under its root, on either path: one mesh, and one
+    parameter dtype unless ``mp_policy.param_dtype`` gives one."""
+    where = repr(name) if name else type(module).__name__
+    if state.config.mesh != mesh:
+        raise ValueError(f"{API}: {where} was wrapped with mesh {state.config.mesh} but {root} with "
+                         f"{mesh}; use one data-parallel mesh for the whole model")
+    if state.resolved:  # sharded by an earlier drop-in call, which checked its dtypes
+        return
     dtypes = sorted({str(mp.orig.dtype).removeprefix("torch.") for mp in state.params})  # type: ignore[union-attr]
     if state.config.mp_policy.param_dtype is None and len(dtypes) > 1:
-        raise ValueError(f"{API}: {type(module).__name__} mixes parameter dtypes {dtypes}; set "
-                         "mp_policy.param_dtype to materialize them in one dtype")
+        raise ValueError(f"{API}: {where} mixes parameter dtypes {dtypes}; set mp_policy.param_dtype "
+                         "to materialize them in one dtype")
+
+
+def make_root(root: BlockState, entries: list[tuple[str, BlockState]], info: MeshInfo) -> RootContext:
+    """Make ``root`` the root of ``entries`` (every wrapped module under it, by name, itself
+    included), on either path: one :class:`CommContext`; states not resolved yet are resolved
+    onto it, those an earlier drop-in call resolved are re-rooted; one exchange for them all."""
+    comm = CommContext(info.device)
+    for name, s in entries:
+        if s.resolved:  # an earlier drop-in call's: its blocks join the new root
+            s.fqn = s.group.fqn = name
+            s.group.comm = comm
+            s.group.exchange = None
+        else:
+            s.resolve(fqn=name, rank=info.shard_rank,
+                      coll=collectives_for(info.shard_group, s.config.collectives),
+                      comm=comm, replicas=replica_comm(info, s.config.collectives))
+    ctx = RootContext(root=root, states=[s for _, s in entries], comm=comm)
+    for _, s in entries:
+        s.ctx, s.is_root = ctx, s is root
+    attach_exchange(ctx, info)
+    return ctx
+
+
+def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, info: MeshInfo) -> None:
+    """Shard one plan-less call's parameters and make its module the root of every wrapped module
+    under it (see [Note: drop-in planning])."""
+    mesh = info.mesh
+    check_wrapped("", module, state, mesh, "its root")
     if plan is not None:  # None: the module manages no parameter of its own
         order = {p.fqn: i for i, p in enumerate(plan.params)}
         for mp in state.params:
@@ -206,20 +238,9 @@ def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, i
                 f"{API}: {name!r} already ran forward under another root; wrap the root "
                 "(the model) before the first forward"
             )
-        if s.config.mesh != mesh:
-            raise ValueError(f"{API}: {name!r} was wrapped with mesh {s.config.mesh} but its root "
-                             f"{type(module).__name__} with {mesh}; use one data-parallel mesh")
-    comm = CommContext(info.device)
-    state.resolve(fqn="", rank=rank, coll=coll, comm=comm,
-                  replicas=replica_comm(info, state.config.collectives))
-    ctx = RootContext(root=state, states=[s for _, s in entries], comm=comm)
-    for name, s in entries:
-        s.ctx, s.is_root, s.fqn = ctx, s is state, name
-        s.group.comm = comm
-        s.group.fqn = name
-    for _, s in entries:  # one exchange for the new root (earlier calls' blocks included)
-        s.group.exchange = None
-    attach_exchange(ctx, info)
+        if s is not state:  # (checked above, before sharding)
+            check_wrapped(name, module.get_submodule(name), s, mesh, "its root")
+    make_root(state, entries, info)
     names: dict[int, str] = {}
     for n, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), n)
@@ -275,18 +296,8 @@ def _resolve(root: nn.Module, plan: OwnerPlan, info: MeshInfo) -> None:
     _check_plan_covered(plan, (f for fs in fqns_of.values() for f in fs))
     check_plan_tp(plan, [mp for _, _, s in entries for mp in s.params])
 
-    for name, _, s in entries:
-        if s.config.mesh != mesh:
-            raise ValueError(
-                f"{API}: {name!r} was wrapped with mesh {s.config.mesh} but the planned model "
-                f"with {mesh}; use one data-parallel mesh for the whole model"
-            )
-        dtypes = sorted({str(mp.orig.dtype).removeprefix("torch.") for mp in s.params})  # type: ignore[union-attr]
-        if s.config.mp_policy.param_dtype is None and len(dtypes) > 1:
-            raise ValueError(
-                f"{API}: block {name!r} mixes parameter dtypes {dtypes}; set "
-                "mp_policy.param_dtype to materialize them in one dtype"
-            )
+    for name, m, s in entries:
+        check_wrapped(name, m, s, mesh, "the planned model")
 
     order = {p.fqn: i for i, p in enumerate(plan.params)}
     rank = info.shard_rank
@@ -296,16 +307,7 @@ def _resolve(root: nn.Module, plan: OwnerPlan, info: MeshInfo) -> None:
             shard_param(mp, info)
     # The planned model is the root of every state under it (FSDP2 picks its root lazily, at the
     # first forward; here resolution already knows it, so running one block alone is fine too).
-    comm = CommContext(info.device)
-    for name, _, s in entries:
-        s.resolve(fqn=name, rank=rank, coll=collectives_for(info.shard_group, s.config.collectives),
-                  comm=comm, replicas=replica_comm(info, s.config.collectives))
-    root_state = entries[0][2]
-    ctx = RootContext(root=root_state, states=[s for _, _, s in entries], comm=comm)
-    for _, _, s in entries:
-        s.ctx = ctx
-        s.is_root = s is root_state
-    attach_exchange(ctx, info)
+    ctx = make_root(entries[0][2], [(name, s) for name, _, s in entries], info)
     attach_tp_hosts(ctx.states, plan, mesh, rank)
 
 
