@@ -25,7 +25,7 @@ import _bench_common as bc
 
 from matrixfsdp import plan_owners
 from matrixfsdp.models.decoder import PRESETS, Decoder, DecoderLayer
-from matrixfsdp.planner.record import _role_loads, _three_term_bound
+from matrixfsdp.planner.owner_plan import _role_loads, _three_term_bound
 
 WORLDS = (8, 16, 32, 64, 128, 256)
 MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b")

@@ -533,7 +533,7 @@ def step_replicas(gplan, R: int) -> dict[str, int]:
     evenly sharded tensors are HSDP's): per owner, its tensors (in plan order) cut into R
     contiguous whole-tensor intervals by the planner's alpha-balanced partition on optimizer cost
     (one bucket, alpha=1: each replica's target is the owner's mean)."""
-    from matrixfsdp.planner.buckets import partition_buckets
+    from matrixfsdp.planner.partition import partition_buckets
 
     out: dict[str, int] = {}
     owned = [p for p in gplan.params if p.placement != "even"]

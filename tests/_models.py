@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from matrixfsdp.planner.record import OwnerPlan, ParamPlan
+from matrixfsdp.planner.owner_plan import OwnerPlan, ParamPlan
 
 __all__ = [
     "TinyConfig",

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from matrixfsdp.engine.layout import BlockLayout
-from matrixfsdp.planner.record import ParamPlan
+from matrixfsdp.planner.owner_plan import ParamPlan
 
 
 @st.composite

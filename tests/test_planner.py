@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import matrixfsdp
 from matrixfsdp import OwnerPlan, plan_owners
 from matrixfsdp.models.decoder import PRESETS, Decoder, DecoderLayer
-from matrixfsdp.planner.record import _tight_lower_bound, even_rows
+from matrixfsdp.planner.owner_plan import _tight_lower_bound, even_rows
 
 
 class Block(nn.Module):

@@ -16,7 +16,7 @@ from _harness import get_pool
 from _models import Block, TinyConfig, TinyDecoder, make_batch
 
 import matrixfsdp
-from matrixfsdp.planner.planner import POLICIES
+from matrixfsdp.planner.owners import POLICIES
 from matrixfsdp._replicate.api import _check_whole
 from matrixfsdp._replicate.layout import build_layout
 

@@ -18,7 +18,7 @@ from _harness import get_pool
 from _models import TinyConfig, TinyDecoder, make_batch, make_plan
 from test_runtime_features import TiedModel
 
-from matrixfsdp.planner.record import OwnerPlan
+from matrixfsdp.planner.owner_plan import OwnerPlan
 from matrixfsdp._fully_shard import fully_shard
 
 

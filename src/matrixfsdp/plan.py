@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from .models.decoder import PRESETS, Decoder, DecoderLayer, config_from_hf
-from .planner.planner import ELEMENTWISE, POLICIES, plan_owners
-from .planner.record import REPLICA_STEPS
+from .planner.owners import ELEMENTWISE, POLICIES, plan_owners
+from .planner.owner_plan import REPLICA_STEPS
 from .planner.cost import COST_MODELS, OPTIMIZERS
 from .planner.report import natural_key
 

@@ -22,7 +22,7 @@ from ..comm.collectives import CommCounter, collectives_for
 from ..engine.backward import in_backward
 from ..engine.swap import attach_state, swap_class
 from ..placement.owned import local_tensor, owner_meshes
-from ..planner.record import OwnerPlan
+from ..planner.owner_plan import OwnerPlan
 from ..engine.plan_check import check_world_size, verify_plan_digest
 from ..engine.reduce import check_find_unused
 from ..mesh import default_mesh, mesh_info

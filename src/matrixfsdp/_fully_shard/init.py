@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..comm.collectives import collectives_for
-from ..planner.record import OwnerPlan, ParamPlan
+from ..planner.owner_plan import OwnerPlan, ParamPlan
 from ..mesh import MeshInfo
 from .param import ManagedParam, shard_param
 from ..engine.reducer import replica_comm
@@ -115,7 +115,7 @@ def plan_call(params: list[ManagedParam], info: MeshInfo) -> OwnerPlan:
     """The plan of one plan-less ``fully_shard`` call (see [Note: drop-in planning])."""
     import dataclasses
 
-    from ..planner.planner import plan_owners
+    from ..planner.owners import plan_owners
 
     mesh, W = info.mesh, info.shard_size
     tp = [mp.fqn for mp in params if mp.tp is not None]

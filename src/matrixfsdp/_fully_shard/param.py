@@ -5,7 +5,7 @@ As in FSDP2, every managed parameter has two representations that take turns in 
 slots (``module._parameters[name]``, every slot of a tied parameter):
 
 * the *sharded* parameter, a DTensor whose local tensor is this rank's row segment (see
-  [Note: row segments] in ``planner/record.py`` and [Note: owned parameter representation] in
+  [Note: row segments] in ``planner/owner_plan.py`` and [Note: owned parameter representation] in
   ``placement/owned.py``): what optimizers, state dicts and checkpoints see, outside forward and backward;
 * the *unsharded* parameter, a plain ``nn.Parameter`` *leaf* with the full shape, created once per
   storage: a view of the block's receive buffer (peers' rows, or a mixed-precision cast of the
@@ -39,7 +39,7 @@ from ..placement.tp_host import set_tp_host, tp_host_of
 from ..placement.owned import local_tensor, make_sharded_param, owned_of
 
 if TYPE_CHECKING:
-    from ..planner.record import ParamPlan
+    from ..planner.owner_plan import ParamPlan
 
 __all__ = ["ManagedParam", "shard_param"]
 

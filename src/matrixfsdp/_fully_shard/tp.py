@@ -45,7 +45,7 @@ from ..placement.tp_host import TPHosted, set_tp_host, tp_host_of
 from ..mesh import flat_dp_mesh
 
 if TYPE_CHECKING:
-    from ..planner.record import OwnerPlan, ParamPlan
+    from ..planner.owner_plan import OwnerPlan, ParamPlan
 
 __all__ = ["tp_layout", "localize", "check_plan_tp", "attach_tp_hosts"]
 

@@ -20,7 +20,7 @@ from ..engine.streams import CommContext
 from ..mesh import MeshInfo, default_mesh, mesh_info
 from ..placement.owner import Owned, keeps_state, owner_of, set_owner
 from ..engine.swap import attach_state, attached_state, front_end_of, swap_class
-from ..planner.record import OwnerPlan
+from ..planner.owner_plan import OwnerPlan
 from .layout import build_layout
 from .buckets import Bucket, ReplicateState
 
@@ -92,7 +92,7 @@ def replicate(
     info = mesh_info(mesh if mesh is not None else default_mesh(API), api=API)
     mesh = info.mesh
     if plan is None:
-        from ..planner.planner import plan_owners
+        from ..planner.owners import plan_owners
 
         plan = plan_owners(module, mesh, policy="alpha_balanced", elementwise="owned",
                            bucket_numel=bucket_numel)

@@ -25,8 +25,8 @@ import math
 from dataclasses import dataclass
 
 from ..engine.layout import BlockLayout
-from ..planner.buckets import make_buckets
-from ..planner.record import OwnerPlan, ParamPlan
+from ..planner.partition import make_buckets
+from ..planner.owner_plan import OwnerPlan, ParamPlan
 
 __all__ = ["Slot", "BucketLayout", "build_layout"]
 

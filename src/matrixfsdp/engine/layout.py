@@ -1,12 +1,12 @@
 """Segment math for one wrapped block: who stores which rows, and where they travel.
 
-Pure functions of an :class:`~matrixfsdp.planner.record.OwnerPlan`'s parameters and the world size: no
+Pure functions of an :class:`~matrixfsdp.planner.owner_plan.OwnerPlan`'s parameters and the world size: no
 process group, no tensor. The front-ends (``_fully_shard/param_group.py``, ``_replicate/layout.py``) turn these numbers into buffer views and
 collective split sizes; the property tests in ``tests/test_layout.py`` pin the invariants.
 
 [Note: chunks and pieces]
 Every parameter is partitioned along dim 0 into ``W`` contiguous row ranges in rank order (see
-[Note: row segments] in ``planner/record.py``). A *piece* is one non-empty row range of one parameter on
+[Note: row segments] in ``planner/owner_plan.py``). A *piece* is one non-empty row range of one parameter on
 one rank; since rows are contiguous in a row-major tensor, a piece is also a contiguous range
 ``[flat_start, flat_start + numel)`` of the flattened parameter. Rank ``r``'s *chunk* is the
 concatenation of its pieces in parameter order: ``chunk_numel[r]`` elements, piece ``p`` at
@@ -45,7 +45,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..planner.record import ParamPlan
+from ..planner.owner_plan import ParamPlan
 
 __all__ = ["Piece", "ParamLayout", "BlockLayout", "GatherSplits", "ALIGN_BYTES", "aligned_numel"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..comm.agree import agree
 from ..mesh import MeshInfo
-from ..planner.record import OwnerPlan
+from ..planner.owner_plan import OwnerPlan
 
 __all__ = ["verify_plan_digest", "check_world_size"]
 

@@ -43,7 +43,7 @@ unstreamed reduction.
 
 [Note: replica phase]
 On an HSDP mesh the shard reduction is followed by a second phase over this rank's replicate
-group (see [Note: replicas and step replicas] in ``planner/record.py``). The layout's parameters
+group (see [Note: replicas and step replicas] in ``planner/owner_plan.py``). The layout's parameters
 are ordered so that every chunk starts with its ``split`` pieces, in step-replica order, and ends
 with the rest; the replicas then reduce-scatter the split prefix in whole-tensor intervals (the
 step replica alone receives each sum) and all-reduce the remainder (``repeat`` pieces, evenly

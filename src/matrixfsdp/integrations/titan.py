@@ -84,7 +84,7 @@ from torch.distributed.tensor import DTensor
 from .. import optim as _optim
 from ..placement.clip import clip_grad_norm_ as _mfsdp_clip
 from ..placement.owned import owned_of, set_full_
-from ..planner.planner import plan_owners
+from ..planner.owners import plan_owners
 from .._fully_shard import MatrixFSDPModule, MixedPrecisionPolicy, fully_shard
 
 try:
@@ -434,7 +434,7 @@ def with_matrixfsdp(
                          f"got {optimizer=!r}")
     if config.model_spec is None:
         raise ValueError(f"{API}.with_matrixfsdp: the config has no model_spec")
-    from ..planner.planner import REPLICA_STEPS
+    from ..planner.owners import REPLICA_STEPS
 
     if replica_step not in REPLICA_STEPS:
         raise ValueError(f"{API}.with_matrixfsdp: replica_step must be one of {list(REPLICA_STEPS)}, "

@@ -7,8 +7,7 @@ its local tensor is the whole parameter; on every other rank (not a member of th
 empty ``[0, *shape[1:]]`` tensor. The plan's metadata rides along as :class:`Owned`, reachable with
 :func:`owned_of` (stored as an attribute of the parameter).
 
-Why this and not a custom ``Placement`` or a tensor wrapper (measured on torch 2.13, see
-``/work/shared/notes/torch-2.13-cpu-facts.md``):
+Why this and not a custom ``Placement`` or a tensor wrapper (measured on torch 2.13):
 
 * A Python ``Placement`` subclass cannot be redistributed (``full_tensor()`` and any op mixing it
   with a regular DTensor fail) and DCP treats unknown placements like ``Replicate``: when DCP's
@@ -63,9 +62,9 @@ __all__ = [
 ]
 
 class OwnedDTensor(DTensor):
-    """A DTensor stored whole on one rank of a data-parallel mesh (see
-    [Note: owned tensors to every consumer]).
+    """A DTensor stored whole on one rank of a data-parallel mesh.
 
+    [Note: owned tensors to every consumer]
     It is a ``[Replicate()]`` DTensor on a one-rank owner sub-mesh, so every op, optimizer and DCP
     save treats it as plain DTensor; what differs is the two calls through which consumers ask for
     the *full* value, which DTensor alone would answer with the empty local tensor on every rank

@@ -16,7 +16,7 @@ front-end placed the parameter.
 
 On an HSDP mesh (``replicas x S``) the owner is a shard coordinate: the owner's rank in *every*
 replica holds the parameter whole (``holds``), and its owner sub-mesh spans those ``R`` ranks. With
-a ``step_replica`` (``split``, see [Note: replicas and step replicas] in ``planner/record.py``) only
+a ``step_replica`` (``split``, see [Note: replicas and step replicas] in ``planner/owner_plan.py``) only
 that replica's owner steps it and keeps its state (``is_local``), presented on a one-rank *step
 mesh*; the others receive the new value from it (``exchange``, which the runtime sets, brings
 them up to date on demand: ``settle()``). :func:`owned_of`, the public lookup, answers for ``"sharded"``

@@ -8,9 +8,9 @@ the optimizers and ``report`` the human-readable report. The command line,
 ``python -m matrixfsdp.plan``, is :mod:`matrixfsdp.plan`.
 """
 
-from .planner import ELEMENTWISE, POLICIES, default_matrix_filter, plan_owners
+from .owners import ELEMENTWISE, POLICIES, default_matrix_filter, plan_owners
 from .micro_groups import MicroGroup, plan_micro_groups
-from .record import OwnerPlan, ParamPlan
+from .owner_plan import OwnerPlan, ParamPlan
 
 __all__ = ["plan_owners", "OwnerPlan", "ParamPlan", "MicroGroup", "plan_micro_groups", "POLICIES", "ELEMENTWISE",
            "default_matrix_filter"]

@@ -6,7 +6,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .record import OwnerPlan
+    from .owner_plan import OwnerPlan
 
 __all__ = ["format_plan", "human_bytes", "natural_key"]
 

@@ -1,6 +1,6 @@
 """The owner plan: a frozen, serializable record of where every parameter lives.
 
-The planner (``planner.py``) produces an :class:`OwnerPlan`; the runtime only executes it.
+The planner (``owners.py``: :func:`plan_owners`) produces an :class:`OwnerPlan`; the runtime only executes it.
 Nothing here touches a process group, a device or a real tensor.
 
 [Note: row segments]

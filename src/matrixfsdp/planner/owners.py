@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from ..mesh import mesh_info
 from .cost import ParamInfo, resolve_cost, state_nbytes
-from .record import REPLICA_STEPS, OwnerPlan, ParamPlan, _three_term_bound, even_rows
+from .owner_plan import REPLICA_STEPS, OwnerPlan, ParamPlan, _three_term_bound, even_rows
 from .rules import default_matrix_filter
 
 __all__ = ["plan_owners", "POLICIES", "ELEMENTWISE", "default_matrix_filter"]
@@ -295,7 +295,7 @@ def plan_owners(
     roles, even = _build_roles(specs, W, elementwise, cost_fn)
     params = [make(s, "even", None) for s in even]
     if policy in BUCKET_POLICIES:
-        from .buckets import partition_buckets
+        from .partition import partition_buckets
 
         # Buckets hold the owned parameters in registration order; evenly sharded element-wise
         # tensors sit in ordinary equal-chunk ZeRO-1 buckets and need no cut points.
@@ -347,7 +347,7 @@ def _assign_step_replicas(params: list[ParamPlan], R: int, mode: str) -> list[Pa
     in plan order, which is each block's chunk order for one owner."""
     import dataclasses
 
-    from .buckets import partition_replicas
+    from .partition import partition_replicas
 
     def splits(p: ParamPlan) -> bool:
         return p.owner is not None and (mode == "split" or (mode == "auto" and p.placement == "matrix"))

@@ -123,7 +123,7 @@ def partition_buckets(
 
 def partition_replicas(groups: list[list[tuple[str, float]]], R: int, *, alpha: float = 1.0) -> dict[str, int]:
     """Step replica of every parameter of one owner (see [Note: replicas and step replicas] in
-    ``record.py``): Algorithm 1 across the replicate dimension, with each of the owner's blocks as
+    ``owner_plan.py``): Algorithm 1 across the replicate dimension, with each of the owner's blocks as
     a bucket. ``groups`` holds, per block, ``(fqn, cost)`` in the block's chunk order; each block
     is cut into ``R`` contiguous runs, replica ``q`` taking run ``q``, so a block's reduce-scatter
     across replicas is one interval per replica, in replica order. Blocks are visited heaviest
