@@ -45,7 +45,7 @@ from ..mesh import MeshInfo
 from .param import ManagedParam, shard_param
 from ..engine.reducer import replica_comm
 from ..engine.swap import attached_state
-from .param_group import CommContext
+from .param_group import CommContext, check_one_dtype
 from .tp import attach_tp_hosts, check_plan_tp, localize, tp_layout
 from .state import BlockState, RootContext
 
@@ -192,10 +192,7 @@ def check_wrapped(name: str, module: nn.Module, state: BlockState, mesh: Any, ro
                          f"{mesh}; use one data-parallel mesh for the whole model")
     if state.resolved:  # sharded by an earlier drop-in call, which checked its dtypes
         return
-    dtypes = sorted({str(mp.orig.dtype).removeprefix("torch.") for mp in state.params})  # type: ignore[union-attr]
-    if state.config.mp_policy.param_dtype is None and len(dtypes) > 1:
-        raise ValueError(f"{API}: {where} mixes parameter dtypes {dtypes}; set mp_policy.param_dtype "
-                         "to materialize them in one dtype")
+    check_one_dtype(where, [mp.orig.dtype for mp in state.params], state.config.mp_policy)  # type: ignore[union-attr]
 
 
 def make_root(root: BlockState, entries: list[tuple[str, BlockState]], info: MeshInfo) -> RootContext:

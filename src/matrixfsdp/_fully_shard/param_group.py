@@ -138,10 +138,7 @@ class ParamGroup:
     def refresh_dtypes(self) -> bool:
         """(Re)derive the compute and reduce dtypes from the parameters (resolution, and after
         ``model.to(dtype)``); returns whether anything changed (the buffers must follow)."""
-        dtypes = sorted({str(p.sharded.dtype) for p in self.params})
-        if len(dtypes) > 1 and self.mp_policy.param_dtype is None:
-            raise ValueError(f"matrixfsdp.fully_shard: block {self.fqn!r} mixes parameter dtypes {dtypes}; "
-                             "set mp_policy.param_dtype to materialize them in one dtype")
+        check_one_dtype(f"block {self.fqn!r}", [p.sharded.dtype for p in self.params], self.mp_policy)
         param_dtype = self.params[0].sharded.dtype if self.params else torch.float32
         new = (param_dtype, self.mp_policy.param_dtype or param_dtype)
         if new == (getattr(self, "param_dtype", None), getattr(self, "compute_dtype", None)):
@@ -441,6 +438,15 @@ class ParamGroup:
         if not any(by_source):
             return Handle()
         return rep.coll.all_gather_tensors(by_source, async_op=True)
+
+
+def check_one_dtype(where: str, dtypes: Sequence[torch.dtype], mp_policy: MixedPrecisionPolicy) -> None:
+    """A block's parameters are materialized in one dtype: theirs, or ``mp_policy.param_dtype``
+    (checked when a block is wrapped and again after ``model.to(dtype)``)."""
+    names = sorted({str(d).removeprefix("torch.") for d in dtypes})
+    if len(names) > 1 and mp_policy.param_dtype is None:
+        raise ValueError(f"matrixfsdp.fully_shard: {where} mixes parameter dtypes {names}; set "
+                         "mp_policy.param_dtype to materialize them in one dtype")
 
 
 def accumulate_grad(param: Any, grad: torch.Tensor) -> None:
