@@ -102,3 +102,39 @@ def _run_all(pool, kind):
         for r in pool.run(dropin_check, kind, scenario):
             assert r["owned"] > 0 and r["grad_max"] > 1e-4 and r["moved"] > 1e-4, (scenario, r)
             assert r["grad_diff"] <= tol and r["param_diff"] <= tol, (kind, scenario, r)
+
+
+def mixed_dtype_errors() -> dict:
+    """A block mixing parameter dtypes without ``mp_policy.param_dtype``: the same ValueError on
+    the drop-in and the planned path, on every rank."""
+    import matrixfsdp
+    from matrixfsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def model():
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        m[1].double()
+        return m
+
+    out = {}
+    try:
+        fully_shard(model(), mesh=mesh)
+    except ValueError as e:
+        out["dropin"] = str(e)
+    m = model()
+    plan = matrixfsdp.plan_owners(m, mesh)
+    try:
+        fully_shard(m, mesh=mesh, plan=plan)
+    except ValueError as e:
+        out["planned"] = str(e)
+    return out
+
+
+def test_mixed_dtypes_are_refused_alike_on_both_paths():
+    with DistPool(2) as pool:
+        res = pool.run(mixed_dtype_errors)
+    for r in res:
+        assert r["dropin"] == ("matrixfsdp.fully_shard: Sequential mixes parameter dtypes ['float32', 'float64']; "
+                               "set mp_policy.param_dtype to materialize them in one dtype"), r
+        assert r["planned"] == r["dropin"], r
