@@ -224,7 +224,7 @@ def test_replicate_refuses_an_unknown_collectives_kind():
 
 
 def test_set_find_unused_parameters_checks_its_argument():
-    from matrixfsdp.engine.reduce import FlagRead, check_find_unused, read_flags
+    from matrixfsdp.engine.reducer import FlagRead, check_find_unused, read_flags
 
     assert check_find_unused(False, "matrixfsdp.replicate") is False
     for bad in ("no", 0, None):

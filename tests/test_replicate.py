@@ -259,7 +259,7 @@ def autograd_grad_and_host_syncs() -> dict:
             return orig(self, *a, **k)
         return f
 
-    from matrixfsdp.engine import reduce as engine_reduce
+    from matrixfsdp.engine import reducer as engine_reduce
 
     opt = matrixfsdp.optim.Muon(model, **KW)
     # steps 0, 1: everything used; 2: the gated projection unused everywhere (its owner reads the

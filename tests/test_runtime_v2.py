@@ -37,7 +37,7 @@ from test_runtime_parity import compare_to_ref, shard_model
 
 import matrixfsdp
 from matrixfsdp._fully_shard import get_state
-from matrixfsdp.engine.reduce import divide_factors
+from matrixfsdp.engine.reducer import divide_factors
 
 BATCH = 12
 TOL = 1e-6
@@ -403,7 +403,7 @@ def host_sync_check() -> dict:
             calls.append("torch.tensor")
         return orig_tensor(*a, **k)
 
-    from matrixfsdp.engine import reduce as engine_reduce
+    from matrixfsdp.engine import reducer as engine_reduce
 
     out = {}
     grads = {}

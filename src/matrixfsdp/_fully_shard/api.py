@@ -24,7 +24,7 @@ from ..engine.swap import attach_state, swap_class
 from ..placement.owned import local_tensor, owner_meshes
 from ..planner.owner_plan import OwnerPlan
 from ..engine.plan_check import check_world_size, verify_plan_digest
-from ..engine.reduce import check_find_unused
+from ..engine.reducer import check_find_unused
 from ..mesh import default_mesh, mesh_info
 from .init import (API, CLAIM_ATTR, _check_call, _check_not_torch_fsdp,
                     _collect_managed, _is_planned_model, _resolve,
@@ -259,7 +259,7 @@ class MatrixFSDPModule:
         the reduced gradient without reading the usage flags, so backward has no host sync at all
         (if the promise is broken, a parameter no rank used gets a zero gradient instead of
         ``None``). Default ``True``: one small asynchronous flag read per step, only where this
-        rank left a parameter unused (see [Note: usage-flag host read] in ``engine/reduce.py``)."""
+        rank left a parameter unused (see [Note: usage-flag host read] in ``engine/reducer.py``)."""
         find = check_find_unused(find_unused_parameters, "matrixfsdp.fully_shard")
         for state in self._states(recurse):
             state.group.find_unused = find

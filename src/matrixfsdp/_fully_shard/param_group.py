@@ -115,7 +115,7 @@ class ParamGroup:
         self.temp_bytes_peak = 0  #: largest send + buffer bytes of one unshard (at copy-out)
         self.held_bytes_peak = 0  #: largest buffer bytes held after a copy-out (until reshard)
         #: read the summed usage flags of parameters this rank did not use (see [Note: usage-flag
-        #: host read] in ``engine/reduce.py``); ``set_find_unused_parameters(False)`` clears it
+        #: host read] in ``engine/reducer.py``); ``set_find_unused_parameters(False)`` clears it
         self.find_unused = True
         self.replicas: ReplicaComm | None = None
         #: HSDP split: the deferred gather of the step replicas' new values (see [Note: replica steps])

@@ -70,12 +70,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
 from ..engine.exchange import Exchange
-from ..engine.reduce import read_flags
 from ..mesh import MeshInfo
 
 from ..comm.collectives import SegmentCollectives
 from .param import ManagedParam
-from ..engine.reducer import Reducer
+from ..engine.reducer import Reducer, read_flags
 from .param_group import BlockReduce, CommContext, ParamGroup, ReplicaComm, accumulate_grad
 
 __all__ = ["ShardConfig", "BlockState", "RootContext", "TrainingState", "MAX_REDUCES_IN_FLIGHT"]

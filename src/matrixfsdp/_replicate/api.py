@@ -14,8 +14,7 @@ from ..comm.agree import agree, encode_error
 from ..comm.collectives import KINDS, CommCounter, collectives_for
 from ..engine.plan_check import check_world_size, verify_plan_digest
 from ..engine.exchange import watch_optimizer_steps
-from ..engine.reduce import check_find_unused
-from ..engine.reducer import replica_comm
+from ..engine.reducer import check_find_unused, replica_comm
 from ..engine.streams import CommContext
 from ..mesh import MeshInfo, default_mesh, mesh_info
 from ..placement.owner import Owned, keeps_state, owner_of, set_owner
@@ -270,7 +269,7 @@ class MatrixReplicateModule:
         the reduced gradient without reading the usage flags, so backward has no host sync (if
         the promise is broken, a parameter no rank used gets a zero gradient instead of ``None``).
         Default ``True``: one small asynchronous flag read per step, only where this rank left a
-        parameter it owns unused (see [Note: usage-flag host read] in ``engine/reduce.py``)."""
+        parameter it owns unused (see [Note: usage-flag host read] in ``engine/reducer.py``)."""
         state_of(self).find_unused = check_find_unused(find_unused_parameters, API)  # type: ignore[arg-type]
 
     @contextlib.contextmanager

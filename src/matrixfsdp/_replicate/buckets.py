@@ -60,8 +60,7 @@ import torch.nn as nn
 from ..comm.collectives import Handle, SegmentCollectives
 from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
 from ..engine.exchange import Exchange, GatherUnit
-from ..engine.reduce import read_flags
-from ..engine.reducer import PendingReduce, Reducer, ReplicaComm
+from ..engine.reducer import PendingReduce, Reducer, ReplicaComm, read_flags
 from ..engine.streams import CommContext
 from .layout import BucketLayout
 

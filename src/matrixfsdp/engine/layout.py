@@ -26,7 +26,7 @@ a parameter-major buffer (``assembled_offset``).
 
 [Note: aligned reduce chunks]
 The reduce-scatter input is ``W`` destination chunks back to back, each followed by ``extra``
-usage flags (see [Note: unused parameters] in ``engine/reduce.py``). With ``F`` flags, chunk
+usage flags (see [Note: unused parameters] in ``engine/reducer.py``). With ``F`` flags, chunk
 ``d`` starts at ``sum(n_e + F for e < d)`` elements: any ``F`` that is not a multiple of
 ``16 / itemsize`` pushes every later chunk off a 16-byte boundary (unpadded, ``plan_owners`` on the
 Qwen3-8B preset misaligns 259 of 296 chunk starts at W=8 in bf16 and 518 of 592 at W=16; see
