@@ -69,11 +69,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate
 
+from .._fully_shard import drop_stale_state, materialized_modules
 from ..comm.agree import agree, encode_error, is_distributed
 from ..optim._base import MatrixOptimizer
 from ..placement.owned import local_tensor, owned_of, wrap_dtensor
 from ..placement.owner import keeps_state
 from ..placement.tp_host import tp_host_of
+from .safe_pickle import SafeFileSystemReader, SafeLoadPlanner, UntrustedCheckpointError, load_metadata
 
 __all__ = ["save", "load", "model_state_dict", "optimizer_state_dict", "MODEL_KEY", "OPTIM_KEY"]
 
@@ -135,15 +137,7 @@ def _barrier(process_group: Any = None) -> None:
 
 
 # ==================================================================================== save
-def drop_stale_state(model: nn.Module) -> None:
-    from .._fully_shard import drop_stale_state as drop
-
-    drop(model)
-
-
 def _check_sharded(model: nn.Module, api: str) -> None:
-    from .._fully_shard import materialized_modules
-
     busy = materialized_modules(model)
     if busy:
         raise RuntimeError(
@@ -229,8 +223,6 @@ def _commit(tmp: str, path: str, token: str) -> None:
 def _read_failure(e: CheckpointException, api: str, path: str) -> str:
     """The error (``encode_error`` form) for a failed ``dcp.load``: a refused untrusted value (the
     lowest rank's) as a ``ValueError`` with its own message, anything else as a RuntimeError."""
-    from .safe_pickle import UntrustedCheckpointError
-
     for rank in sorted(e.failures):
         exc = e.failures[rank][0]
         if isinstance(exc, UntrustedCheckpointError):
@@ -274,8 +266,6 @@ def read_metadata(path: str | os.PathLike, api: str = "matrixfsdp.checkpoint") -
             f"{api}: {mfile!r} is missing; {path!r} is not a complete DCP checkpoint (an "
             "unfinished save writes .metadata last)"
         )
-    from .safe_pickle import load_metadata
-
     with open(mfile, "rb") as f:
         return load_metadata(f, mfile, api)  # allow-listed unpickling: a foreign global is refused
 
@@ -688,8 +678,6 @@ def load(
     sd: dict[str, Any] = {MODEL_KEY: model_tpl}
     if optimizer is not None:
         sd[OPTIM_KEY] = optim_tpl
-    from .safe_pickle import SafeFileSystemReader, SafeLoadPlanner
-
     error = None
     try:
         # SafeLoadPlanner: non-tensor values (param groups ...) are read with weights_only=True

@@ -27,7 +27,9 @@ import torch.nn as nn
 
 from ..mesh import mesh_info
 from .cost import ParamInfo, resolve_cost, state_nbytes
+from .micro_groups import plan_micro_groups
 from .owner_plan import REPLICA_STEPS, OwnerPlan, ParamPlan, _three_term_bound, even_rows
+from .partition import partition_buckets, partition_replicas
 from .rules import default_matrix_filter
 
 __all__ = ["plan_owners", "POLICIES", "ELEMENTWISE", "default_matrix_filter"]
@@ -295,8 +297,6 @@ def plan_owners(
     roles, even = _build_roles(specs, W, elementwise, cost_fn)
     params = [make(s, "even", None) for s in even]
     if policy in BUCKET_POLICIES:
-        from .partition import partition_buckets
-
         # Buckets hold the owned parameters in registration order; evenly sharded element-wise
         # tensors sit in ordinary equal-chunk ZeRO-1 buckets and need no cut points.
         even_fqns = {s.fqn for s in even}
@@ -321,8 +321,6 @@ def plan_owners(
         meta = (*meta, ("replica_step", replica_step))
     micro_groups: tuple[tuple[Any, ...], ...] = ()
     if tp > 1:
-        from .micro_groups import plan_micro_groups
-
         micro_groups = tuple(
             plan_micro_groups([(p.fqn, p.shape, p.cost, p.nbytes) for p in params
                                if p.placement == "matrix" and p.owner == s], tp, c_max=tp_c_max)
@@ -346,8 +344,6 @@ def _assign_step_replicas(params: list[ParamPlan], R: int, mode: str) -> list[Pa
     """Give ``split`` parameters their step replica (see ``partition_replicas``); ``params`` are
     in plan order, which is each block's chunk order for one owner."""
     import dataclasses
-
-    from .partition import partition_replicas
 
     def splits(p: ParamPlan) -> bool:
         return p.owner is not None and (mode == "split" or (mode == "auto" and p.placement == "matrix"))
