@@ -1,6 +1,6 @@
 """Side-by-side training-step benchmark: matrixfsdp against DDP/FSDP2/torchtitan/ZeRO-1 baselines.
 
-Every implementation (``benchmarks/_baselines.py``) trains the same ``matrixfsdp.Decoder`` (seeded
+Every implementation (``benchmarks/baselines/``) trains the same ``matrixfsdp.Decoder`` (seeded
 init) on the same synthetic tokens with the same Muon / AdamW hyperparameters and the same
 Newton-Schulz dtype (``--ns-dtype``: float32 by default on gloo, bfloat16 on nccl).
 
@@ -55,7 +55,7 @@ network of ``benchmarks/netns/setup_two_level.sh``:
 ``--tp T`` (issue 18): with ``--world T`` (the default; dp=1) the T ranks form one 1-D ``("tp",)``
 mesh and every rank sees the whole batch; the model is the
 bench Decoder with torch's TP plan on every layer (q/k/v, gate/up ``ColwiseParallel``; o, down
-``RowwiseParallel``; ``_baselines.tp_parallelize``; heads and KV heads must divide by T: the
+``RowwiseParallel``; ``baselines.tp.tp_parallelize``; heads and KV heads must divide by T: the
 defaults become 8 and 4). Default rows (``TP_DEFAULT_IMPLS``), ratios and parity against
 ``tp_redundant`` (Megatron's ``duplicated``: all-gather every TP-sharded update, whole-matrix
 Newton-Schulz on every TP rank); ``tp_microgroups`` (``matrixfsdp.tp.host_matrices``, the
@@ -115,7 +115,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import _bench_common as bc  # noqa: E402
-from _baselines import IMPLS, BenchConfig, Context, batch_for_step  # noqa: E402
+from baselines import IMPLS, BenchConfig, Context, batch_for_step  # noqa: E402
 
 DEFAULT_IMPLS = ("ddp_muon", "fsdp2_gather_muon", "fsdp2_distmuon", "zero1_owner", "fsdp2_adamw", "matrixfsdp")
 REFERENCE = "ddp_muon"
