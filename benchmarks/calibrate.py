@@ -1,6 +1,6 @@
 """Measure what the scaling model needs on this machine: compute rates and collective costs.
 
-    python benchmarks/calibrate.py --world 4 [--netns] --out benchmarks/results/calibration_cpu_w4
+    python benchmarks/calibrate.py --world 4 [--netns] --out benchmarks/results/scaling/calibration_cpu_w4
 
 Spawns W ranks exactly like ``step_bench.py`` (same launcher, FileStore rendezvous, intra-op
 threads = cpus // W, optional per-rank network namespaces ``mfb-r<k>``). All ranks measure at the
