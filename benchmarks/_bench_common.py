@@ -1,6 +1,6 @@
 """Shared helpers of ``benchmarks/step_bench.py``: communication counting, timing, memory, spawning.
 
-Everything here is independent of the implementations being measured (``_baselines.py``).
+Everything here is independent of the implementations being measured (``baselines/``).
 
 * :class:`CommCounter` / :func:`install_comm_counter` wrap the ``torch.distributed`` collective
   and point-to-point functions (in both ``torch.distributed`` and ``distributed_c10d``, so the

@@ -1,6 +1,6 @@
 """Measure what the scaling model needs on this machine: compute rates and collective costs.
 
-    python benchmarks/calibrate.py --world 4 [--netns] --out benchmarks/results/calibration_cpu_w4
+    python benchmarks/calibrate.py --world 4 [--netns] --out benchmarks/results/scaling/calibration_cpu_w4
 
 Spawns W ranks exactly like ``step_bench.py`` (same launcher, FileStore rendezvous, intra-op
 threads = cpus // W, optional per-rank network namespaces ``mfb-r<k>``). All ranks measure at the
@@ -46,7 +46,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import _bench_common as bc  # noqa: E402
-from _baselines import ADAMW_2D, BenchConfig, batch_for_step, build_model, lm_loss  # noqa: E402
+from baselines import ADAMW_2D, BenchConfig, batch_for_step, build_model, lm_loss  # noqa: E402
 
 from matrixfsdp.planner.cost import newton_schulz_flops  # noqa: E402
 from matrixfsdp.optim._muon import zeropower_via_newtonschulz  # noqa: E402

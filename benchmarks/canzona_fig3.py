@@ -1,6 +1,6 @@
 """Canzona Fig. 3c on the Qwen3 presets: naive start-index vs alpha-balanced ZeRO-1 partitions.
 
-    python benchmarks/canzona_fig3.py [--out benchmarks/results/canzona_fig3]
+    python benchmarks/canzona_fig3.py [--out benchmarks/results/planner/canzona_fig3]
 
 Canzona (arXiv 2602.06079) Fig. 3c, Qwen3-32B with Muon, DP=32 x TP=8: the naive start-index
 partition (its Eq. 1) has a FLOPs imbalance (max/avg over DP ranks) of 3.24x and a memory imbalance

@@ -1,6 +1,6 @@
 """Planner quality on the Qwen3 presets: imbalance next to its lower bounds, gamma_B, timing.
 
-    python benchmarks/planner_quality.py [--out benchmarks/results/planner_quality]
+    python benchmarks/planner_quality.py [--out benchmarks/results/planner/planner_quality]
 
 Prints one JSON object per row (machine-readable), then a markdown table; with --out, writes
 ``<out>.jsonl`` and ``<out>.md``. If scipy is installed (``pip install -e .[bench]``), each cell

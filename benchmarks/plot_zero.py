@@ -1,8 +1,8 @@
 """Plot the ZeRO-1/2 rows of step_bench results: optimizer step against its balance limit, and
 fwd+bwd against DDP, one panel pair per results file.
 
-    python benchmarks/plot_zero.py benchmarks/results/step_cpu_w4_zero.jsonl \
-        benchmarks/results/step_netns1gbit_w4_zero.jsonl --out benchmarks/results/step_w4_zero.png
+    python benchmarks/plot_zero.py benchmarks/results/zero/step_cpu_w4_zero.jsonl \
+        benchmarks/results/zero/step_netns1gbit_w4_zero.jsonl --out benchmarks/results/zero/step_w4_zero.png
 
 Reads only the files given (each written by ``step_bench.py --out``); medians over clean repeats.
 """

@@ -1,10 +1,10 @@
 """Alpha-beta scaling model of one training step: where does flat owner placement stop paying?
 
-    python benchmarks/scaling_model.py [--out benchmarks/results/scaling_model]
+    python benchmarks/scaling_model.py [--out benchmarks/results/scaling/scaling_model]
     python benchmarks/scaling_model.py --hsdp [--regime weak strong] [--optimizers muon shampoo soap] \
-        [--out benchmarks/results/scaling_model_hsdp]      # HSDP (R x 8) rows of issue 17, W=8..1024
+        [--out benchmarks/results/scaling/scaling_model_hsdp]      # HSDP (R x 8) rows of issue 17, W=8..1024
     python benchmarks/scaling_model.py --tp [--dps 1 2 4 8 16 32] [--optimizers muon shampoo soap] \
-        [--out benchmarks/results/scaling_model_tp]        # TP (dp x 8) optimizer-step rows of issue 18
+        [--out benchmarks/results/scaling/scaling_model_tp]        # TP (dp x 8) optimizer-step rows of issue 18
 
 A simulation (no cluster exists here). For each Qwen3 preset and data-parallel size W it plans
 owners with ``matrixfsdp.plan_owners`` and models, per transformer block, the forward/backward
@@ -38,7 +38,7 @@ Calibration: ``--validate STEP_BENCH.jsonl --calibration CALIBRATION.json`` runs
 structure on figures measured on this machine by ``calibrate.py`` (per-op alpha-beta fits of the
 gloo collectives, Newton-Schulz per shape, forward+backward, AdamW) for the step benchmark's
 configuration and prints predicted vs measured fwd+bwd/step/total per implementation, as an
-"overlap" and a "serial" bound (benchmarks/results/scaling_validation.md). On 2 shared cores the
+"overlap" and a "serial" bound (benchmarks/results/scaling/scaling_validation.md). On 2 shared cores the
 serial bound fits: ratios between implementations within ~10% at 4 Gbit/s and 1 Gbit/s; absolute
 totals 0.85-1.24x the serial bound (FSDP2 copy-in/out and hook overheads are not modelled; at
 50 Mbit/s the uneven all-to-all fit is poor and the model misses matrixfsdp's 1.09x fwd+bwd).

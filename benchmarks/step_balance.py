@@ -1,6 +1,6 @@
 """matrixfsdp's optimizer step against its balance limit, and the planner's cost model against time.
 
-    python benchmarks/step_balance.py [--out benchmarks/results/step_balance]
+    python benchmarks/step_balance.py [--out benchmarks/results/step/step_balance]
 
 The optimizer step under matrixfsdp is purely local, so each rank's step can be timed in one
 process: for the step benchmark's model (``step_bench.py`` defaults) and the plan its matrixfsdp

@@ -1,19 +1,19 @@
 """Side-by-side training-step benchmark: matrixfsdp against DDP/FSDP2/torchtitan/ZeRO-1 baselines.
 
-Every implementation (``benchmarks/_baselines.py``) trains the same ``matrixfsdp.Decoder`` (seeded
+Every implementation (``benchmarks/baselines/``) trains the same ``matrixfsdp.Decoder`` (seeded
 init) on the same synthetic tokens with the same Muon / AdamW hyperparameters and the same
 Newton-Schulz dtype (``--ns-dtype``: float32 by default on gloo, bfloat16 on nccl).
 
     python benchmarks/step_bench.py --world 4 [--impls ddp_muon,zero1_owner] [--repeats 3]
-                                    [--out benchmarks/results/step_cpu_w4] [--netns]
+                                    [--out benchmarks/results/step/step_cpu_w4] [--netns]
     torchrun --nproc-per-node 2 benchmarks/step_bench.py --impl ddp_muon      # also works
 
 The same script runs on GPUs with ``--backend nccl`` (one GPU per rank: ``cuda:<LOCAL_RANK>``
 under torchrun, ``cuda:<rank % device_count>`` otherwise; it stops with an error before any
 rendezvous if CUDA, NCCL or enough GPUs are missing):
 
-    torchrun --nproc-per-node 8 benchmarks/step_bench.py --backend nccl --out benchmarks/results/step_nccl_w8
-    python benchmarks/step_bench.py --world 8 --backend nccl --out benchmarks/results/step_nccl_w8
+    torchrun --nproc-per-node 8 benchmarks/step_bench.py --backend nccl --out benchmarks/results/step/step_nccl_w8
+    python benchmarks/step_bench.py --world 8 --backend nccl --out benchmarks/results/step/step_nccl_w8
                                     [--ns-dtype float32] [--impls ...]            # driver form, one node
 
 The driver starts one process per rank (FileStore rendezvous, hard timeout). Each rank runs, for
@@ -50,12 +50,12 @@ rank 0 times the single-process step alone (the other ranks idle in a barrier). 
 network of ``benchmarks/netns/setup_two_level.sh``:
 
     sudo benchmarks/netns/setup_two_level.sh 1gbit
-    python benchmarks/step_bench.py --world 4 --mesh 2,2 --netns --out benchmarks/results/hsdp_two_level_1gbit
+    python benchmarks/step_bench.py --world 4 --mesh 2,2 --netns --out benchmarks/results/hsdp/hsdp_two_level_1gbit
 
 ``--tp T`` (issue 18): with ``--world T`` (the default; dp=1) the T ranks form one 1-D ``("tp",)``
 mesh and every rank sees the whole batch; the model is the
 bench Decoder with torch's TP plan on every layer (q/k/v, gate/up ``ColwiseParallel``; o, down
-``RowwiseParallel``; ``_baselines.tp_parallelize``; heads and KV heads must divide by T: the
+``RowwiseParallel``; ``baselines.tp.tp_parallelize``; heads and KV heads must divide by T: the
 defaults become 8 and 4). Default rows (``TP_DEFAULT_IMPLS``), ratios and parity against
 ``tp_redundant`` (Megatron's ``duplicated``: all-gather every TP-sharded update, whole-matrix
 Newton-Schulz on every TP rank); ``tp_microgroups`` (``matrixfsdp.tp.host_matrices``, the
@@ -63,7 +63,7 @@ planner's micro-groups, pipelined), ``tp_sequential`` (the same groups, ``pipeli
 ``tp_unfused`` (one micro-group per matrix, LPT hosts) and ``tp_shard_local`` (Newton-Schulz on
 each local shard: inexact, timing only). The report adds the issue's three targets:
 
-    python benchmarks/step_bench.py --tp 4 --out benchmarks/results/tp_step_cpu_tp4
+    python benchmarks/step_bench.py --tp 4 --out benchmarks/results/tp/tp_step_cpu_tp4
 
 With ``--world W``, W = dp * T > T, TP composes with data parallelism on the 2-D
 ``init_device_mesh(dev, (dp, T), mesh_dim_names=("dp_shard", "tp"))`` (rank = d*T + t; each dp
@@ -79,7 +79,7 @@ FSDP2 + TP, Newton-Schulz on each rank's local block (inexact, timing only); and
 ``tp_unfused_lpt``: ``tp_unfused`` with its hosts re-assigned by LPT (``tp_c_max=1`` alone puts
 every one-matrix group on TP rank 0 of its owner row, so ``tp_unfused`` also loses host balance):
 
-    python benchmarks/step_bench.py --tp 2 --world 4 --out benchmarks/results/tp_step_cpu_dp2_tp2
+    python benchmarks/step_bench.py --tp 2 --world 4 --out benchmarks/results/tp/tp_step_cpu_dp2_tp2
 
 ``--render X.jsonl`` (alone) rewrites ``X.md`` from the rows of an earlier run, keeping its command line.
 
@@ -115,7 +115,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import _bench_common as bc  # noqa: E402
-from _baselines import IMPLS, BenchConfig, Context, batch_for_step  # noqa: E402
+from baselines import IMPLS, BenchConfig, Context, batch_for_step  # noqa: E402
 
 DEFAULT_IMPLS = ("ddp_muon", "fsdp2_gather_muon", "fsdp2_distmuon", "zero1_owner", "fsdp2_adamw", "matrixfsdp")
 REFERENCE = "ddp_muon"

@@ -17,7 +17,7 @@ if str(BENCH) not in sys.path:
 
 import _bench_common as bc  # noqa: E402
 import step_bench  # noqa: E402
-from _baselines import BenchConfig, batch_for_step  # noqa: E402
+from baselines import BenchConfig, batch_for_step  # noqa: E402
 
 
 def _fake_gpus(monkeypatch: pytest.MonkeyPatch, n: int) -> None:

@@ -65,7 +65,7 @@ def test_step_bench_zero_rows_run_and_match_ddp(tmp_path):
 
 
 def test_plot_zero_reads_step_bench_results(tmp_path):
-    res = _bench("plot_zero.py", "benchmarks/results/step_cpu_w4_zero.jsonl", "--out", str(tmp_path / "z.png"))
+    res = _bench("plot_zero.py", "benchmarks/results/zero/step_cpu_w4_zero.jsonl", "--out", str(tmp_path / "z.png"))
     rows = [json.loads(line) for line in res.stdout.splitlines()]
     assert (tmp_path / "z.png").stat().st_size > 10_000
     assert {r["impl"] for r in rows} >= {"replicate_a0.5", "zero1_owner", "zero_redundancy_muon"}

@@ -18,7 +18,7 @@ def _markdown_files() -> list[Path]:
     files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     for folder in ("recipes", "benchmarks/results"):
         files += sorted((ROOT / folder).rglob("*.md"))
-    return files
+    return [*files, ROOT / "benchmarks" / "README.md"]
 
 
 def _prose(text: str) -> str:

@@ -29,7 +29,7 @@ def test_readme_names_exactly_two_commands_and_ci_runs_the_test_one():
 
 def test_readme_main_job_runs(tmp_path):
     """The README's main job, exactly as written, with smoke-size options appended (the full
-    ~2-minute run is measured and committed in benchmarks/results/train_default/)."""
+    ~2-minute run is measured and committed in benchmarks/results/train/default/)."""
     main = _commands()[0]
     install, cli = (part.strip() for part in main.split("&&", 1))
     extras = _extras()

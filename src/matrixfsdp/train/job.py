@@ -20,7 +20,7 @@ count is fixed by the command. So a run resumed at the same world size computes 
 the uninterrupted run computes. At another world size the global batch is the same, but the
 gradient is summed over another number of ranks in another order: the result agrees to float32
 rounding, not bitwise (W=2 -> 4 at the default size: losses within 2.2e-7 relative, see
-benchmarks/results/train_default/README.md). The same holds across ``--replicas`` (the HSDP mesh
+benchmarks/results/train/default/README.md). The same holds across ``--replicas`` (the HSDP mesh
 is not part of the fingerprint: DCP reshards between the flat and the (R, W/R) meshes and between
 ``repeat`` and ``split``); tests/test_train.py resumes a flat W=4 checkpoint on (2, 2).
 """
