@@ -11,10 +11,15 @@ one rank and is empty elsewhere, so ``step()`` runs on local tensors only, with 
 ``capturable=True`` (a tensor ``lr``) makes ``torch.compile(opt.step)`` correct and
 recompile-free under LR schedulers; ``batched=True`` batches Muon's same-shape Newton-Schulz.
 See docs/optimizers.md.
+
+``opt.rule_for(p)`` gives the rule that steps ``p`` as an :class:`UpdateRule` (``init_state``,
+``step``, ``update``, ``decay``): the one interface through which a runtime (the TP host step)
+runs an optimizer; see [Note: update-rule protocol] in ``optim/rule.py``.
 """
 
 from ._muon import Muon
 from ._shampoo import Shampoo
 from ._soap import SOAP
+from .rule import UpdateRule
 
-__all__ = ["Muon", "Shampoo", "SOAP"]
+__all__ = ["Muon", "Shampoo", "SOAP", "UpdateRule"]

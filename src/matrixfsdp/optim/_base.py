@@ -75,6 +75,7 @@ from ..placement.owned import local_tensor, owned_of  # one local-tensor helper 
 from ..placement.owner import keeps_state, owner_of
 from ..placement.tp_host import tp_host_of
 from ._adamw import adamw_foreach, adamw_foreach_capturable, adamw_step, lr_tensor, new_step_counter
+from .rule import UpdateRule
 
 try:  # torch builds without distributed have no DTensor; then nothing is one.
     from torch.distributed.tensor import DTensor as _DTensor
@@ -105,6 +106,50 @@ def is_real(x: Any) -> bool:
 #: Per-group step options (see [Note: capturable and batched steps]); absent in state dicts saved
 #: before they existed, hence always read with ``group.get(key, False)``.
 STEP_FLAGS = ("capturable", "batched")
+
+
+class _GroupRule:
+    """One rule of one param group of an optimizer, as an :class:`~matrixfsdp.optim.UpdateRule`
+    (see [Note: update-rule protocol] in ``optim/rule.py``): the optimizer's own per-parameter step
+    and a runtime's (TP host) step run the same code. Hyperparameters are read from the group at
+    every call."""
+
+    __slots__ = ("_opt", "_group", "name")
+
+    def __init__(self, opt: "MatrixOptimizer", group: dict[str, Any], name: str) -> None:
+        self._opt, self._group, self.name = opt, group, name
+
+    def __repr__(self) -> str:
+        return f"{type(self._opt).__name__}.rule({self.name!r})"
+
+    def init_state(self, like: Tensor) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        if self.name == "adamw":
+            self._opt._adamw_init_state(like, state, self._group)
+        else:
+            self._opt._matrix_init_state(like, state, self._group)
+        return state
+
+    def step(self, param: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
+        self._step(param, grad, state, self._group)
+
+    def _step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        if self.name == "adamw":
+            self._opt._adamw_step(param, grad, state, group)
+        else:
+            self._opt._matrix_step(param, grad, state, group)
+
+    def update(self, grad: Tensor, state: dict[str, Any], *, dtype: torch.dtype | None = None) -> Tensor:
+        # the step on a zero matrix without decay: what it becomes is the additive update (every
+        # rule here is W <- W * (1 - lr * wd) + update)
+        out = torch.zeros(tuple(grad.shape), dtype=dtype or grad.dtype, device=grad.device)
+        self._step(out, grad, state, {**self._group, "weight_decay": 0.0, "adamw_weight_decay": 0.0})
+        return out
+
+    def decay(self) -> tuple[Any, Any]:
+        if self.name == "adamw":
+            return self._opt._adamw_lr_wd(self._group)
+        return self._group["lr"], self._group.get("weight_decay", 0.0)
 
 
 class MatrixOptimizer(Optimizer):
@@ -288,6 +333,23 @@ class MatrixOptimizer(Optimizer):
             for p in group["params"]:
                 yield index, group, p, self._route(group, p)
 
+    def _rule(self, group: dict[str, Any], route: str) -> _GroupRule:
+        return _GroupRule(self, group, route)
+
+    def rule_for(self, param: Tensor) -> "UpdateRule":
+        """The update rule that steps ``param`` (its param group's matrix rule or AdamW, as
+        routed), as an :class:`~matrixfsdp.optim.UpdateRule`; see [Note: update-rule protocol].
+
+        Example::
+
+            rule = opt.rule_for(model.blocks[0].mlp.up.weight)   # rule.name == "muon"
+        """
+        for group in self.param_groups:
+            if any(q is param for q in group["params"]):
+                return self._rule(group, self._route(group, param))
+        raise ValueError(f"{type(self).__name__}.rule_for: the tensor (shape {tuple(param.shape)}) is not a "
+                         "parameter of this optimizer")
+
     # ----------------------------------------------------------------------------- step
     # [Note: compiled steps and sources]
     # Under ``torch.compile(opt.step)`` dynamo names each object by the first path the trace
@@ -325,7 +387,8 @@ class MatrixOptimizer(Optimizer):
     def _loop_step(self, index: int, group: dict[str, Any]) -> None:
         """The default step of one group: one parameter at a time; TP-hosted matrices go to
         their executor (see [Note: TP hosts])."""
-        hosted = []
+        hosted: dict[int, tuple[Any, list[tuple[Tensor, _GroupRule]]]] = {}
+        rules = {name: self._rule(group, name) for name in ("adamw", self.rule)}
         for p in group["params"]:
             route = self._route(group, p)
             host = tp_host_of(p)
@@ -335,7 +398,7 @@ class MatrixOptimizer(Optimizer):
                 # shard would move, the host keeping the only, shard-shaped, state)
                 owner = owner_of(p)  # under fully_shard + TP: only the owner's TP row steps it
                 if owner is None or owner.is_local:
-                    hosted.append(p)
+                    hosted.setdefault(id(host.executor), (host.executor, []))[1].append((p, rules[route]))
                 if p.grad is not None and not keeps_state(p):  # another rank is its host
                     self._note_remote(p)
                 continue
@@ -349,13 +412,11 @@ class MatrixOptimizer(Optimizer):
             grad = local_tensor(p.grad)
             if grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            if route == "adamw":
-                self._adamw_step(param, grad, self.state[p], group)
-            else:
+            if route != "adamw":
                 self._check_whole(p, param, index)
-                self._matrix_step(param, grad, self.state[p], group)
-        for executor in {id(e): e for e in (tp_host_of(p).executor for p in hosted)}.values():
-            executor.step(self, group, [p for p in hosted if tp_host_of(p).executor is executor])
+            rules[route].step(param, grad, self.state[p])
+        for executor, items in hosted.values():  # a collective within each TP row, in group order
+            executor.step(items, self.state)
 
     def _group_step(self, index: int, group: dict[str, Any]) -> None:
         """A capturable and/or batched group (see [Note: capturable and batched steps])."""
@@ -502,10 +563,7 @@ class MatrixOptimizer(Optimizer):
                 param = param.new_empty(tuple(p.shape))
             if p.grad is None or param.numel() == 0:
                 continue
-            if route == "adamw":
-                self._adamw_init_state(param, self.state[p], group)
-            else:
-                self._matrix_init_state(param, self.state[p], group)
+            self.state[p].update(self._rule(group, route).init_state(param))
         self._sync_host_steps()
 
     def _note_remote(self, p: Tensor) -> None:
@@ -519,11 +577,7 @@ class MatrixOptimizer(Optimizer):
         placeholders its state dict adds; given ``like`` (``p``'s whole tensor), the state a first
         step starts from, allocated like it."""
         base = like if like is not None else torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
-        schema: dict[str, Any] = {}
-        if self._route(group, p) == "adamw":
-            self._adamw_init_state(base, schema)
-        else:
-            self._matrix_init_state(base, schema, group)
+        schema = self._rule(group, self._route(group, p)).init_state(base)
         for key, dep in self._state_placeholders.items():
             if key not in schema and isinstance(schema.get(dep), Tensor):
                 schema[key] = torch.zeros_like(schema[dep])
@@ -550,12 +604,6 @@ class MatrixOptimizer(Optimizer):
         lr = group["adamw_lr"] if group.get("adamw_lr") is not None else group["lr"]
         wd = group.get("adamw_weight_decay")
         return lr, wd if wd is not None else group.get("weight_decay", 0.0)
-
-    def _decay(self, group: dict[str, Any], p: Tensor) -> tuple[Any, Any]:
-        """``(lr, weight_decay)`` of ``p``'s decoupled decay under its rule in ``group``."""
-        if self._route(group, p) == "adamw":
-            return self._adamw_lr_wd(group)
-        return group["lr"], group.get("weight_decay", 0.0)
 
     def _adamw_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         if not state:
