@@ -3,7 +3,8 @@
 Each is one ``torch.optim.Optimizer`` that routes 2D parameters to its matrix rule and every other
 parameter to AdamW, per param group (key ``"algorithm"``: ``"auto"``, the rule's name or
 ``"adamw"``; see :mod:`matrixfsdp.optim._base`). Under matrixfsdp each 2D weight lives whole on
-one rank and is empty elsewhere, so ``step()`` runs on local tensors only, with no communication.
+one rank and is empty elsewhere, so ``step()`` runs on local tensors only, with no communication
+(TP-hosted matrices excepted: two all-to-alls per micro-group within a TP row, ``matrixfsdp.tp``).
 
     >>> from matrixfsdp.optim import Muon
     >>> opt = Muon(model.parameters(), lr=0.02, ns_dtype=torch.float32)  # CPU; keep bf16 on CUDA

@@ -57,7 +57,9 @@ Under matrixfsdp a parameter may be a ``DTensor``. Routing looks at its *global*
 ``no_grad`` aliases the local shard). A 2D matrix is owned whole by one rank: its local tensor is
 either the full matrix (owner) or empty ``[0, n]`` (everyone else). Empty local tensors are
 skipped before any state is created, so non-owners pay nothing. A matrix rule seeing any other
-local shape raises. ``step()`` only touches plain local tensors, so it never communicates.
+local shape raises. ``step()`` only touches plain local tensors, so it never communicates,
+except that TP-hosted matrices go to their TP host step (two all-to-alls per micro-group within
+a TP row; see :meth:`MatrixOptimizer.step` and [Note: update-rule protocol] in ``optim/rule.py``).
 """
 
 from __future__ import annotations
@@ -366,7 +368,13 @@ class MatrixOptimizer(Optimizer):
     # ``benchmarks/repro/compile_sharded_step.py`` shows it: 5 compiles in 5 calls, or 1.
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Performs a single optimization step; purely local (no communication)."""
+        """Performs a single optimization step.
+
+        Collectives: none, except for TP-hosted matrices (``matrixfsdp.tp``, fully_shard + TP),
+        which go to their TP host step: two ``all_to_all_single`` per micro-group within this
+        rank's TP row (its owner's row under fully_shard; counted by comm/'s collectives,
+        ``matrixfsdp.tp.comm_counter(model)``), and nothing across data parallelism. Every
+        other parameter is stepped on its local tensor."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -2,7 +2,7 @@
 
 [Note: optimizer state in state dicts]
 The matrix optimizers keep the state of a DTensor parameter as *plain local tensors* (``step()``
-never touches a DTensor, so it never communicates). DCP can only reshard what it can place in the
+never touches a DTensor). DCP can only reshard what it can place in the
 global tensor, so ``MatrixOptimizer.state_dict()`` presents every state tensor of a DTensor
 parameter as a DTensor (:func:`present_state`), and ``load_state_dict`` accepts those DTensors
 (or plain local tensors, as before) and keeps their local tensors (:func:`accept_state`):

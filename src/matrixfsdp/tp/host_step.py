@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+
+from ..comm.collectives import AllToAllCollectives, CommCounter
 
 if TYPE_CHECKING:  # the protocol only: the executor never sees an optimizer (.importlinter)
     from ..optim.rule import UpdateRule
@@ -73,9 +74,27 @@ class TPHostStep:
         self.tp = mesh.size()
         self.rank = mesh.get_local_rank()
         self.groups = [[_Member(f, p, h, _shard_dim(p)) for f, p, h in g] for g in groups]
-        self.calls = {"all_to_all": 0}  #: collectives issued (tests, benchmarks)
-        self.bytes_sent = 0
+        # comm/'s counted collectives over the TP group; an instance of its own, not the cached
+        # one per group, so that each executor counts its own all-to-alls (two models on one TP
+        # group, or the group also serving other collectives, keep separate counts)
+        self.coll = AllToAllCollectives(self.group)
         self.host_steps = 0  #: whole-matrix steps this rank ran
+
+    @property
+    def counter(self) -> CommCounter:
+        """Calls and bytes of this executor's collectives (``"all_to_all_single"``), as comm/
+        counts every engine collective; ``reset()`` it to count a step."""
+        return self.coll.counter
+
+    @property
+    def calls(self) -> dict[str, int]:
+        """``{"all_to_all": n}``: the all-to-alls this executor issued (see :attr:`counter`)."""
+        return {"all_to_all": self.counter.calls.get("all_to_all_single", 0)}
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank sent to other ranks in those all-to-alls."""
+        return self.counter.bytes_sent.get("all_to_all_single", 0)
 
     # ----------------------------------------------------------------------------- the step
     @torch.no_grad()
@@ -166,15 +185,12 @@ class TPHostStep:
 
     def _all_to_all(self, send_parts: list[torch.Tensor], in_splits: list[int], out_splits: list[int],
                     like: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        """One fused, asynchronous ``all_to_all_single`` within the TP group (counted); its
-        buffers: the packed send (``sum(in_splits)``) and the receive (``sum(out_splits)``)."""
+        """One fused, asynchronous ``all_to_all_single`` within the TP group, through comm/'s
+        counted collectives; its buffers: the packed send (``sum(in_splits)``) and the receive
+        (``sum(out_splits)``)."""
         send = torch.cat(send_parts) if send_parts else like.new_empty(0)
         recv = like.new_empty(sum(out_splits))
-        self.calls["all_to_all"] += 1
-        self.bytes_sent += (send.numel() - in_splits[self.rank]) * send.element_size()
-        work = dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                                      group=self.group, async_op=True)
-        return work, recv
+        return self.coll.all_to_all_single(recv, send, out_splits, in_splits, async_op=True), recv
 
     def _apply(self, rules: dict[int, Any], members: list[_Member], work: Any, recv: torch.Tensor) -> None:
         work.wait()
