@@ -124,3 +124,27 @@ def test_tp_host_step_takes_update_rules_only():
     assert msg is not None and "TPHostStep.step" in msg and "UpdateRule" in msg and "object" in msg
     assert "all_to_all_single: splits must have W=2 entries summing to the buffers' sizes" in bad_splits
     assert "recv_splits [1, 1] for 3" in bad_splits
+
+
+def list_routing_warnings():
+    """``Muon(model.parameters())`` on a host_matrices model: the hosted DTensors are stepped
+    whole ("auto" asks the same descriptor as the warning), so nothing is reported."""
+    import warnings
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    model = FwdNet(80)
+    for b in model.blocks:
+        parallelize_module(b, mesh, {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel()})
+    matrixfsdp.tp.host_matrices(model, mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = matrixfsdp.optim.Muon(list(model.parameters()), lr=0.02)
+    hosted = [p for p in model.parameters() if matrixfsdp.tp.tp_host_of(p) is not None]
+    return ([str(w.message) for w in caught if "routes" in str(w.message)],
+            [opt.rule_for(p).name for p in hosted])
+
+
+def test_list_routing_does_not_flag_tp_hosted_matrices():
+    msgs, rules = get_pool(2).run(list_routing_warnings)[0]
+    assert rules == ["muon"] * 4
+    assert msgs == [], msgs

@@ -73,16 +73,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..placement.owned import local_tensor, owned_of  # one local-tensor helper for the package
-from ..placement.owner import keeps_state, owner_of
-from ..placement.tp_host import tp_host_of
+from ..placement.owned import local_tensor  # one local-tensor helper for the package
+from ..placement.stepping import planned_kind, stepping_of  # the one descriptor optimizers ask
 from ._adamw import adamw_foreach, adamw_foreach_capturable, adamw_step, lr_tensor, new_step_counter
 from .rule import UpdateRule
-
-try:  # torch builds without distributed have no DTensor; then nothing is one.
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # pragma: no cover
-    _DTensor = None
 
 __all__ = ["MatrixOptimizer", "local_tensor", "wide_dtype", "is_real", "lr_tensor", "ADAMW_DEFAULTS", "STEP_FLAGS"]
 
@@ -199,13 +193,9 @@ class MatrixOptimizer(Optimizer):
         head_rows = frozenset(m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding))
         matrix, rest = [], []
         for fqn, p in model.named_parameters():
-            info = owned_of(p)
-            if info is not None:
-                is_matrix = info.kind == "matrix"
-            elif tp_host_of(p) is not None:
-                is_matrix = True  # a TP-sharded matrix with a host (see [Note: TP hosts])
-            elif _DTensor is not None and isinstance(p, _DTensor):
-                is_matrix = False  # evenly sharded: element-wise for the plan
+            planned = planned_kind(p)  # owned, TP-hosted or evenly sharded: the plan decided
+            if planned is not None:
+                is_matrix = planned == "matrix"
             else:
                 module = model.get_submodule(fqn.rpartition(".")[0])
                 is_matrix = default_matrix_filter(fqn, p, module, head_rows)
@@ -310,18 +300,14 @@ class MatrixOptimizer(Optimizer):
         """
         algorithm = group["algorithm"]
         if algorithm == "auto":
-            if tp_host_of(p) is not None:
-                return self.rule  # a TP-sharded matrix stepped whole on its host
-            info = owned_of(p)
-            if info is not None:
-                return self.rule if info.kind == "matrix" else "adamw"
-            if _DTensor is not None and isinstance(p, _DTensor):
-                return "adamw"  # evenly sharded: the plan made it element-wise
+            planned = planned_kind(p)  # TP-hosted, owned or evenly sharded: the plan decided
+            if planned is not None:
+                return self.rule if planned == "matrix" else "adamw"
             return self.rule if p.ndim == 2 else "adamw"
         return algorithm
 
     def _check_whole(self, p: Tensor, local: Tensor, index: int) -> None:
-        if tp_host_of(p) is not None:
+        if stepping_of(p).hosted:
             return  # stepped whole on its TP host (see [Note: TP hosts])
         if local.numel() != 0 and local.shape != p.shape:
             raise ValueError(
@@ -399,20 +385,15 @@ class MatrixOptimizer(Optimizer):
         rules = {name: self._rule(group, name) for name in ("adamw", self.rule)}
         for p in group["params"]:
             route = self._route(group, p)
-            host = tp_host_of(p)
-            if host is not None:
+            st = stepping_of(p)
+            if st.executor is not None:
                 # either rule: the host steps the whole matrix and keeps its whole state (an
                 # "adamw" group's TP matrices too: stepped shard by shard here, only the host's
                 # shard would move, the host keeping the only, shard-shaped, state)
-                owner = owner_of(p)  # under fully_shard + TP: only the owner's TP row steps it
-                if owner is None or owner.is_local:
-                    hosted.setdefault(id(host.executor), (host.executor, []))[1].append((p, rules[route]))
-                if p.grad is not None and not keeps_state(p):  # another rank is its host
-                    self._note_remote(p)
-                continue
-            if not keeps_state(p):  # another rank owns it: no state, no compute here
-                if p.grad is not None:
-                    self._note_remote(p)
+                hosted.setdefault(id(st.executor), (st.executor, []))[1].append((p, rules[route]))
+            if st.hosted or not st.keeps_state:  # stepped by its TP host, or by its owner
+                if p.grad is not None and not st.keeps_state:
+                    self._note_remote(p, st)
                 continue
             param = local_tensor(p)
             if p.grad is None or param.numel() == 0:
@@ -430,14 +411,14 @@ class MatrixOptimizer(Optimizer):
         """A capturable and/or batched group (see [Note: capturable and batched steps])."""
         adamw: list[tuple[Tensor, Tensor, Tensor]] = []
         matrix: list[tuple[Tensor, Tensor, Tensor]] = []
-        if any(tp_host_of(p) is not None for p in group["params"]):
+        if any(stepping_of(p).hosted for p in group["params"]):
             raise ValueError(
                 f"{type(self).__name__}: param group {index} holds TP-hosted matrices "
                 "(matrixfsdp.tp.host_matrices), which the capturable and batched steps do not "
                 "support yet; use capturable=False, batched=False for that group"
             )
         for p in group["params"]:
-            if p.grad is None or not keeps_state(p):
+            if p.grad is None or not stepping_of(p).keeps_state:
                 if p.grad is not None:  # another rank owns it: no state, no compute here
                     self._note_remote(p)
                 elif p in self._host_offsets:
@@ -560,12 +541,13 @@ class MatrixOptimizer(Optimizer):
 
     def _init_states(self) -> None:
         for _, group, p, route in self._routed():
-            if not keeps_state(p):
+            st = stepping_of(p)
+            if not st.keeps_state:
                 if p.grad is not None:
-                    self._note_remote(p)
+                    self._note_remote(p, st)
                 continue
             param = local_tensor(p)
-            if tp_host_of(p) is not None:
+            if st.hosted:
                 # a TP-hosted matrix, either rule: its host keeps whole-matrix state, not its
                 # shard's (the initializers read only shape, dtype and device)
                 param = param.new_empty(tuple(p.shape))
@@ -574,10 +556,10 @@ class MatrixOptimizer(Optimizer):
             self.state[p].update(self._rule(group, route).init_state(param))
         self._sync_host_steps()
 
-    def _note_remote(self, p: Tensor) -> None:
+    def _note_remote(self, p: Tensor, st: Any = None) -> None:
         """An owned parameter stepped on its owner, a TP-hosted one on its host (every rank sees
         the same gradients): its state exists there."""
-        if owned_of(p) is not None or tp_host_of(p) is not None:
+        if (st if st is not None else stepping_of(p)).single_keeper:
             self._remote_state.add(id(p))
 
     def _state_schema(self, p: Tensor, group: dict[str, Any], *, like: Tensor | None = None) -> dict[str, Any]:
