@@ -11,10 +11,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..comm.collectives import CommCounter
-from ..placement.owner import one_rank_meshes
-from ..placement.tp_host import TPHosted, set_tp_host, tp_host_of
+from ..placement.tp_host import tp_host_of
 from ..planner.rules import default_matrix_filter
-from .host_step import TPHostStep
+from .attach import attach_hosts
 
 __all__ = ["host_matrices", "set_pipeline", "comm_counter"]
 
@@ -103,11 +102,9 @@ def host_matrices(
     bad = [(f, h) for g in groups for f, h in g if not 0 <= h < tp.size()]
     if bad:
         raise ValueError(f"{API}: host ranks must be in [0, {tp.size()}), got {bad[:3]}")
-    executor = TPHostStep(tp, [[(f, found[f], h) for f, h in g] for g in groups], pipeline=pipeline)
-    hosts = one_rank_meshes(tp, "tp_host")  # the hosts' state is presented on these
-    for k, g in enumerate(groups):
-        for f, h in g:
-            set_tp_host(found[f], TPHosted(host=h, group=k, mesh=tp, executor=executor, host_mesh=hosts[h]))
+    # fully_shard + TP's attach on a (1, T) mesh: one owner row, the TP group itself
+    rows = [[(k, [(f, found[f], h) for f, h in g]) for k, g in enumerate(groups)]]
+    attach_hosts(tp, rows, 0, [tp.mesh.flatten().tolist()], tp, pipeline=pipeline)
     return groups
 
 
