@@ -19,6 +19,11 @@ is the whole contract between optimizers and runtimes:
   ``W * (1 - lr * wd) + update(G)`` with ``(lr, wd) = decay()`` in exact arithmetic (the rounding
   differs: ``step`` is op for op the documented rule, e.g. bitwise ``torch.optim.Muon``).
 
+One known gap: SOAP's first call only gathers statistics and its own step does not decay;
+``update`` is zero then, but ``decay()`` (which ranks without the state must be able to call)
+returns the group's decay, so the TP host step decays that first step once (relative
+``lr * weight_decay``; docs/tp.md).
+
 Runtimes depend on this module alone (``.importlinter``): nothing of an optimizer's internals.
 """
 
