@@ -84,15 +84,24 @@ def rejects_a_non_rule():
     matrixfsdp.tp.host_matrices(model, mesh)
     w = model.blocks[0].up.weight
     coll = matrixfsdp.tp.tp_host_of(w).executor.coll
+    msg = None
     try:  # comm/'s wrapper checks its splits before anything is issued
         coll.all_to_all_single(torch.empty(3), torch.empty(4), [1, 1], [2, 2], async_op=False)
     except ValueError as e:
         bad_splits = str(e)
+    executor = matrixfsdp.tp.tp_host_of(w).executor
     try:
-        matrixfsdp.tp.tp_host_of(w).executor.step([(w, object())], {})
+        executor.step([(w, object())], {})
     except TypeError as e:
-        return str(e), bad_splits
-    return None, bad_splits
+        msg = str(e)
+    # the earlier call form step(optimizer, group, params) goes through the public rule_for
+    opt = _opt("muon", model)
+    model(*_batch(0)).backward()
+    group = opt.param_groups[0]
+    hosted = [p for p in group["params"] if matrixfsdp.tp.tp_host_of(p) is not None]
+    executor.counter.reset()
+    executor.step(opt, group, hosted)
+    return msg, bad_splits, executor.counter.calls, len(executor.groups), executor.host_steps
 
 
 def test_tp_all_to_alls_are_counted_by_comm_at_dp1():
@@ -120,7 +129,9 @@ def test_tp_all_to_alls_are_counted_by_comm_under_fully_shard():
 
 
 def test_tp_host_step_takes_update_rules_only():
-    msg, bad_splits = get_pool(2).run(rejects_a_non_rule)[0]
+    res = get_pool(2).run(rejects_a_non_rule)
+    msg, bad_splits, calls, groups, _ = res[0]
+    assert calls == {"all_to_all_single": 2 * groups} and sum(r[4] for r in res) == 4
     assert msg is not None and "TPHostStep.step" in msg and "UpdateRule" in msg and "object" in msg
     assert "all_to_all_single: splits must have W=2 entries summing to the buffers' sizes" in bad_splits
     assert "recv_splits [1, 1] for 3" in bad_splits

@@ -98,13 +98,22 @@ class TPHostStep:
 
     # ----------------------------------------------------------------------------- the step
     @torch.no_grad()
-    def step(self, items: Sequence[tuple[Any, "UpdateRule"]], state: MutableMapping[Any, dict[str, Any]]) -> None:
-        """Step hosted parameters, each with its update rule (``[(param, rule), ...]``, the same
-        parameters on every TP rank; ``rule`` implements ``matrixfsdp.optim.UpdateRule``, e.g.
-        ``opt.rule_for(param)``), their state in ``state`` (``{param: state dict}``, e.g. the
+    def step(self, items: Any, state: Any, params: Sequence[Any] | None = None) -> None:
+        """Step hosted parameters, each with its update rule (``items``: ``[(param, rule), ...]``,
+        the same parameters on every TP rank; ``rule`` implements ``matrixfsdp.optim.UpdateRule``,
+        e.g. ``opt.rule_for(param)``), their state in ``state`` (``{param: state dict}``, e.g. the
         optimizer's ``state``; only hosts read or write it). A collective over the TP group:
         every TP rank calls it with the same parameters. Parameters without a gradient are
-        skipped, on every rank alike."""
+        skipped, on every rank alike.
+
+        The earlier form ``step(optimizer, group, params)`` still works, through the optimizer's
+        public ``rule_for`` and ``state``."""
+        if params is not None:
+            opt = items
+            items, state = [(p, opt.rule_for(p)) for p in params], opt.state
+        self._step(items, state)
+
+    def _step(self, items: Sequence[tuple[Any, "UpdateRule"]], state: MutableMapping[Any, dict[str, Any]]) -> None:
         rules: dict[int, Any] = {}
         for p, rule in items:
             if not (callable(getattr(rule, "update", None)) and callable(getattr(rule, "decay", None))):
