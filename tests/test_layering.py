@@ -2,6 +2,8 @@
 
 * the planner needs no runtime, collectives, optimizer or checkpoint code;
 * optimizers see only the owner descriptor and local tensors;
+* TP steps optimizers through the update-rule protocol alone (``optim/rule.py``) and knows no
+  front-end; the protocol module depends on torch alone;
 * the runtimes know nothing of Hugging Face, torchtitan, checkpoints or the main job;
 * the two front-ends share code only through the engine;
 * the packages form layers (apps > integrations > checkpoint > front-ends, optimizers > engine >
@@ -36,7 +38,7 @@ def test_every_layering_contract_is_kept():
     res = _lint(SRC)
     assert res.returncode == 0, res.stdout + res.stderr
     kept = re.findall(r"KEPT", res.stdout)
-    assert len(kept) == 6, res.stdout  # every contract of .importlinter ran and held
+    assert len(kept) == 8, res.stdout  # every contract of .importlinter ran and held
 
 
 def test_a_runtime_importing_an_integration_breaks_the_contracts(tmp_path):
@@ -48,6 +50,17 @@ def test_a_runtime_importing_an_integration_breaks_the_contracts(tmp_path):
     assert res.returncode == 1, res.stdout
     assert "The runtimes know nothing of Hugging Face, torchtitan" in res.stdout
     assert "matrixfsdp._fully_shard.state -> matrixfsdp.integrations.titan" in res.stdout
+
+
+def test_tp_importing_an_optimizer_breaks_the_contracts(tmp_path):
+    """The TP host step may not reach past the update-rule protocol into an optimizer."""
+    shutil.copytree(SRC / "matrixfsdp", tmp_path / "matrixfsdp", ignore=shutil.ignore_patterns("__pycache__"))
+    step = tmp_path / "matrixfsdp" / "tp" / "host_step.py"
+    step.write_text(step.read_text() + "\nfrom ..optim import _base as _optimizer  # noqa\n")
+    res = _lint(tmp_path)
+    assert res.returncode == 1, res.stdout
+    assert "TP steps optimizers through the update-rule protocol alone" in res.stdout
+    assert "matrixfsdp.tp.host_step -> matrixfsdp.optim._base" in res.stdout
 
 
 def test_no_caller_frame_inspection_outside_the_compat_module():

@@ -26,6 +26,7 @@ every rank alike (the check reads the mesh's shape only).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 #: 2-D mesh whose dimension 1 is named "tp" is one, e.g. torchtitan's ["fsdp", "tp"])
 TP_NAMES = ("dp_shard", "tp")
 
-__all__ = ["TP_NAMES", "MeshInfo", "mesh_info", "default_mesh", "mesh_device", "backend_map", "backend_devices", "flat_dp_mesh"]
+__all__ = ["TP_NAMES", "MeshInfo", "mesh_info", "default_mesh", "mesh_device", "backend_map", "backend_devices",
+           "flat_dp_mesh", "mesh_tag"]
+
+
+def mesh_tag(mesh: DeviceMesh) -> str:
+    """A short name suffix that tells meshes apart by ranks, shape, dimension names and device
+    type (``DeviceMesh`` compares by ranks and names only; the meshes matrixfsdp derives from two
+    meshes over the same ranks must not collide). The same on every rank; local."""
+    return hashlib.sha1(repr((mesh.mesh.flatten().tolist(), tuple(mesh.shape), mesh.mesh_dim_names,
+                              mesh.device_type)).encode()).hexdigest()[:8]
 
 
 def flat_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -46,11 +56,7 @@ def flat_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     collective (it creates the group); every rank makes it at the same point."""
     if mesh.ndim == 1:
         return mesh
-    import hashlib
-
-    tag = hashlib.sha1(repr((mesh.mesh.flatten().tolist(), tuple(mesh.shape), mesh.mesh_dim_names,
-                             mesh.device_type)).encode()).hexdigest()[:8]
-    return mesh._flatten(f"dp_all_{tag}")
+    return mesh._flatten(f"dp_all_{mesh_tag(mesh)}")
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -40,8 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..placement.owned import OwnedDTensor
-from ..placement.owner import dp_tp_mesh, one_rank_meshes, owner_tp_meshes
-from ..placement.tp_host import TPHosted, set_tp_host, tp_host_of
+from ..placement.owner import dp_tp_mesh, owner_tp_meshes
 from ..mesh import flat_dp_mesh
 
 if TYPE_CHECKING:
@@ -117,7 +116,7 @@ def attach_tp_hosts(states: list[Any], plan: "OwnerPlan", dp: DeviceMesh, shard_
     """Give every TP-sharded ``"matrix"`` parameter its host descriptor and this rank's executor
     (its owner row's micro-groups; see the module Note). Collective once (the host meshes' flat
     group); every rank calls at resolution."""
-    from ..tp.host_step import TPHostStep
+    from ..tp.attach import attach_hosts
 
     hosted: dict[str, Any] = {}
     for s in states:
@@ -127,28 +126,16 @@ def attach_tp_hosts(states: list[Any], plan: "OwnerPlan", dp: DeviceMesh, shard_
     if not hosted:
         return
     tp_mesh = next(iter(hosted.values())).tp[0]
-    T = tp_mesh.size()
-    if T == 1:
+    if tp_mesh.size() == 1:
         return  # a one-rank TP mesh: every owner holds its matrices whole, stepped locally
-    pair = dp_tp_mesh(dp, tp_mesh)
-    hosts = one_rank_meshes(flat_dp_mesh(pair), "tp_host")  # the hosts' state is presented on these
-    flat = pair.mesh.flatten().tolist()
-    row_meshes = owner_tp_meshes(dp, tp_mesh)
-    mine: list[list[tuple[str, Any, int]]] = []
-    for s in range(plan.world_size):
-        for g in plan.micro_groups[s] if plan.micro_groups else ():
-            members = [(f, hosted[f], h) for f, h in g.members if f in hosted]
-            if s == shard_rank and members:
-                mine.append([(f, mp.sharded, h) for f, mp, h in members])
-            for f, mp, h in members:
-                host_rank = row_meshes[s].mesh.flatten().tolist()[h]
-                set_tp_host(mp.sharded, TPHosted(host=h, group=g.index, mesh=tp_mesh, executor=None,
-                                                 host_mesh=hosts[flat.index(host_rank)]))
-    missing = [f for f in hosted if tp_host_of(hosted[f].sharded) is None]
+    rows = [[(g.index, [(f, hosted[f].sharded, h) for f, h in g.members if f in hosted])
+             for g in (plan.micro_groups[s] if plan.micro_groups else ())] for s in range(plan.world_size)]
+    planned = {f for row in rows for _, members in row for f, _, _ in members}
+    missing = [f for f in hosted if f not in planned]
     if missing:
         raise ValueError(f"{API}: the plan has no micro-group for TP matrix {missing[0]!r}; build the "
                          "plan from the parallelized model with the (\"dp_shard\", \"tp\") mesh")
-    executor = TPHostStep(tp_mesh, mine, pipeline=pipeline)
-    for g in mine:
-        for _, p, _ in g:
-            set_tp_host(p, dataclasses.replace(tp_host_of(p), executor=executor))
+    pair = dp_tp_mesh(dp, tp_mesh)
+    attach_hosts(tp_mesh, [[(k, m) for k, m in row if m] for row in rows], shard_rank,
+                 [r.mesh.flatten().tolist() for r in owner_tp_meshes(dp, tp_mesh)], flat_dp_mesh(pair),
+                 pipeline=pipeline)

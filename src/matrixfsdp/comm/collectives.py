@@ -9,6 +9,8 @@ primitive carries a call is chosen by the tensor's device (see [Note: collective
   move; nothing is padded.
 * ``reduce_scatter_segments``: every rank contributes ``W`` uneven chunks (one per destination);
   rank ``r`` receives the elementwise sum of everyone's chunk ``r``.
+* ``all_to_all_single``: one uneven all-to-all of flat buffers (the TP host step's fused gathers
+  and scatters, ``tp/host_step.py``), counted like the others.
 
 Implementations:
 
@@ -168,6 +170,13 @@ class SegmentCollectives(Protocol):
         """Broadcast ``t`` from group rank ``src`` in place."""
         ...
 
+    def all_to_all_single(self, recv: torch.Tensor, send: torch.Tensor, recv_splits: Sequence[int],
+                          send_splits: Sequence[int], *, async_op: bool) -> Handle:
+        """Uneven all-to-all of 1-D buffers: ``send`` is ``W`` chunks of sizes ``send_splits``
+        (chunk ``d`` goes to rank ``d``), ``recv`` receives ``W`` chunks of sizes ``recv_splits``
+        (chunk ``s`` from rank ``s``), in rank order (the TP host step's gathers and scatters)."""
+        ...
+
 
 class _Base:
     def __init__(self, group: Any):
@@ -323,6 +332,29 @@ class _Base:
         dist.broadcast(buf, group_src=src, group=self.group)
         if buf is not t and self.rank != src:
             t.copy_(buf)
+
+    def all_to_all_single(self, recv: torch.Tensor, send: torch.Tensor, recv_splits: Sequence[int],
+                          send_splits: Sequence[int], *, async_op: bool) -> Handle:
+        """One ``all_to_all_single``: NCCL and gloo both take uneven splits in this form (a
+        ``"cpu:gloo,cuda:nccl"`` group serves it by the tensors' device); one rank copies."""
+        W, r = self.world_size, self.rank
+        recv_splits, send_splits = list(recv_splits), list(send_splits)
+        if len(recv_splits) != W or len(send_splits) != W or sum(recv_splits) != recv.numel() \
+                or sum(send_splits) != send.numel():
+            raise ValueError(
+                f"all_to_all_single: splits must have W={W} entries summing to the buffers' sizes, got "
+                f"recv_splits {recv_splits} for {recv.numel()} and send_splits {send_splits} for "
+                f"{send.numel()} elements"
+            )
+        es = send.element_size()
+        self.counter.record("all_to_all_single", (send.numel() - send_splits[r]) * es,
+                            (recv.numel() - recv_splits[r]) * es)
+        if W == 1:
+            recv.copy_(send)
+            return Handle()
+        work = dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                                      group=self.group, async_op=async_op)
+        return Handle([work] if async_op else [])
 
     def _check_reduce(self, out: torch.Tensor, inp: torch.Tensor, splits: Sequence[int]) -> list[int]:
         splits = list(splits)

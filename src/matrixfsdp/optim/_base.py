@@ -57,7 +57,9 @@ Under matrixfsdp a parameter may be a ``DTensor``. Routing looks at its *global*
 ``no_grad`` aliases the local shard). A 2D matrix is owned whole by one rank: its local tensor is
 either the full matrix (owner) or empty ``[0, n]`` (everyone else). Empty local tensors are
 skipped before any state is created, so non-owners pay nothing. A matrix rule seeing any other
-local shape raises. ``step()`` only touches plain local tensors, so it never communicates.
+local shape raises. ``step()`` only touches plain local tensors, so it never communicates,
+except that TP-hosted matrices go to their TP host step (two all-to-alls per micro-group within
+a TP row; see :meth:`MatrixOptimizer.step` and [Note: update-rule protocol] in ``optim/rule.py``).
 """
 
 from __future__ import annotations
@@ -71,15 +73,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..placement.owned import local_tensor, owned_of  # one local-tensor helper for the package
-from ..placement.owner import keeps_state, owner_of
-from ..placement.tp_host import tp_host_of
+from ..placement.owned import local_tensor  # one local-tensor helper for the package
+from ..placement.stepping import planned_kind, stepping_of  # the one descriptor optimizers ask
 from ._adamw import adamw_foreach, adamw_foreach_capturable, adamw_step, lr_tensor, new_step_counter
-
-try:  # torch builds without distributed have no DTensor; then nothing is one.
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # pragma: no cover
-    _DTensor = None
+from .rule import UpdateRule
 
 __all__ = ["MatrixOptimizer", "local_tensor", "wide_dtype", "is_real", "lr_tensor", "ADAMW_DEFAULTS", "STEP_FLAGS"]
 
@@ -105,6 +102,50 @@ def is_real(x: Any) -> bool:
 #: Per-group step options (see [Note: capturable and batched steps]); absent in state dicts saved
 #: before they existed, hence always read with ``group.get(key, False)``.
 STEP_FLAGS = ("capturable", "batched")
+
+
+class _GroupRule:
+    """One rule of one param group of an optimizer, as an :class:`~matrixfsdp.optim.UpdateRule`
+    (see [Note: update-rule protocol] in ``optim/rule.py``): the optimizer's own per-parameter step
+    and a runtime's (TP host) step run the same code. Hyperparameters are read from the group at
+    every call."""
+
+    __slots__ = ("_opt", "_group", "name")
+
+    def __init__(self, opt: "MatrixOptimizer", group: dict[str, Any], name: str) -> None:
+        self._opt, self._group, self.name = opt, group, name
+
+    def __repr__(self) -> str:
+        return f"{type(self._opt).__name__}.rule({self.name!r})"
+
+    def init_state(self, like: Tensor) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        if self.name == "adamw":
+            self._opt._adamw_init_state(like, state, self._group)
+        else:
+            self._opt._matrix_init_state(like, state, self._group)
+        return state
+
+    def step(self, param: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
+        self._step(param, grad, state, self._group)
+
+    def _step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        if self.name == "adamw":
+            self._opt._adamw_step(param, grad, state, group)
+        else:
+            self._opt._matrix_step(param, grad, state, group)
+
+    def update(self, grad: Tensor, state: dict[str, Any], *, dtype: torch.dtype | None = None) -> Tensor:
+        # the step on a zero matrix without decay: what it becomes is the additive update (every
+        # rule here is W <- W * (1 - lr * wd) + update)
+        out = torch.zeros(tuple(grad.shape), dtype=dtype or grad.dtype, device=grad.device)
+        self._step(out, grad, state, {**self._group, "weight_decay": 0.0, "adamw_weight_decay": 0.0})
+        return out
+
+    def decay(self) -> tuple[Any, Any]:
+        if self.name == "adamw":
+            return self._opt._adamw_lr_wd(self._group)
+        return self._group["lr"], self._group.get("weight_decay", 0.0)
 
 
 class MatrixOptimizer(Optimizer):
@@ -152,13 +193,9 @@ class MatrixOptimizer(Optimizer):
         head_rows = frozenset(m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding))
         matrix, rest = [], []
         for fqn, p in model.named_parameters():
-            info = owned_of(p)
-            if info is not None:
-                is_matrix = info.kind == "matrix"
-            elif tp_host_of(p) is not None:
-                is_matrix = True  # a TP-sharded matrix with a host (see [Note: TP hosts])
-            elif _DTensor is not None and isinstance(p, _DTensor):
-                is_matrix = False  # evenly sharded: element-wise for the plan
+            planned = planned_kind(p)  # owned, TP-hosted or evenly sharded: the plan decided
+            if planned is not None:
+                is_matrix = planned == "matrix"
             else:
                 module = model.get_submodule(fqn.rpartition(".")[0])
                 is_matrix = default_matrix_filter(fqn, p, module, head_rows)
@@ -263,18 +300,14 @@ class MatrixOptimizer(Optimizer):
         """
         algorithm = group["algorithm"]
         if algorithm == "auto":
-            if tp_host_of(p) is not None:
-                return self.rule  # a TP-sharded matrix stepped whole on its host
-            info = owned_of(p)
-            if info is not None:
-                return self.rule if info.kind == "matrix" else "adamw"
-            if _DTensor is not None and isinstance(p, _DTensor):
-                return "adamw"  # evenly sharded: the plan made it element-wise
+            planned = planned_kind(p)  # TP-hosted, owned or evenly sharded: the plan decided
+            if planned is not None:
+                return self.rule if planned == "matrix" else "adamw"
             return self.rule if p.ndim == 2 else "adamw"
         return algorithm
 
     def _check_whole(self, p: Tensor, local: Tensor, index: int) -> None:
-        if tp_host_of(p) is not None:
+        if stepping_of(p).hosted:
             return  # stepped whole on its TP host (see [Note: TP hosts])
         if local.numel() != 0 and local.shape != p.shape:
             raise ValueError(
@@ -287,6 +320,23 @@ class MatrixOptimizer(Optimizer):
         for index, group in enumerate(self.param_groups):
             for p in group["params"]:
                 yield index, group, p, self._route(group, p)
+
+    def _rule(self, group: dict[str, Any], route: str) -> _GroupRule:
+        return _GroupRule(self, group, route)
+
+    def rule_for(self, param: Tensor) -> "UpdateRule":
+        """The update rule that steps ``param`` (its param group's matrix rule or AdamW, as
+        routed), as an :class:`~matrixfsdp.optim.UpdateRule`; see [Note: update-rule protocol].
+
+        Example::
+
+            rule = opt.rule_for(model.blocks[0].mlp.up.weight)   # rule.name == "muon"
+        """
+        for group in self.param_groups:
+            if any(q is param for q in group["params"]):
+                return self._rule(group, self._route(group, param))
+        raise ValueError(f"{type(self).__name__}.rule_for: the tensor (shape {tuple(param.shape)}) is not a "
+                         "parameter of this optimizer")
 
     # ----------------------------------------------------------------------------- step
     # [Note: compiled steps and sources]
@@ -304,7 +354,13 @@ class MatrixOptimizer(Optimizer):
     # ``benchmarks/repro/compile_sharded_step.py`` shows it: 5 compiles in 5 calls, or 1.
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Performs a single optimization step; purely local (no communication)."""
+        """Performs a single optimization step.
+
+        Collectives: none, except for TP-hosted matrices (``matrixfsdp.tp``, fully_shard + TP),
+        which go to their TP host step: two ``all_to_all_single`` per micro-group within this
+        rank's TP row (its owner's row under fully_shard; counted by comm/'s collectives,
+        ``matrixfsdp.tp.comm_counter(model)``), and nothing across data parallelism. Every
+        other parameter is stepped on its local tensor."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -325,23 +381,19 @@ class MatrixOptimizer(Optimizer):
     def _loop_step(self, index: int, group: dict[str, Any]) -> None:
         """The default step of one group: one parameter at a time; TP-hosted matrices go to
         their executor (see [Note: TP hosts])."""
-        hosted = []
+        hosted: dict[int, tuple[Any, list[tuple[Tensor, _GroupRule]]]] = {}
+        rules = {name: self._rule(group, name) for name in ("adamw", self.rule)}
         for p in group["params"]:
             route = self._route(group, p)
-            host = tp_host_of(p)
-            if host is not None:
+            st = stepping_of(p)
+            if st.executor is not None:
                 # either rule: the host steps the whole matrix and keeps its whole state (an
                 # "adamw" group's TP matrices too: stepped shard by shard here, only the host's
                 # shard would move, the host keeping the only, shard-shaped, state)
-                owner = owner_of(p)  # under fully_shard + TP: only the owner's TP row steps it
-                if owner is None or owner.is_local:
-                    hosted.append(p)
-                if p.grad is not None and not keeps_state(p):  # another rank is its host
-                    self._note_remote(p)
-                continue
-            if not keeps_state(p):  # another rank owns it: no state, no compute here
-                if p.grad is not None:
-                    self._note_remote(p)
+                hosted.setdefault(id(st.executor), (st.executor, []))[1].append((p, rules[route]))
+            if st.hosted or not st.keeps_state:  # stepped by its TP host, or by its owner
+                if p.grad is not None and not st.keeps_state:
+                    self._note_remote(p, st)
                 continue
             param = local_tensor(p)
             if p.grad is None or param.numel() == 0:
@@ -349,26 +401,24 @@ class MatrixOptimizer(Optimizer):
             grad = local_tensor(p.grad)
             if grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            if route == "adamw":
-                self._adamw_step(param, grad, self.state[p], group)
-            else:
+            if route != "adamw":
                 self._check_whole(p, param, index)
-                self._matrix_step(param, grad, self.state[p], group)
-        for executor in {id(e): e for e in (tp_host_of(p).executor for p in hosted)}.values():
-            executor.step(self, group, [p for p in hosted if tp_host_of(p).executor is executor])
+            rules[route].step(param, grad, self.state[p])
+        for executor, items in hosted.values():  # a collective within each TP row, in group order
+            executor.step(items, self.state)
 
     def _group_step(self, index: int, group: dict[str, Any]) -> None:
         """A capturable and/or batched group (see [Note: capturable and batched steps])."""
         adamw: list[tuple[Tensor, Tensor, Tensor]] = []
         matrix: list[tuple[Tensor, Tensor, Tensor]] = []
-        if any(tp_host_of(p) is not None for p in group["params"]):
+        if any(stepping_of(p).hosted for p in group["params"]):
             raise ValueError(
                 f"{type(self).__name__}: param group {index} holds TP-hosted matrices "
                 "(matrixfsdp.tp.host_matrices), which the capturable and batched steps do not "
                 "support yet; use capturable=False, batched=False for that group"
             )
         for p in group["params"]:
-            if p.grad is None or not keeps_state(p):
+            if p.grad is None or not stepping_of(p).keeps_state:
                 if p.grad is not None:  # another rank owns it: no state, no compute here
                     self._note_remote(p)
                 elif p in self._host_offsets:
@@ -491,27 +541,25 @@ class MatrixOptimizer(Optimizer):
 
     def _init_states(self) -> None:
         for _, group, p, route in self._routed():
-            if not keeps_state(p):
+            st = stepping_of(p)
+            if not st.keeps_state:
                 if p.grad is not None:
-                    self._note_remote(p)
+                    self._note_remote(p, st)
                 continue
             param = local_tensor(p)
-            if tp_host_of(p) is not None:
+            if st.hosted:
                 # a TP-hosted matrix, either rule: its host keeps whole-matrix state, not its
                 # shard's (the initializers read only shape, dtype and device)
                 param = param.new_empty(tuple(p.shape))
             if p.grad is None or param.numel() == 0:
                 continue
-            if route == "adamw":
-                self._adamw_init_state(param, self.state[p], group)
-            else:
-                self._matrix_init_state(param, self.state[p], group)
+            self.state[p].update(self._rule(group, route).init_state(param))
         self._sync_host_steps()
 
-    def _note_remote(self, p: Tensor) -> None:
+    def _note_remote(self, p: Tensor, st: Any = None) -> None:
         """An owned parameter stepped on its owner, a TP-hosted one on its host (every rank sees
         the same gradients): its state exists there."""
-        if owned_of(p) is not None or tp_host_of(p) is not None:
+        if (st if st is not None else stepping_of(p)).single_keeper:
             self._remote_state.add(id(p))
 
     def _state_schema(self, p: Tensor, group: dict[str, Any], *, like: Tensor | None = None) -> dict[str, Any]:
@@ -519,11 +567,7 @@ class MatrixOptimizer(Optimizer):
         placeholders its state dict adds; given ``like`` (``p``'s whole tensor), the state a first
         step starts from, allocated like it."""
         base = like if like is not None else torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
-        schema: dict[str, Any] = {}
-        if self._route(group, p) == "adamw":
-            self._adamw_init_state(base, schema)
-        else:
-            self._matrix_init_state(base, schema, group)
+        schema = self._rule(group, self._route(group, p)).init_state(base)
         for key, dep in self._state_placeholders.items():
             if key not in schema and isinstance(schema.get(dep), Tensor):
                 schema[key] = torch.zeros_like(schema[dep])
@@ -550,12 +594,6 @@ class MatrixOptimizer(Optimizer):
         lr = group["adamw_lr"] if group.get("adamw_lr") is not None else group["lr"]
         wd = group.get("adamw_weight_decay")
         return lr, wd if wd is not None else group.get("weight_decay", 0.0)
-
-    def _decay(self, group: dict[str, Any], p: Tensor) -> tuple[Any, Any]:
-        """``(lr, weight_decay)`` of ``p``'s decoupled decay under its rule in ``group``."""
-        if self._route(group, p) == "adamw":
-            return self._adamw_lr_wd(group)
-        return group["lr"], group.get("weight_decay", 0.0)
 
     def _adamw_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         if not state:

@@ -11,12 +11,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ..placement.owner import FQN_ATTR, owned_of
-
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # pragma: no cover
-    _DTensor = None
+from ..placement.owner import FQN_ATTR
+from ..placement.stepping import planned_kind
 
 __all__ = ["warn_if_list_routing_differs"]
 
@@ -24,13 +20,9 @@ _SHOWN = 8
 
 
 def _sharded_elementwise(p: Any) -> bool:
-    """A 2D parameter that "auto" sends to AdamW only because fully_shard's plan said so."""
-    if p.ndim != 2:
-        return False
-    info = owned_of(p)
-    if info is not None:
-        return info.kind != "matrix"
-    return _DTensor is not None and isinstance(p, _DTensor)
+    """A 2D parameter that "auto" sends to AdamW only because fully_shard's plan said so (the
+    routing's own question: a TP-hosted matrix is a DTensor that "auto" steps whole)."""
+    return p.ndim == 2 and planned_kind(p) == "elementwise"
 
 
 def warn_if_list_routing_differs(opt: Any) -> None:

@@ -2,7 +2,7 @@
 
 [Note: optimizer state in state dicts]
 The matrix optimizers keep the state of a DTensor parameter as *plain local tensors* (``step()``
-never touches a DTensor, so it never communicates). DCP can only reshard what it can place in the
+never touches a DTensor). DCP can only reshard what it can place in the
 global tensor, so ``MatrixOptimizer.state_dict()`` presents every state tensor of a DTensor
 parameter as a DTensor (:func:`present_state`), and ``load_state_dict`` accepts those DTensors
 (or plain local tensors, as before) and keeps their local tensors (:func:`accept_state`):
@@ -44,8 +44,8 @@ import torch
 from torch import Tensor
 
 from ..placement.owned import empty_local, local_tensor, owned_of, wrap_dtensor
-from ..placement.owner import keeps_state, owner_of, tp_mesh_of
-from ..placement.tp_host import tp_host_of
+from ..placement.owner import owner_of, tp_mesh_of
+from ..placement.stepping import stepping_of  # owner and TP host, asked once (placement/stepping.py)
 
 if TYPE_CHECKING:
     from ._base import MatrixOptimizer
@@ -69,11 +69,11 @@ def _as_dtensor(opt_name: str, key: str, p: Tensor, value: Any) -> Any:
     if not isinstance(value, Tensor) or isinstance(value, DTensor):
         return value
     info = owned_of(p)
-    host = tp_host_of(p)
-    if host is not None and host.host_mesh is not None:  # whole on its TP host (placement/tp_host.py)
+    host_mesh = stepping_of(p).host_mesh
+    if host_mesh is not None:  # whole on its TP host (placement/tp_host.py)
         # counters too: every other rank presents the same keys on the host's mesh (_remote_entry),
         # so a full state dict gathers each from the host alone
-        return wrap_dtensor(value, host.host_mesh, (Replicate(),), tuple(value.shape))
+        return wrap_dtensor(value, host_mesh, (Replicate(),), tuple(value.shape))
     if value.ndim == 0 and info is None:
         return value  # an even parameter's step counter: the same on every rank with a shard
     if info is not None:
@@ -134,10 +134,10 @@ def present_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
             continue
         if idx not in state and DTensor is not None and isinstance(p, DTensor) and p.requires_grad:
             info = owned_of(p)
-            host = tp_host_of(p)
+            st = stepping_of(p)
             # a TP-hosted matrix: the ranks of its TP group other than the host (and, under
             # fully_shard + TP, every other row) present the host's keys
-            hosted_elsewhere = host is not None and host.host_mesh is not None and not keeps_state(p)
+            hosted_elsewhere = st.host_mesh is not None and not st.keeps_state
             remote_entry = id(p) in remote and (
                 hosted_elsewhere or (info is not None and local_tensor(p).numel() == 0))
             state[idx] = _remote_entry(opt, p, info) if remote_entry else {}
@@ -148,8 +148,8 @@ def _remote_entry(opt: "MatrixOptimizer", p: Tensor, info: Any) -> dict[str, Any
     """The keys and global shapes of the owner's state of ``p``, as empty owned DTensors."""
     group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
     schema = opt._state_schema(p, group)
-    host = tp_host_of(p)
-    mesh = host.host_mesh if host is not None and host.host_mesh is not None else info.owner_mesh
+    host_mesh = stepping_of(p).host_mesh
+    mesh = host_mesh if host_mesh is not None else info.owner_mesh
     local = local_tensor(p)
     out: dict[str, Any] = {}
     for k, v in schema.items():
@@ -192,16 +192,17 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
             continue
         out: dict[str, Any] = {}
         replica = _replicated(p)
+        st_p = stepping_of(p)
         if replica is not None:  # matrixfsdp.replicate: only the owner keeps state
-            if keeps_state(p):
+            if st_p.keeps_state:
                 state[key] = {k: local_tensor(v) if isinstance(v, Tensor) else v for k, v in st.items()
                               if not (k in placeholders and isinstance(v, Tensor) and not bool(torch.any(v)))}
             continue
         is_dt = DTensor is not None and isinstance(p, DTensor)
         info = owned_of(p)
-        if tp_host_of(p) is not None and not keeps_state(p):
+        if st_p.hosted and not st_p.keeps_state:
             continue  # its TP host keeps (and loads) the state
-        if is_dt and info is not None and not keeps_state(p):
+        if is_dt and info is not None and not st_p.keeps_state:
             if st:  # non-owners keep no state for an owned parameter, only that its owner has some
                 opt._remote_state.add(id(p))
             continue
@@ -210,8 +211,8 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
                 if not is_dt:
                     v = v.full_tensor()  # a sharded state dict into a plain parameter
                 else:
-                    v = _check_local(name, key, k, p, v)
-            elif is_dt and isinstance(v, Tensor) and v.ndim > 0 and info is None and tp_host_of(p) is None:
+                    v = _check_local(name, key, k, p, v, st_p.host_mesh)
+            elif is_dt and isinstance(v, Tensor) and v.ndim > 0 and info is None and not st_p.hosted:
                 local = local_tensor(p)
                 if tuple(v.shape) != tuple(local.shape):
                     raise ValueError(
@@ -226,9 +227,8 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
     return {**sd, "state": state}
 
 
-def _check_local(name: str, key: Any, k: str, p: Tensor, v: Any) -> Tensor:
-    host = tp_host_of(p)
-    if host is not None and v.device_mesh == host.host_mesh:
+def _check_local(name: str, key: Any, k: str, p: Tensor, v: Any, host_mesh: Any) -> Tensor:
+    if host_mesh is not None and v.device_mesh == host_mesh:
         return local_tensor(v)  # a TP host's whole state (placement/tp_host.py)
     info = owned_of(p)
     if info is None and (v.device_mesh != p.device_mesh or tuple(v.placements) != tuple(p.placements)):

@@ -25,13 +25,12 @@ parameters only: they are the ones whose local tensor is empty on non-owners.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..mesh import flat_dp_mesh
+from ..mesh import flat_dp_mesh, mesh_tag
 from .tp_host import tp_host_of
 
 __all__ = ["Owned", "owner_of", "owned_of", "is_owned", "keeps_state", "set_owner", "owner_meshes",
@@ -147,15 +146,6 @@ _OWNER_MESHES: dict[DeviceMesh, tuple[DeviceMesh, ...]] = {}
 _STEP_MESHES: dict[DeviceMesh, tuple[tuple[DeviceMesh, ...], ...]] = {}
 
 
-def _tag(mesh: DeviceMesh) -> str:
-    # Named after the data-parallel mesh: two meshes over the same ranks that differ only in their
-    # dimension names (or two groups sharing a rank) must not share an owner sub-mesh, which
-    # DeviceMesh compares by ranks and names (the inverse map below would mix them up).
-    ranks = mesh.mesh.flatten().tolist()
-    return hashlib.sha1(repr((ranks, tuple(mesh.shape), mesh.mesh_dim_names, mesh.device_type))
-                        .encode()).hexdigest()[:8]
-
-
 def _grid(mesh: DeviceMesh) -> list[list[int]]:
     """Global ranks as ``[replica][shard]`` (one replica for a 1-D mesh)."""
     return mesh.mesh.reshape(-1, int(mesh.shape[-1])).tolist()
@@ -169,7 +159,10 @@ def owner_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
     """
     subs = _OWNER_MESHES.get(mesh)
     if subs is None:
-        tag, grid = _tag(mesh), _grid(mesh)
+        # named after the data-parallel mesh: two meshes over the same ranks that differ only in
+        # their dimension names (or two groups sharing a rank) must not share an owner sub-mesh,
+        # which DeviceMesh compares by ranks and names (the inverse map below would mix them up)
+        tag, grid = mesh_tag(mesh), _grid(mesh)
         # No communicator: a [Replicate()] tensor on these meshes never communicates (W new_group
         # calls would mean W communicator splits, with eager NCCL init, for nothing). Named after
         # the owner, so DTensor's errors tell the meshes apart ("owned_by_rank3@...").
@@ -213,7 +206,7 @@ def one_rank_meshes(over: DeviceMesh, label: str) -> tuple[DeviceMesh, ...]:
     key = (over, label)
     subs = _ONE_RANK.get(key)
     if subs is None:
-        tag = _tag(over)
+        tag = mesh_tag(over)
         subs = tuple(_mesh_without_group(over.device_type, [g], f"{label}{i}@{tag}")
                      for i, g in enumerate(over.mesh.flatten().tolist()))
         for i, sub in enumerate(subs):
@@ -252,7 +245,7 @@ def owner_tp_meshes(dp: DeviceMesh, tp: DeviceMesh) -> tuple[DeviceMesh, ...]:
     if subs is None:
         pair = dp_tp_mesh(dp, tp)
         grid = pair.mesh.tolist()
-        tag, mine = _tag(pair), dp.get_local_rank()
+        tag, mine = mesh_tag(pair), dp.get_local_rank()
         out = []
         for s, row in enumerate(grid):
             name = (f"tp_owned_by_rank{s}@{tag}",)

@@ -10,8 +10,9 @@ update shards back, which every rank adds to its shard. Only gradients and updat
 
 The descriptor is what an optimizer sees of this (``tp_host_of``): ``host`` (the TP rank that
 steps it), ``is_local`` (this rank is the host: it keeps the state) and ``executor``, the runtime
-object an optimizer hands its hosted parameters to (``executor.step(optimizer, group, params)``,
-a collective within the TP group; see ``matrixfsdp/tp/host_step.py``). ``host_mesh`` is the
+object an optimizer hands its hosted parameters to with their update rules and its state
+(``executor.step([(param, rule), ...], state)``, a collective within the TP group; see
+``matrixfsdp/tp/host_step.py`` and [Note: update-rule protocol] in ``optim/rule.py``). ``host_mesh`` is the
 one-rank mesh the host's state is presented on in state dicts.
 """
 

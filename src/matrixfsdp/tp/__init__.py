@@ -9,7 +9,7 @@ See [Note: TP hosts] in ``placement/tp_host.py`` and ``host_step.py``.
 """
 
 from ..placement.tp_host import TPHosted, tp_host_of
-from .api import host_matrices, set_pipeline
+from .api import comm_counter, host_matrices, set_pipeline
 from .host_step import TPHostStep
 
-__all__ = ["host_matrices", "set_pipeline", "tp_host_of", "TPHosted", "TPHostStep"]
+__all__ = ["host_matrices", "set_pipeline", "comm_counter", "tp_host_of", "TPHosted", "TPHostStep"]

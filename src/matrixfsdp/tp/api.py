@@ -10,12 +10,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ..placement.owner import one_rank_meshes
-from ..placement.tp_host import TPHosted, set_tp_host, tp_host_of
+from ..comm.collectives import CommCounter
+from ..placement.tp_host import tp_host_of
 from ..planner.rules import default_matrix_filter
-from .host_step import TPHostStep
+from .attach import attach_hosts
 
-__all__ = ["host_matrices"]
+__all__ = ["host_matrices", "set_pipeline", "comm_counter"]
 
 API = "matrixfsdp.tp.host_matrices"
 
@@ -102,11 +102,9 @@ def host_matrices(
     bad = [(f, h) for g in groups for f, h in g if not 0 <= h < tp.size()]
     if bad:
         raise ValueError(f"{API}: host ranks must be in [0, {tp.size()}), got {bad[:3]}")
-    executor = TPHostStep(tp, [[(f, found[f], h) for f, h in g] for g in groups], pipeline=pipeline)
-    hosts = one_rank_meshes(tp, "tp_host")  # the hosts' state is presented on these
-    for k, g in enumerate(groups):
-        for f, h in g:
-            set_tp_host(found[f], TPHosted(host=h, group=k, mesh=tp, executor=executor, host_mesh=hosts[h]))
+    # fully_shard + TP's attach on a (1, T) mesh: one owner row, the TP group itself
+    rows = [[(k, [(f, found[f], h) for f, h in g]) for k, g in enumerate(groups)]]
+    attach_hosts(tp, rows, 0, [tp.mesh.flatten().tolist()], tp, pipeline=pipeline)
     return groups
 
 
@@ -128,3 +126,27 @@ def set_pipeline(model: nn.Module, enabled: bool) -> int:
     for e in executors.values():
         e.pipeline = enabled
     return len(executors)
+
+
+def comm_counter(model: nn.Module) -> CommCounter:
+    """The call/byte counter of the collectives this rank's TP host step makes for ``model``
+    (comm/'s :class:`~matrixfsdp.comm.collectives.CommCounter`; ``"all_to_all_single"``: two per
+    micro-group and step, within the TP row that steps them). Works for both ways of hosting. A
+    rank whose TP row steps none of ``model``'s matrices (under fully_shard: a row that owns none)
+    makes none; it gets a counter of its own, which stays empty. Local.
+
+    Example::
+
+        c = matrixfsdp.tp.comm_counter(model); c.reset()
+        opt.step(); print(c.calls["all_to_all_single"], c.bytes_sent["all_to_all_single"])
+    """
+    hosts = [h for p in model.parameters() if (h := tp_host_of(p)) is not None]
+    if not hosts:
+        raise ValueError("matrixfsdp.tp.comm_counter: the model has no TP-hosted matrix (host_matrices, or "
+                         "fully_shard over TP-sharded parameters with tp > 1)")
+    executors = {id(h.executor): h.executor for h in hosts if h.executor is not None}
+    if len(executors) > 1:
+        raise ValueError(f"matrixfsdp.tp.comm_counter: the model's matrices are hosted by {len(executors)} "
+                         "executors (host_matrices called on parts of it); read each one's .counter "
+                         "(matrixfsdp.tp.tp_host_of(p).executor.counter)")
+    return next(iter(executors.values())).counter if executors else CommCounter()

@@ -6,11 +6,11 @@ See [Note: TP hosts] in ``placement/tp_host.py``. Per micro-group ``k`` (the pla
     gather k     one all_to_all_single: every rank sends each member's gradient shard to its host
     (issue k+1)  the next group's gather is in flight while k computes (async on gloo; NCCL
                  queues it on its own stream)
-    host step    each host assembles the whole gradients it hosts and runs the optimizer's
-                 matrix rule on a zero matrix: what that matrix becomes is the additive update
-                 (every rule here is ``W <- W * (1 - lr * wd) + update``; decay is applied below)
+    host step    each host assembles the whole gradients it hosts and runs each one's update
+                 rule (``rule.update``, [Note: update-rule protocol] in ``optim/rule.py``): the
+                 additive update before decay (``W <- W * (1 - lr * wd) + update``)
     scatter k    one all_to_all_single: the update shards back to every rank
-    apply        every rank decays its shard and adds its update shard
+    apply        every rank decays its shard (``rule.decay()``) and adds its update shard
 
 With ``pipeline=False`` the groups run one after another, as Canzona's own code does: each
 group's gather and scatter are waited for before the next group's gather is issued (the same
@@ -24,13 +24,18 @@ degree work exactly.
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+
+from ..comm.collectives import AllToAllCollectives, CommCounter
+
+if TYPE_CHECKING:  # the protocol only: the executor never sees an optimizer (.importlinter)
+    from ..optim.rule import UpdateRule
 
 __all__ = ["TPHostStep", "shard_sizes"]
 
@@ -69,18 +74,55 @@ class TPHostStep:
         self.tp = mesh.size()
         self.rank = mesh.get_local_rank()
         self.groups = [[_Member(f, p, h, _shard_dim(p)) for f, p, h in g] for g in groups]
-        self.calls = {"all_to_all": 0}  #: collectives issued (tests, benchmarks)
-        self.bytes_sent = 0
+        # comm/'s counted collectives over the TP group; an instance of its own, not the cached
+        # one per group, so that each executor counts its own all-to-alls (two models on one TP
+        # group, or the group also serving other collectives, keep separate counts)
+        self.coll = AllToAllCollectives(self.group)
         self.host_steps = 0  #: whole-matrix steps this rank ran
+
+    @property
+    def counter(self) -> CommCounter:
+        """Calls and bytes of this executor's collectives (``"all_to_all_single"``), as comm/
+        counts every engine collective; ``reset()`` it to count a step."""
+        return self.coll.counter
+
+    @property
+    def calls(self) -> dict[str, int]:
+        """``{"all_to_all": n}``: the all-to-alls this executor issued (see :attr:`counter`)."""
+        return {"all_to_all": self.counter.calls.get("all_to_all_single", 0)}
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank sent to other ranks in those all-to-alls."""
+        return self.counter.bytes_sent.get("all_to_all_single", 0)
 
     # ----------------------------------------------------------------------------- the step
     @torch.no_grad()
-    def step(self, opt: Any, group: dict[str, Any], params: Sequence[Any]) -> None:
-        """Step ``params`` (hosted parameters of one param group of ``opt``, identical on every
-        TP rank) with ``opt``'s matrix rule and ``group``'s hyperparameters. A collective over the
-        TP group: every TP rank calls it with the same parameters."""
-        wanted = {id(p) for p in params if p.grad is not None}
-        stages = [[m for m in g if id(m.param) in wanted] for g in self.groups]
+    def step(self, items: Any, state: Any, params: Sequence[Any] | None = None) -> None:
+        """Step hosted parameters, each with its update rule (``items``: ``[(param, rule), ...]``,
+        the same parameters on every TP rank; ``rule`` implements ``matrixfsdp.optim.UpdateRule``,
+        e.g. ``opt.rule_for(param)``), their state in ``state`` (``{param: state dict}``, e.g. the
+        optimizer's ``state``; only hosts read or write it). A collective over the TP group:
+        every TP rank calls it with the same parameters. Parameters without a gradient are
+        skipped, on every rank alike.
+
+        The earlier form ``step(optimizer, group, params)`` still works, through the optimizer's
+        public ``rule_for`` and ``state``."""
+        if params is not None:
+            opt = items
+            items, state = [(p, opt.rule_for(p)) for p in params], opt.state
+        self._step(items, state)
+
+    def _step(self, items: Sequence[tuple[Any, "UpdateRule"]], state: MutableMapping[Any, dict[str, Any]]) -> None:
+        rules: dict[int, Any] = {}
+        for p, rule in items:
+            if not (callable(getattr(rule, "update", None)) and callable(getattr(rule, "decay", None))):
+                raise TypeError("matrixfsdp.tp.TPHostStep.step: every hosted parameter needs an update rule "
+                                "with update() and decay() (matrixfsdp.optim.UpdateRule, e.g. "
+                                f"opt.rule_for(p)), got {type(rule).__name__}")
+            if p.grad is not None:
+                rules[id(p)] = rule
+        stages = [[m for m in g if id(m.param) in rules] for g in self.groups]
         stages = [g for g in stages if g]
         if not stages:
             return
@@ -88,8 +130,8 @@ class TPHostStep:
             for members in stages:
                 work, recv = self._gather(members)
                 work.wait()
-                updates = self._host_steps(opt, group, members, recv)
-                self._apply(opt, group, members, *self._scatter(members, updates))
+                updates = self._host_steps(rules, state, members, recv)
+                self._apply(rules, members, *self._scatter(members, updates))
             return
         pending = self._gather(stages[0])
         scattered: list[tuple[list[_Member], Any, torch.Tensor]] = []
@@ -98,12 +140,12 @@ class TPHostStep:
             work.wait()
             if k + 1 < len(stages):
                 pending = self._gather(stages[k + 1])  # overlaps this group's host steps
-            updates = self._host_steps(opt, group, members, recv)
+            updates = self._host_steps(rules, state, members, recv)
             scattered.append((members, *self._scatter(members, updates)))
             if len(scattered) > 1:  # the previous group's scatter has had this group's compute
-                self._apply(opt, group, *scattered.pop(0))
+                self._apply(rules, *scattered.pop(0))
         for item in scattered:
-            self._apply(opt, group, *item)
+            self._apply(rules, *item)
 
     def _gather(self, members: list[_Member]) -> tuple[Any, torch.Tensor]:
         T, r = self.tp, self.rank
@@ -117,8 +159,8 @@ class TPHostStep:
         out_splits = [sum(m.shard_numel(q, T) for m in members if m.host == r) for q in range(T)]
         return self._all_to_all(send_parts, in_splits, out_splits, members[0].param.grad._local_tensor)
 
-    def _host_steps(self, opt: Any, group: dict[str, Any], members: list[_Member],
-                    recv: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _host_steps(self, rules: dict[int, Any], state: MutableMapping[Any, dict[str, Any]],
+                    members: list[_Member], recv: torch.Tensor) -> dict[str, torch.Tensor]:
         """The whole gradients this rank hosts (assembled from ``recv``, rank-major), stepped:
         the update of each, by fqn."""
         T, r = self.tp, self.rank
@@ -130,18 +172,11 @@ class TPHostStep:
                 n = m.shard_numel(q, T)
                 pieces[m.fqn].append(recv[off:off + n].view(m.shard_shape(q, T)))
                 off += n
-        no_decay = {**group, "weight_decay": 0.0, "adamw_weight_decay": 0.0}
         out = {}
         for m in mine:
             grad = torch.cat(pieces[m.fqn], dim=m.dim)
-            update = torch.zeros(tuple(m.param.shape), dtype=m.param.dtype, device=grad.device)
-            # the rule on a zero matrix (an "adamw" group's matrices: AdamW, element-wise)
-            if opt._route(group, m.param) == "adamw":
-                opt._adamw_step(update, grad, opt.state[m.param], no_decay)
-            else:
-                opt._matrix_step(update, grad, opt.state[m.param], no_decay)
+            out[m.fqn] = rules[id(m.param)].update(grad, state.setdefault(m.param, {}), dtype=m.param.dtype)
             self.host_steps += 1
-            out[m.fqn] = update
         return out
 
     def _scatter(self, members: list[_Member], updates: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
@@ -159,25 +194,22 @@ class TPHostStep:
 
     def _all_to_all(self, send_parts: list[torch.Tensor], in_splits: list[int], out_splits: list[int],
                     like: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        """One fused, asynchronous ``all_to_all_single`` within the TP group (counted); its
-        buffers: the packed send (``sum(in_splits)``) and the receive (``sum(out_splits)``)."""
+        """One fused, asynchronous ``all_to_all_single`` within the TP group, through comm/'s
+        counted collectives; its buffers: the packed send (``sum(in_splits)``) and the receive
+        (``sum(out_splits)``)."""
         send = torch.cat(send_parts) if send_parts else like.new_empty(0)
         recv = like.new_empty(sum(out_splits))
-        self.calls["all_to_all"] += 1
-        self.bytes_sent += (send.numel() - in_splits[self.rank]) * send.element_size()
-        work = dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                                      group=self.group, async_op=True)
-        return work, recv
+        return self.coll.all_to_all_single(recv, send, out_splits, in_splits, async_op=True), recv
 
-    def _apply(self, opt: Any, group: dict[str, Any], members: list[_Member], work: Any, recv: torch.Tensor) -> None:
+    def _apply(self, rules: dict[int, Any], members: list[_Member], work: Any, recv: torch.Tensor) -> None:
         work.wait()
-        T, r = self.tp, self.rank
+        T = self.tp
         off = 0
         for h in range(T):
             for m in members:
                 if m.host != h:
                     continue
-                lr, wd = opt._decay(group, m.param)
+                lr, wd = rules[id(m.param)].decay()
                 local = m.param._local_tensor
                 n = local.numel()
                 if wd:

@@ -1,0 +1,73 @@
+"""The update-rule protocol: one parameter's optimizer rule, as a runtime may run it.
+
+[Note: update-rule protocol]
+Every ``matrixfsdp.optim`` optimizer steps each parameter with one *rule*: its matrix rule (Muon,
+Shampoo, SOAP) or the AdamW fallback (see the routing in ``optim/_base.py``).
+``opt.rule_for(p)`` returns it as an object that implements :class:`UpdateRule`, bound to ``p``'s
+param group: hyperparameters (``lr``, ``weight_decay``, betas, ...) are read from the group at
+every call, so LR schedulers drive it. The optimizer's own per-parameter step
+(``capturable=False, batched=False``) runs ``rule.step``; a runtime that steps a matrix elsewhere
+(the TP host step, ``matrixfsdp/tp/host_step.py``) runs ``rule.update`` and ``rule.decay``. That
+is the whole contract between optimizers and runtimes:
+
+* a rule sees plain (local) tensors and never communicates; the caller brings the whole matrix
+  and the whole gradient;
+* the state is a plain ``dict`` the caller stores (the optimizer's ``state[p]``) and passes back
+  at every call; an empty dict is a first step (the rule fills it in). A rule keeps nothing
+  between calls;
+* ``update`` advances the state exactly as ``step`` does; ``step(W)`` equals
+  ``W * (1 - lr * wd) + update(G)`` with ``(lr, wd) = decay()`` in exact arithmetic (the rounding
+  differs: ``step`` is op for op the documented rule, e.g. bitwise ``torch.optim.Muon``).
+
+One known gap: SOAP's first call only gathers statistics and its own step does not decay;
+``update`` is zero then, but ``decay()`` (which ranks without the state must be able to call)
+returns the group's decay, so the TP host step decays that first step once (relative
+``lr * weight_decay``; docs/tp.md).
+
+Runtimes depend on this module alone (``.importlinter``): nothing of an optimizer's internals.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+__all__ = ["UpdateRule"]
+
+
+@runtime_checkable
+class UpdateRule(Protocol):
+    """One parameter's update rule (see [Note: update-rule protocol]).
+
+    Example (what the TP host step does with a hosted matrix ``p`` of ``opt``)::
+
+        rule = opt.rule_for(p)                        # Muon's rule in p's param group
+        state = opt.state[p]                          # {} before the first step
+        u = rule.update(whole_grad, state, dtype=p.dtype)
+        lr, wd = rule.decay()
+        w.mul_(1 - lr * wd).add_(u)                   # on every shard of p alike
+    """
+
+    #: ``"muon"``, ``"shampoo"``, ``"soap"`` or ``"adamw"`` (the names of ``group["algorithm"]``)
+    name: str
+
+    def init_state(self, like: Tensor) -> dict[str, Any]:
+        """The state a first step starts from, for a matrix shaped, typed and placed like
+        ``like`` (only those are read; a ``meta`` tensor gives the keys and shapes alone)."""
+        ...
+
+    def step(self, param: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
+        """Step the whole plain tensor ``param`` in place (decay included) with ``grad``."""
+        ...
+
+    def update(self, grad: Tensor, state: dict[str, Any], *, dtype: torch.dtype | None = None) -> Tensor:
+        """The additive update of a whole matrix with gradient ``grad`` (a new tensor of
+        ``dtype``, default ``grad``'s), before decay; advances ``state`` as :meth:`step` does."""
+        ...
+
+    def decay(self) -> tuple[Any, Any]:
+        """``(lr, weight_decay)`` of the decoupled decay ``W <- W * (1 - lr * weight_decay)``
+        that goes with :meth:`update` (``lr`` may be a 0-dim tensor in capturable groups)."""
+        ...

@@ -1,0 +1,76 @@
+"""The stepping descriptor: what an optimizer needs to know to step one parameter on this rank.
+
+[Note: one stepping descriptor]
+Two descriptors say where a parameter lives: the owner descriptor (``owner_of``, [Note: one owner
+descriptor] in ``owner.py``) and the TP host descriptor (``tp_host_of``, [Note: TP hosts] in
+``tp_host.py``); under ``fully_shard`` + TP a parameter has both. Optimizers and their state
+dicts do not combine the two themselves: :func:`stepping_of` answers, in one lookup, the
+questions they ask of a parameter (its planned rule, whether this rank keeps its state, whether
+one rank alone keeps it, whether a TP host step takes it and where that host presents its
+state). It is computed from the descriptors at every call (nothing cached that could go stale).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from .owner import keeps_state, owner_of
+from .tp_host import tp_host_of
+
+try:  # torch builds without distributed have no DTensor; then nothing is one.
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # pragma: no cover
+    _DTensor = None
+
+__all__ = ["Stepping", "stepping_of", "planned_kind"]
+
+
+class Stepping(NamedTuple):
+    """How this rank steps one parameter (see [Note: one stepping descriptor])."""
+
+    #: ``"matrix"``: a plan made it a whole-matrix parameter (owned with placement ``"matrix"``,
+    #: or TP-hosted); ``"elementwise"``: a plan made it element-wise (an owned tail, an evenly
+    #: sharded or other DTensor); ``None``: a plain tensor, whose shape decides
+    planned: str | None
+    #: this rank steps it (itself or as a TP host) and keeps its state
+    keeps_state: bool
+    #: one rank alone keeps its state (owned by ``fully_shard``, or TP-hosted): elsewhere state
+    #: dicts present its keys
+    single_keeper: bool
+    #: TP-hosted: stepped whole on its host, with whole-matrix state, while its local tensor is
+    #: a TP shard
+    hosted: bool
+    #: the TP host step that takes it on this rank (its TP row steps it), else ``None``
+    executor: Any
+    #: TP-hosted: the one-rank mesh of its host, where its whole state is presented
+    host_mesh: DeviceMesh | None
+
+
+def planned_kind(p: Any) -> str | None:
+    """:attr:`Stepping.planned` of ``p`` alone (the routing question, asked at every step)."""
+    if tp_host_of(p) is not None:
+        return "matrix"  # a TP-sharded matrix stepped whole on its host
+    info = owner_of(p)
+    if info is not None and info.storage == "sharded":
+        return "matrix" if info.kind == "matrix" else "elementwise"
+    if _DTensor is not None and isinstance(p, _DTensor):
+        return "elementwise"  # evenly sharded: the plan made it element-wise
+    return None
+
+
+def stepping_of(p: Any) -> Stepping:
+    """The :class:`Stepping` descriptor of parameter ``p`` on this rank."""
+    info, host = owner_of(p), tp_host_of(p)
+    owned = info is not None and info.storage == "sharded"
+    # under fully_shard + TP only the owner's TP row steps a hosted matrix
+    executor = host.executor if host is not None and (info is None or info.is_local) else None
+    return Stepping(
+        planned=planned_kind(p),
+        keeps_state=keeps_state(p),
+        single_keeper=owned or host is not None,
+        hosted=host is not None,
+        executor=executor,
+        host_mesh=host.host_mesh if host is not None else None,
+    )
