@@ -379,11 +379,13 @@ def sharded_steps(name: str, capturable: bool, steps: int = 6) -> dict[str, torc
 
 
 # Measured max |capturable+batched - default| over 6 steps at W=2 (each rank steps what it owns;
-# the difference feeds back through the gradients): Muon 7.2e-7, Shampoo 7.2e-7, SOAP 1.3e-5.
+# the difference feeds back through the gradients): Muon 7.2e-7, Shampoo 7.2e-7, SOAP 1.3e-5 on
+# the first CPU; Muon 7.2e-7, Shampoo 7.8e-7, SOAP 6.2e-5 on an AVX-512 AMD EPYC (SOAP's
+# eigendecompositions amplify the batched kernels' last bits differently per CPU's kernels).
 # No root recomputation or basis refresh after step 1 here: on this model the default step itself
 # moves by 1.2e-2 (Shampoo, epsilon=1e-12) and 2.6e-2 (SOAP) after 6 steps with refreshes when
 # the initial weights change by 1 ulp, so round-off-level parity cannot be pinned across them.
-SHARDED_TOL = {"Muon": 2e-6, "Shampoo": 2e-6, "SOAP": 5e-5}
+SHARDED_TOL = {"Muon": 2e-6, "Shampoo": 2e-6, "SOAP": 2e-4}
 
 
 @pytest.mark.parametrize("name", ["Muon", "Shampoo", "SOAP"])
