@@ -24,10 +24,8 @@ import matrixfsdp
 from _harness import get_pool
 from _models import Block, TinyConfig, TinyDecoder, make_batch
 from matrixfsdp.placement.owner import owner_of
+from test_replicate import BATCH, BUCKET, KW, _owned_state as _state_by_fqn, _train  # the flat tests' setup
 
-BATCH = 12  # divisible by 4 and 6
-KW = dict(lr=0.02, ns_dtype=torch.float32, adamw_lr=3e-3, weight_decay=0.01)
-BUCKET = 40_000  # several buckets on the tiny model
 
 
 def _mesh(R, S):
@@ -167,24 +165,6 @@ def _backward_bytes(R, S, mode):
 
 
 # ==================================================================================== checkpoints
-def _train(model, opt, cfg, steps, start=0):
-    rank, W = dist.get_rank(), dist.get_world_size()
-    per = BATCH // W
-    for step in range(start, start + steps):
-        x, y = make_batch(cfg, step, BATCH)
-        model.loss(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per], use_extra=True).backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def _state_by_fqn(model, opt):
-    from matrixfsdp.placement.owned import local_tensor
-
-    fqn = {id(p): n for n, p in model.named_parameters()}
-    return {fqn[id(p)]: {k: local_tensor(v).clone() for k, v in st.items() if torch.is_tensor(v)}
-            for p, st in opt.state.items() if st}
-
-
 def w_ckpt(root: str, kind: str, R: int, S: int, mode: str, load: str | None, save: str | None) -> dict:
     """Build ``kind`` on an (R, S) mesh (R=1: flat), optionally load ``load``, train a step if it
     will save, save to ``save``; report parameters and this rank's optimizer state."""
