@@ -170,23 +170,27 @@ def attach_exchange(ctx: RootContext, info: MeshInfo) -> None:
     exchange on every split parameter's descriptor (see [Note: deferred gathers])."""
     import dataclasses
 
-    from ..engine.exchange import Exchange, GatherUnit, watch_optimizer_steps
+    from ..engine.exchange import Exchange, GatherUnit, any_rank, version_stamp
     from ..placement.owner import owner_of, set_owner
 
     split = [mp for s in ctx.states for mp in s.params if mp.plan.step_replica is not None]  # type: ignore[union-attr]
     if not info.is_hsdp or not split:
         return
-    ex = Exchange(params=[mp.sharded for s in ctx.states for mp in s.params], refresh_after_settle=True)
+    # the units gather over the replicate group, so that is where their stamps are agreed on
+    agree = any_rank(collectives_for(info.replicate_group, ctx.root.config.collectives), info.device)
+    ex = Exchange(agree=agree, refresh_after_settle=True)
     for s in ctx.states:
         g = s.group
-        if any(mp.plan.step_replica is not None and mp.plan.owner == info.shard_rank for mp in s.params):  # type: ignore[union-attr]
-            unit = GatherUnit(g.replica_gather)
+        mine = [mp for mp in s.params
+                if mp.plan.step_replica is not None and mp.plan.owner == info.shard_rank]  # type: ignore[union-attr]
+        if mine:
+            # the step replica writes these (and the other replicas receive them)
+            unit = GatherUnit(g.replica_gather, lambda mine=mine: version_stamp(mp.sharded for mp in mine))
             ex.units.append(unit)
             g.exchange = (ex, unit)
     for mp in split:
         set_owner(mp.sharded, dataclasses.replace(owner_of(mp.sharded), exchange=ex))  # type: ignore[arg-type]
     ctx.exchange = ex
-    watch_optimizer_steps(ex)
 
 
 def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, info: MeshInfo,

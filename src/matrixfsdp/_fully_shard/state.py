@@ -390,7 +390,7 @@ class BlockState:
             local = mp.local
             mp.swap_local(torch.empty(local.shape, dtype=local.dtype, device=device), self.config.mesh)
         if self.ctx is not None and self.ctx.exchange is not None:
-            self.ctx.exchange.stale = False  # fresh storage: initialized (or loaded) on every replica
+            self.ctx.exchange.mark_current()  # fresh storage: initialized (or loaded) on every replica
         self.group.accum = None
         self.group.realloc(device)
 

@@ -33,11 +33,12 @@ After ``step()`` only owners hold the new values until the next forward's gather
 :class:`~matrixfsdp.engine.exchange.Exchange` with a gather unit per bucket, the engine's
 mechanism that ``fully_shard``'s HSDP ``split`` runs too (see [Note: deferred gathers]).
 Everything that reads parameters between the two (``state_dict()``, DCP, ``sync_params()``)
-settles it first. Two events mark it stale on every rank: a reducing backward that finished and
-the ``step()`` of any ``torch.optim.Optimizer`` holding a managed parameter, so a
-``state_dict()`` between backward and ``step()`` cannot hide the update from the next forward. A
-forward that does not start at the root (a submodule called directly) gathers at its first
-managed module's pre-forward instead, and waits for every bucket.
+settles it first. A reducing backward that finished marks it stale on every rank; a settle
+gathers only once some rank's parameters moved since their last gather (their version counters,
+agreed over the group), so a ``state_dict()`` between backward and ``step()`` cannot hide the
+update from the next forward, whichever optimizer or hand-written update makes it. A forward
+that does not start at the root (a submodule called directly) gathers at its first managed
+module's pre-forward instead, and waits for every bucket.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import torch.nn as nn
 
 from ..comm.collectives import Handle, SegmentCollectives
 from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
-from ..engine.exchange import Exchange, GatherUnit
+from ..engine.exchange import Exchange, GatherUnit, any_rank, version_stamp
 from ..engine.reduce import read_flags
 from ..engine.reducer import PendingReduce, Reducer
 from ..engine.streams import CommContext
@@ -88,8 +89,10 @@ class Bucket:
         self.n_ready = 0
         self.used = [False] * len(params)
         self.pending: PendingReduce | None = None
-        #: the deferred in-place gather of the owners' new values (see [Note: stale parameters])
-        self.gather = GatherUnit(self._start_gather)
+        #: the deferred in-place gather of the owners' new values (see [Note: stale parameters]);
+        #: the parameters keep their own version counters (``p.data = view`` does not share the
+        #: bucket's), so they are what the stamp reads
+        self.gather = GatherUnit(self._start_gather, lambda: version_stamp(self.params))
 
     def _start_gather(self) -> Handle:
         """The owners' values to every rank, in place, on the gather stream (the compute stream
@@ -175,7 +178,7 @@ class ReplicateState:
                 self.where[id(p)] = (b, i)
         self.requires_gradient_sync = True
         self.find_unused = True  # set_find_unused_parameters (see [Note: usage-flag host read])
-        self.exchange = Exchange((b.gather for b in buckets), (p for b in buckets for p in b.params))
+        self.exchange = Exchange((b.gather for b in buckets), agree=any_rank(coll, comm.device))
         self.active = False  # the running backward reduces
         self.next_launch = 0  # index into the reduction order
         self.stash: dict[int, torch.Tensor] = {}  # reduced grads held over an accumulating backward
@@ -235,16 +238,17 @@ class ReplicateState:
         """Bring every rank's parameters up to date now (a collective when they are stale)."""
         if in_backward():
             return
-        self._issue_gathers(forward=False)  # a settle is collective only when stale, as before
-        self.exchange.settle()
-
-    def _issue_gathers(self, *, forward: bool = True) -> bool:
-        """Outside backward: clean up after a backward an exception escaped (its callback is
-        gone), then issue every bucket's all-gather if the parameters are stale. Returns whether
-        it issued them."""
         if self.backward.take_aborted():
             self._abort_backward()
-        return self.exchange.issue(forward=forward)
+        self.exchange.settle()  # collective only when stale (see [Note: deferred gathers])
+
+    def _issue_gathers(self) -> bool:
+        """At a forward, outside backward: clean up after a backward an exception escaped (its
+        callback is gone), then issue every bucket's all-gather if the parameters are stale.
+        Returns whether it issued them."""
+        if self.backward.take_aborted():
+            self._abort_backward()
+        return self.exchange.issue()
 
     # ----------------------------------------------------------------------------- backward
     def _backward_start_from_output(self) -> None:
