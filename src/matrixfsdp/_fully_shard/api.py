@@ -28,7 +28,7 @@ from ..engine.reduce import check_find_unused
 from ..mesh import default_mesh, mesh_info
 from .init import (API, CLAIM_ATTR, STATE_ATTR, _check_call, _check_not_torch_fsdp,
                     _collect_managed, _is_planned_model, _resolve,
-                    get_state, plan_call, resolve_call)
+                    end_call, get_state, plan_call, resolve_call)
 from .state import BlockState, RootContext, ShardConfig
 
 __all__ = ["fully_shard", "MatrixFSDPModule", "UnshardHandle", "comm_counter", "get_state",
@@ -122,10 +122,12 @@ def fully_shard(
     ]
     swap_class(module, MatrixFSDPModule, API)
     if plan is None:  # drop-in: shard this call's parameters now (see [Note: drop-in planning])
-        call_plan = plan_call(params, info) if params else None
+        adopted = [s for m in module.modules() if (s := get_state(m)) is not None and s is not state]
+        call_plan = plan_call(params, info, state, adopted) if params else None
         if call_plan is not None:
             verify_plan_digest(call_plan, info, api=API)
         resolve_call(module, state, call_plan, info, coll)
+        end_call(state, info, adopted)
     elif _is_planned_model(module, plan):
         _resolve(module, plan, info)
     return module

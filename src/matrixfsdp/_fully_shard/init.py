@@ -102,21 +102,41 @@ def _collect_managed(module: nn.Module, ignored: set[nn.Parameter], dp: DeviceMe
 # at once (so an optimizer built after the last call sees the sharded ones). Each call plans its
 # own parameters with the planner's defaults, as one scope, and then relabels ranks so that the
 # call's most loaded rank (owned parameter and optimizer-state bytes) goes to the rank the earlier
-# calls on the mesh loaded least: an online LPT over calls, in program order, identical on every
-# rank, and checked across ranks (one 32-byte all-gather per call). A call whose module contains
-# modules wrapped before becomes their root (FSDP2 finds its root the same way, lazily); the root
-# must be wrapped before the first forward. A whole-model ``plan`` balances better (it sees every
-# block at once); this path is for drop-in use.
-_LOADS: dict[Any, list[float]] = {}
+# calls of the same model loaded least: an online LPT over calls, in program order, identical on
+# every rank, and checked across ranks (one 32-byte all-gather per call). A call whose module
+# contains modules wrapped before becomes their root (FSDP2 finds its root the same way, lazily);
+# the root must be wrapped before the first forward. A whole-model ``plan`` balances better (it
+# sees every block at once); this path is for drop-in use.
+#
+# The tally is the model's, not the process's: each call keeps its per-rank loads on its
+# BlockState, and the calls still waiting for a root are listed, weakly, in the mesh's scratch
+# dict (``mesh_scratch``: shared by equal meshes, dropped with them). A call sums the loads of
+# those and of the wrapped modules it adopts, in call order (the same float sums as one running
+# tally); a call that adopts earlier calls completes a model and starts a new tally, so a second
+# model's owners do not depend on the first one's existence. Blocks wrapped first and the model
+# last balance as one scope; with nested roots (layers, then a stack of them, then the model) a
+# stack's call starts a new tally for the next stack's layers, and the model's own call counts
+# every module it adopts.
+_PENDING = "fully_shard.dropin_pending"
 
 
-def plan_call(params: list[ManagedParam], info: MeshInfo) -> OwnerPlan:
-    """The plan of one plan-less ``fully_shard`` call (see [Note: drop-in planning])."""
+def _tally(W: int, states: Iterable[BlockState]) -> list[float]:
+    tally = [0.0] * W
+    for s in states:
+        for r, load in enumerate(s.dropin_loads or ()):
+            tally[r] += load
+    return tally
+
+
+def plan_call(params: list[ManagedParam], info: MeshInfo, state: BlockState,
+              adopted: list[BlockState]) -> OwnerPlan:
+    """The plan of one plan-less ``fully_shard`` call (see [Note: drop-in planning]); records
+    the call's loads on ``state``."""
     import dataclasses
 
     from ..planner.planner import plan_owners
 
-    mesh, W = info.mesh, info.shard_size
+    W = info.shard_size
     tp = [mp.fqn for mp in params if mp.tp is not None]
     if tp:
         raise ValueError(
@@ -140,15 +160,37 @@ def plan_call(params: list[ManagedParam], info: MeshInfo) -> OwnerPlan:
     for pp in plan.params:
         if pp.owner is not None:
             loads[pp.owner] += pp.nbytes + pp.state_nbytes
-    key = (tuple(mesh.mesh.flatten().tolist()), mesh.device_type)
-    tally = _LOADS.setdefault(key, [0.0] * W)
+    tally = _tally(W, _scope(info, adopted))
     heavy = sorted(range(W), key=lambda r: (-loads[r], r))
     light = sorted(range(W), key=lambda r: (tally[r], r))
     perm = dict(zip(heavy, light))
+    state.dropin_loads = [0.0] * W
     for r in range(W):
-        tally[perm[r]] += loads[r]
+        state.dropin_loads[perm[r]] = loads[r]
     return dataclasses.replace(plan, params=tuple(
         dataclasses.replace(pp, owner=None if pp.owner is None else perm[pp.owner]) for pp in plan.params))
+
+
+def _scope(info: MeshInfo, adopted: list[BlockState]) -> list[BlockState]:
+    """The earlier calls of the model being wrapped: those waiting for a root on this mesh (in
+    call order), then the ones this call adopts that are not among them (in module order)."""
+    from ..placement.owner import mesh_scratch
+
+    pending = [s for ref in mesh_scratch(info.mesh).get(_PENDING, ()) if (s := ref()) is not None]
+    seen = {id(s) for s in pending}
+    return pending + [s for s in adopted if id(s) not in seen]
+
+
+def end_call(state: BlockState, info: MeshInfo, adopted: list[BlockState]) -> None:
+    """After a plan-less call: it waits for a root, or, adopting earlier calls, closes the model's
+    tally (see [Note: drop-in planning])."""
+    from ..placement.owner import mesh_scratch
+
+    scratch = mesh_scratch(info.mesh)
+    if adopted:
+        scratch.pop(_PENDING, None)
+    elif state.dropin_loads is not None:
+        scratch.setdefault(_PENDING, []).append(weakref.ref(state))
 
 
 def chunk_order(params: list[ManagedParam], plan_order: dict[str, int]) -> None:

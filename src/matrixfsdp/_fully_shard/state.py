@@ -237,6 +237,8 @@ class BlockState:
         self.is_root: bool | None = None
         self.training_state = TrainingState.IDLE
         self._hook_handles: list[Any] = []
+        #: a plan-less call's owned bytes per rank (see [Note: drop-in planning] in ``init.py``)
+        self.dropin_loads: list[float] | None = None
 
     @property
     def root_ctx(self) -> RootContext:
