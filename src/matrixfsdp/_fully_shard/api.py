@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..comm.collectives import CommCounter, collectives_for
-from ..engine.backward import in_backward
+from ..engine.backward import dynamo_disable, in_backward
 from ..engine.swap import swap_class
 from ..placement.owned import local_tensor, owner_meshes
 from ..planner.record import OwnerPlan
@@ -369,11 +369,13 @@ def _keeps_dtype_and_device(fn: Any, t: torch.Tensor) -> bool:
     return isinstance(probe, torch.Tensor) and probe.dtype == t.dtype and probe.device == t.device
 
 
+@dynamo_disable
 def _pre_forward_hook(state: BlockState, module: nn.Module, args: tuple, kwargs: dict) -> Any:
     _lazy_init(state)
     return state.pre_forward(args, kwargs)
 
 
+@dynamo_disable
 def _post_forward_hook(state: BlockState, module: nn.Module, args: Any, output: Any) -> Any:
     return state.post_forward(output)
 

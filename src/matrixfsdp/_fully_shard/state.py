@@ -68,7 +68,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
+from ..engine.backward import BackwardTracker, dynamo_disable, in_backward, wrap_grad_tensors
 from ..engine.exchange import Exchange
 from ..engine.reduce import read_flags
 from ..mesh import MeshInfo
@@ -171,6 +171,7 @@ class RootContext:
             self.pinned = True
         tracker.queue_final_callback(self.final_callback)
 
+    @dynamo_disable
     def final_callback(self) -> None:
         """After the whole backward: remaining post-backwards, every reduction, reshard."""
         try:
@@ -336,6 +337,7 @@ class BlockState:
         return output if dt is None else _cast_floating(output, dt)
 
     # ============================================================================ backward
+    @dynamo_disable
     def pre_backward(self) -> None:
         ctx = self.root_ctx
         ctx.on_backward_start()
@@ -349,6 +351,7 @@ class BlockState:
         self.group.wait_for_unshard()
         self.group.to_unsharded()
 
+    @dynamo_disable
     def post_backward(self) -> None:
         ctx = self.root_ctx
         self.training_state = TrainingState.POST_BACKWARD

@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 
 from ..comm.collectives import Handle, SegmentCollectives
-from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
+from ..engine.backward import BackwardTracker, dynamo_disable, in_backward, wrap_grad_tensors
 from ..engine.exchange import Exchange, GatherUnit, any_rank, version_stamp
 from ..engine.reduce import read_flags
 from ..engine.reducer import PendingReduce, Reducer
@@ -194,6 +194,7 @@ class ReplicateState:
         self.uncovered_buckets: list[Bucket] | None = None
 
     # ----------------------------------------------------------------------------- forward
+    @dynamo_disable
     def pre_forward_root(self) -> None:
         if in_backward():
             return  # a recomputation inside backward: parameters are current
@@ -201,6 +202,7 @@ class ReplicateState:
             for b in self.uncovered_buckets or ():
                 b.gather.wait()
 
+    @dynamo_disable
     def pre_forward_module(self, module: nn.Module, buckets: list[Bucket]) -> None:
         if (self.exchange.stale or self.backward.callback_queued) and not in_backward():
             # a forward that did not start at the root (a submodule called directly): the root's
@@ -212,6 +214,7 @@ class ReplicateState:
         for b in buckets:
             b.gather.wait()
 
+    @dynamo_disable
     def post_forward_root(self, output: Any) -> Any:
         for b in self.buckets:  # a bucket no module waited for (its parameters went unused)
             b.gather.wait()
@@ -251,6 +254,7 @@ class ReplicateState:
         return self.exchange.issue()
 
     # ----------------------------------------------------------------------------- backward
+    @dynamo_disable
     def _backward_start_from_output(self) -> None:
         self.on_backward_start(from_output=True)
 
@@ -334,6 +338,7 @@ class ReplicateState:
         hit = self.where.get(key)
         return hit[0].params[hit[1]] if hit is not None else None
 
+    @dynamo_disable
     def on_grad(self, p: nn.Parameter) -> None:
         """Post-accumulate-grad hook of every managed parameter."""
         if not self.backward.is_current():
@@ -361,6 +366,7 @@ class ReplicateState:
             order[self.next_launch].launch()
             self.next_launch += 1
 
+    @dynamo_disable
     def final_callback(self) -> None:
         try:
             order = self.buckets[::-1]
