@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator, NoReturn
 
 import torch
@@ -132,14 +133,29 @@ def replicate(
     state = ReplicateState(module, buckets, named, rank=rank, world_size=W, coll=coll, comm=comm, stage=stage)
     state.plan = plan
     state.mesh = mesh
+    on_grad = _grad_hook(state)
     for b in buckets:
         for slot, p in zip(b.layout.slots, b.params):
             set_owner(p, Owned(owner=slot.owner, kind=plan[slot.fqn].placement, mesh=mesh, storage="replicated"))
-            p.register_post_accumulate_grad_hook(state.on_grad)
+            p.register_post_accumulate_grad_hook(on_grad)
     _install_hooks(module, state)
     setattr(module, _STATE_ATTR, state)
     swap_class(module, MatrixReplicateModule, API)
     return module
+
+
+def _grad_hook(state: ReplicateState) -> Callable[[torch.Tensor], None]:
+    """The parameters' post-accumulate-grad hook, holding the state weakly: torch keeps such a
+    hook alive from C++ (the tensor's hook dict), an edge gc cannot see, so a hook holding the
+    state would keep the model alive for good."""
+    ref = weakref.ref(state)
+
+    def on_grad(p: torch.Tensor) -> None:
+        s = ref()
+        if s is not None:
+            s.on_grad(p)
+
+    return on_grad
 
 
 def _agree_on_layout(layouts: Any, stage: int, reduce_dtype: Any, collectives: str, error: str | None,
