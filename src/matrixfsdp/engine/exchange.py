@@ -26,7 +26,8 @@ the units' group (counted with the group's collectives) read on the host. If one
 ran), it issues and waits for every unit and the exchange is no longer stale. If none moved (a
 ``state_dict()`` between backward and ``step()``), every rank already holds the current values:
 nothing is gathered and the exchange stays stale, so the step that may follow still reaches
-every rank at the next settle or forward. With ``refresh_after_settle`` (``fully_shard``'s HSDP
+every rank at the next settle or forward (each settle agrees again meanwhile: ``fully_shard``'s
+state-dict hook on every block makes that one all-reduce per block in such a ``state_dict()``). With ``refresh_after_settle`` (``fully_shard``'s HSDP
 exchange) any settle also leaves the next forward due to gather once more, so a write after it
 that no backward precedes (a hand-written update) still reaches every replica, at the cost of one
 gather per settle; ``replicate`` keeps DDP's collective count per step instead (its Trainer
@@ -39,8 +40,8 @@ owners step, so only their stamps move) enters a decision only through the all-r
 collectives stay matched ([Note: ordering of collectives]). What no rule here sees is a write
 made on some ranks only after the forward's gathers with no backward before the next forward
 (e.g. a second ``step()`` on the same gradients): make such writes on every rank alike, or run a
-backward first. A rank-0-only settle (DDP's rank-0 save) is safe once a settle on every rank
-after ``step()`` found the exchange not stale.
+backward first. A rank-0-only settle (DDP's rank-0 save) is collective-free once a settle on
+every rank after ``step()`` has gathered (``sync_params()``), or a forward has.
 """
 
 from __future__ import annotations
