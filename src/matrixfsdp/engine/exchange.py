@@ -27,11 +27,11 @@ ran), it issues and waits for every unit and the exchange is no longer stale. If
 ``state_dict()`` between backward and ``step()``), every rank already holds the current values:
 nothing is gathered and the exchange stays stale, so the step that may follow still reaches
 every rank at the next settle or forward (each settle agrees again meanwhile: ``fully_shard``'s
-state-dict hook on every block makes that one all-reduce per block in such a ``state_dict()``). With ``refresh_after_settle`` (``fully_shard``'s HSDP
-exchange) any settle also leaves the next forward due to gather once more, so a write after it
-that no backward precedes (a hand-written update) still reaches every replica, at the cost of one
-gather per settle; ``replicate`` keeps DDP's collective count per step instead (its Trainer
-parity pins it).
+state-dict hook on every block makes that one all-reduce per block in such a ``state_dict()``).
+With ``refresh_after_settle`` (``fully_shard``'s HSDP exchange) any settle also leaves the next
+forward due to gather once more, so a write after it that no backward precedes (a hand-written
+update) still reaches every replica, at the cost of one gather per settle; ``replicate`` keeps
+DDP's collective count per step instead (its Trainer parity pins it).
 
 The invariant: every rank of a unit's group takes the same branch at every decision. ``stale``
 and ``due`` change only at program points every rank passes alike (a reducing backward's final
@@ -46,7 +46,7 @@ every rank after ``step()`` has gathered (``sync_params()``), or a forward has.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 

@@ -36,7 +36,8 @@ from ..mesh import flat_dp_mesh
 from .tp_host import tp_host_of
 
 __all__ = ["Owned", "owner_of", "owned_of", "is_owned", "keeps_state", "set_owner", "owner_meshes",
-           "step_meshes", "one_rank_meshes", "owner_tp_meshes", "owner_source", "mesh_scratch", "dp_tp_mesh", "tp_mesh_of", "coordinates", "STORAGES"]
+           "step_meshes", "one_rank_meshes", "owner_tp_meshes", "owner_source", "mesh_scratch", "dp_tp_mesh",
+           "tp_mesh_of", "coordinates", "STORAGES"]
 
 _ATTR = "_matrixfsdp_owned"
 #: set by fully_shard on each sharded parameter (owned or even): its fqn, for messages
