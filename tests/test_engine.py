@@ -267,15 +267,16 @@ def test_owner_meshes_of_meshes_differing_only_in_names_stay_apart():
 
 
 def _torch_adamw_on_fully_shard_after_a_replicate() -> tuple:
-    """replicate's step pre-hook (registered with torch for every optimizer) must touch only
-    replicate's parameters: a torch AdamW over a fully_shard model keeps state for its empty
-    shards, as torch does for any Shard(0) shard."""
+    """replicate's step pre-hook (``register_optimizer``) must touch only replicate's
+    parameters: a torch AdamW over a fully_shard model keeps state for its empty shards, as torch
+    does for any Shard(0) shard."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    matrixfsdp.replicate(Net(), mesh=mesh)
+    rep = matrixfsdp.replicate(Net(), mesh=mesh)
     torch.manual_seed(0)
     model = Net()
     matrixfsdp.fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rep.register_optimizer(opt)
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
     opt.step()  # the pre-hook runs with state present

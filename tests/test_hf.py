@@ -162,7 +162,9 @@ def save_check(kind: str, tied: bool, path: str) -> dict:
     ref = copy.deepcopy(model)
     shard(model, layer_cls, W)
     out = {}
-    # transformers' own save_pretrained on the sharded model, called on every rank as with FSDP2
+    # transformers' own save_pretrained on the sharded model, called on every rank as with FSDP2,
+    # once asked for (an explicit call: no import registers it)
+    matrixfsdp.checkpoint.enable_save_pretrained()
     model.save_pretrained(os.path.join(path, "direct"))
     direct = type(ref).from_pretrained(os.path.join(path, "direct"))
     out["direct_equal"] = all(torch.equal(v, ref.state_dict()[k]) for k, v in direct.state_dict().items())

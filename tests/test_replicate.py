@@ -625,7 +625,8 @@ def test_stage_1_keeps_and_stage_2_frees_gradient_buffers(stage):
 def torch_adamw_standard_resume(root: str) -> dict:
     """torch.optim.AdamW through torch's standard DCP path: the resumed run continues exactly, and
     the state torch's loader creates for every parameter (get_state_dict's zero-gradient step)
-    is dropped for parameters another rank owns at the next step."""
+    is dropped for parameters another rank owns at the next step (the optimizer's own pre-hook,
+    registered by ``model.register_optimizer``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -637,6 +638,8 @@ def torch_adamw_standard_resume(root: str) -> dict:
     _train(model, opt, cfg, 2, start=2)
     _, fresh, _ = _setup(2, seed=5)
     fopt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    handle = fresh.register_optimizer(fopt)
+    assert fresh.register_optimizer(fopt).id == handle.id  # one hook per optimizer
     msd, osd = get_state_dict(fresh, fopt)
     sd = {"model": msd, "optim": osd}
     dcp.load(sd, checkpoint_id=f"{root}/adamw")

@@ -91,10 +91,16 @@ def hsdp_parity(R: int, S: int, mode: str, stage: int, steps: int = 4) -> dict:
                 out["grad_ddp"] = max(out["grad_ddp"], (p.grad - q.grad).abs().max().item())
                 out["grad_one"] = max(out["grad_one"], (p.grad - o1.grad).abs().max().item())
                 out["grad_max"] = max(out["grad_max"], q.grad.abs().max().item())
+        if step == 1:
+            model.state_dict()  # a settle between backward and step(): nothing moved yet
         for c in counters:
             c.reset()
         opt.step()
         out["step_calls"] += sum(c.total_calls for c in counters)
+        if step == 2:
+            # a settle after step(): only some ranks' parameters moved (under split, the step
+            # replicas' owners); every rank must agree to gather, or some would hang
+            model.state_dict()
         for o_ in (ddp_opt, one_opt):
             o_.step()
         for o_ in (opt, ddp_opt, one_opt):

@@ -45,6 +45,9 @@ def _train(steps: int, dump_folder: str, optimizer: str, variant: str = "plain",
     from matrixfsdp.placement.owner import owner_of
     from matrixfsdp.placement.tp_host import tp_host_of
 
+    from torchtitan.distributed import utils as titan_dist_utils
+
+    clip_before = titan_dist_utils.clip_grad_norm_
     W = dist.get_world_size()
     cfg = tiny_qwen3_config(steps=steps, global_batch=global_batch, world_size=W // tp,
                             dump_folder=os.path.join(dump_folder, f"{optimizer}-{variant}-w{W}-r{dp_replicate}"
@@ -101,7 +104,10 @@ def _train(steps: int, dump_folder: str, optimizer: str, variant: str = "plain",
     # world-size independent by itself.
     with cpu_patches(full_tensor_init=False):
         m = run_trainer_metrics(cfg, inspect=inspect)
-    return {"losses": m.losses, "grad_norms": m.grad_norms, "inspected": m.inspected}
+    clip = titan_dist_utils.clip_grad_norm_  # torchtitan's own, not replaced process-wide
+    original = clip is clip_before and not hasattr(clip, "_matrixfsdp")
+    return {"losses": m.losses, "grad_norms": m.grad_norms, "inspected": m.inspected,
+            "titan_clip_original": original}
 
 
 def _close(a: list[float], b: list[float], rtol: float) -> bool:
@@ -124,6 +130,7 @@ def test_titan_trainer_matrixfsdp_world_size_invariant(tmp_path, optimizer):
             assert len(mats) >= 2 * 4, info["kinds"]  # wqkv, wo, w1, w2, w3 per layer (2 layers)
             before, after = info["step_comm"]
             assert before == after, info["step_comm"]  # the optimizer step makes no collective
+            assert r["titan_clip_original"]  # clipping routed by MatrixTrainer, nothing patched
         got = res[0]
         assert _close(got["grad_norms"], ref["grad_norms"], RTOL), (W, got["grad_norms"], ref["grad_norms"])
         assert _close(got["losses"], ref["losses"], RTOL), (W, got["losses"], ref["losses"])
@@ -370,6 +377,8 @@ def test_with_matrixfsdp_defaults_and_no_mutation():
     base = qwen3_debugmodel()
     before = (type(base.optimizer).__qualname__, base.parallelism.spmd_backend, base.model_spec.parallelize_fn)
     cfg = mt.with_matrixfsdp(base)
+    assert type(cfg) is mt.MatrixTrainer.Config and type(base) is not mt.MatrixTrainer.Config
+    assert cfg.build.__self__._owner is mt.MatrixTrainer  # config.build() makes a MatrixTrainer
     kw = cfg.optimizer.param_groups[0].optimizer_kwargs
     assert kw["adamw_lr"] == base.optimizer.param_groups[0].optimizer_kwargs["lr"] == 8e-4  # from its AdamW
     assert (type(base.optimizer).__qualname__, base.parallelism.spmd_backend,

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..comm.collectives import CommCounter, collectives_for
-from ..engine.backward import in_backward
+from ..engine.backward import dynamo_disable, in_backward
 from ..engine.swap import attach_state, swap_class
 from ..placement.owned import local_tensor, owner_meshes
 from ..planner.owner_plan import OwnerPlan
@@ -28,7 +28,7 @@ from ..engine.reducer import check_find_unused
 from ..mesh import default_mesh, mesh_info
 from .init import (API, CLAIM_ATTR, _check_call, _check_not_torch_fsdp,
                     _collect_managed, _is_planned_model, _resolve,
-                    get_state, plan_call, resolve_call)
+                    end_call, get_state, plan_call, resolve_call)
 from .state import BlockState, RootContext, ShardConfig
 
 __all__ = ["fully_shard", "MatrixFSDPModule", "UnshardHandle", "comm_counter", "get_state",
@@ -122,10 +122,12 @@ def fully_shard(
     ]
     swap_class(module, MatrixFSDPModule, API)
     if plan is None:  # drop-in: shard this call's parameters now (see [Note: drop-in planning])
-        call_plan = plan_call(params, info) if params else None
+        adopted = [s for m in module.modules() if (s := get_state(m)) is not None and s is not state]
+        call_plan = plan_call(params, info, state, adopted) if params else None
         if call_plan is not None:
             verify_plan_digest(call_plan, info, api=API)
         resolve_call(module, state, call_plan, info)
+        end_call(state, info, adopted)
     elif _is_planned_model(module, plan):
         _resolve(module, plan, info)
     return module
@@ -371,11 +373,13 @@ def _keeps_dtype_and_device(fn: Any, t: torch.Tensor) -> bool:
     return isinstance(probe, torch.Tensor) and probe.dtype == t.dtype and probe.device == t.device
 
 
+@dynamo_disable
 def _pre_forward_hook(state: BlockState, module: nn.Module, args: tuple, kwargs: dict) -> Any:
     _lazy_init(state)
     return state.pre_forward(args, kwargs)
 
 
+@dynamo_disable
 def _post_forward_hook(state: BlockState, module: nn.Module, args: Any, output: Any) -> Any:
     return state.post_forward(output)
 

@@ -103,21 +103,41 @@ def _collect_managed(module: nn.Module, ignored: set[nn.Parameter], dp: DeviceMe
 # at once (so an optimizer built after the last call sees the sharded ones). Each call plans its
 # own parameters with the planner's defaults, as one scope, and then relabels ranks so that the
 # call's most loaded rank (owned parameter and optimizer-state bytes) goes to the rank the earlier
-# calls on the mesh loaded least: an online LPT over calls, in program order, identical on every
-# rank, and checked across ranks (one 32-byte all-gather per call). A call whose module contains
-# modules wrapped before becomes their root (FSDP2 finds its root the same way, lazily); the root
-# must be wrapped before the first forward. A whole-model ``plan`` balances better (it sees every
-# block at once); this path is for drop-in use.
-_LOADS: dict[Any, list[float]] = {}
+# calls of the same model loaded least: an online LPT over calls, in program order, identical on
+# every rank, and checked across ranks (one 32-byte all-gather per call). A call whose module
+# contains modules wrapped before becomes their root (FSDP2 finds its root the same way, lazily);
+# the root must be wrapped before the first forward. A whole-model ``plan`` balances better (it
+# sees every block at once); this path is for drop-in use.
+#
+# The tally is the model's, not the process's: each call keeps its per-rank loads on its
+# BlockState, and the calls still waiting for a root are listed, weakly, in the mesh's scratch
+# dict (``mesh_scratch``: shared by equal meshes, dropped with them). A call sums the loads of
+# those and of the wrapped modules it adopts, in call order (the same float sums as one running
+# tally); a call that adopts earlier calls completes a model and starts a new tally, so a second
+# model's owners do not depend on the first one's existence. Blocks wrapped first and the model
+# last balance as one scope; with nested roots (layers, then a stack of them, then the model) a
+# stack's call starts a new tally for the next stack's layers, and the model's own call counts
+# every module it adopts.
+_PENDING = "fully_shard.dropin_pending"
 
 
-def plan_call(params: list[ManagedParam], info: MeshInfo) -> OwnerPlan:
-    """The plan of one plan-less ``fully_shard`` call (see [Note: drop-in planning])."""
+def _tally(W: int, states: Iterable[BlockState]) -> list[float]:
+    tally = [0.0] * W
+    for s in states:
+        for r, load in enumerate(s.dropin_loads or ()):
+            tally[r] += load
+    return tally
+
+
+def plan_call(params: list[ManagedParam], info: MeshInfo, state: BlockState,
+              adopted: list[BlockState]) -> OwnerPlan:
+    """The plan of one plan-less ``fully_shard`` call (see [Note: drop-in planning]); records
+    the call's loads on ``state``."""
     import dataclasses
 
     from ..planner.owners import plan_owners
 
-    mesh, W = info.mesh, info.shard_size
+    W = info.shard_size
     tp = [mp.fqn for mp in params if mp.tp is not None]
     if tp:
         raise ValueError(
@@ -141,15 +161,37 @@ def plan_call(params: list[ManagedParam], info: MeshInfo) -> OwnerPlan:
     for pp in plan.params:
         if pp.owner is not None:
             loads[pp.owner] += pp.nbytes + pp.state_nbytes
-    key = (tuple(mesh.mesh.flatten().tolist()), mesh.device_type)
-    tally = _LOADS.setdefault(key, [0.0] * W)
+    tally = _tally(W, _scope(info, adopted))
     heavy = sorted(range(W), key=lambda r: (-loads[r], r))
     light = sorted(range(W), key=lambda r: (tally[r], r))
     perm = dict(zip(heavy, light))
+    state.dropin_loads = [0.0] * W
     for r in range(W):
-        tally[perm[r]] += loads[r]
+        state.dropin_loads[perm[r]] = loads[r]
     return dataclasses.replace(plan, params=tuple(
         dataclasses.replace(pp, owner=None if pp.owner is None else perm[pp.owner]) for pp in plan.params))
+
+
+def _scope(info: MeshInfo, adopted: list[BlockState]) -> list[BlockState]:
+    """The earlier calls of the model being wrapped: those waiting for a root on this mesh (in
+    call order), then the ones this call adopts that are not among them (in module order)."""
+    from ..placement.owner import mesh_scratch
+
+    pending = [s for ref in mesh_scratch(info.mesh).get(_PENDING, ()) if (s := ref()) is not None]
+    seen = {id(s) for s in pending}
+    return pending + [s for s in adopted if id(s) not in seen]
+
+
+def end_call(state: BlockState, info: MeshInfo, adopted: list[BlockState]) -> None:
+    """After a plan-less call: it waits for a root, or, adopting earlier calls, closes the model's
+    tally (see [Note: drop-in planning])."""
+    from ..placement.owner import mesh_scratch
+
+    scratch = mesh_scratch(info.mesh)
+    if adopted:
+        scratch.pop(_PENDING, None)
+    elif state.dropin_loads is not None:
+        scratch.setdefault(_PENDING, []).append(weakref.ref(state))
 
 
 def chunk_order(params: list[ManagedParam], plan_order: dict[str, int]) -> None:
@@ -164,23 +206,27 @@ def attach_exchange(ctx: RootContext, info: MeshInfo) -> None:
     exchange on every split parameter's descriptor (see [Note: deferred gathers])."""
     import dataclasses
 
-    from ..engine.exchange import Exchange, GatherUnit, watch_optimizer_steps
+    from ..engine.exchange import Exchange, GatherUnit, any_rank, version_stamp
     from ..placement.owner import owner_of, set_owner
 
     split = [mp for s in ctx.states for mp in s.params if mp.plan.step_replica is not None]  # type: ignore[union-attr]
     if not info.is_hsdp or not split:
         return
-    ex = Exchange(params=[mp.sharded for s in ctx.states for mp in s.params], refresh_after_settle=True)
+    # the units gather over the replicate group, so that is where their stamps are agreed on
+    agree = any_rank(collectives_for(info.replicate_group, ctx.root.config.collectives), info.device)
+    ex = Exchange(agree=agree, refresh_after_settle=True)
     for s in ctx.states:
         g = s.group
-        if any(mp.plan.step_replica is not None and mp.plan.owner == info.shard_rank for mp in s.params):  # type: ignore[union-attr]
-            unit = GatherUnit(g.replica_gather)
+        mine = [mp for mp in s.params
+                if mp.plan.step_replica is not None and mp.plan.owner == info.shard_rank]  # type: ignore[union-attr]
+        if mine:
+            # the step replica writes these (and the other replicas receive them)
+            unit = GatherUnit(g.replica_gather, lambda mine=mine: version_stamp(mp.sharded for mp in mine))
             ex.units.append(unit)
             g.exchange = (ex, unit)
     for mp in split:
         set_owner(mp.sharded, dataclasses.replace(owner_of(mp.sharded), exchange=ex))  # type: ignore[arg-type]
     ctx.exchange = ex
-    watch_optimizer_steps(ex)
 
 
 def check_wrapped(name: str, module: nn.Module, state: BlockState, mesh: Any, root: str) -> None:

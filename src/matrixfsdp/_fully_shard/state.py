@@ -68,7 +68,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
+from ..engine.backward import BackwardTracker, dynamo_disable, in_backward, wrap_grad_tensors
 from ..engine.exchange import Exchange
 from ..mesh import MeshInfo
 
@@ -171,6 +171,7 @@ class RootContext:
             self.pinned = True
         tracker.queue_final_callback(self.final_callback)
 
+    @dynamo_disable
     def final_callback(self) -> None:
         """After the whole backward: remaining post-backwards, every reduction, reshard."""
         try:
@@ -237,6 +238,8 @@ class BlockState:
         self.is_root: bool | None = None
         self.training_state = TrainingState.IDLE
         self._hook_handles: list[Any] = []
+        #: a plan-less call's owned bytes per rank (see [Note: drop-in planning] in ``init.py``)
+        self.dropin_loads: list[float] | None = None
 
     @property
     def root_ctx(self) -> RootContext:
@@ -334,6 +337,7 @@ class BlockState:
         return output if dt is None else _cast_floating(output, dt)
 
     # ============================================================================ backward
+    @dynamo_disable
     def pre_backward(self) -> None:
         ctx = self.root_ctx
         ctx.on_backward_start()
@@ -347,6 +351,7 @@ class BlockState:
         self.group.wait_for_unshard()
         self.group.to_unsharded()
 
+    @dynamo_disable
     def post_backward(self) -> None:
         ctx = self.root_ctx
         self.training_state = TrainingState.POST_BACKWARD
@@ -390,7 +395,7 @@ class BlockState:
             local = mp.local
             mp.swap_local(torch.empty(local.shape, dtype=local.dtype, device=device), self.config.mesh)
         if self.ctx is not None and self.ctx.exchange is not None:
-            self.ctx.exchange.stale = False  # fresh storage: initialized (or loaded) on every replica
+            self.ctx.exchange.mark_current()  # fresh storage: initialized (or loaded) on every replica
         self.group.accum = None
         self.group.realloc(device)
 

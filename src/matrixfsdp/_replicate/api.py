@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator, NoReturn
 
 import torch
@@ -13,7 +14,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..comm.agree import agree, encode_error
 from ..comm.collectives import KINDS, CommCounter, collectives_for
 from ..engine.plan_check import check_world_size, verify_plan_digest
-from ..engine.exchange import watch_optimizer_steps
 from ..engine.reducer import check_find_unused, replica_comm
 from ..engine.streams import CommContext
 from ..mesh import MeshInfo, default_mesh, mesh_info
@@ -134,20 +134,35 @@ def replicate(
 
     owner_meshes(mesh)  # optimizer state is presented on them (see [Note: optimizer state in state dicts])
     state = ReplicateState(module, buckets, named, rank=rank, world_size=W, coll=coll, comm=comm, stage=stage,
-                           replicas=replicas)
+                           replicas=replicas,
+                           agree=collectives_for(info.dp_group, collectives) if replicas is not None else None)
     state.plan = plan
     state.mesh = mesh
+    on_grad = _grad_hook(state)
     for b in buckets:
         for slot, p in zip(b.layout.slots, b.params):
             pp = plan[slot.fqn]
             set_owner(p, Owned(owner=slot.owner, kind=pp.placement, mesh=mesh, storage="replicated",
                                step_replica=pp.step_replica))
-            p.register_post_accumulate_grad_hook(state.on_grad)
+            p.register_post_accumulate_grad_hook(on_grad)
     _install_hooks(module, state)
-    _watch_optimizer_steps(state)
     attach_state(module, state)
     swap_class(module, MatrixReplicateModule, API)
     return module
+
+
+def _grad_hook(state: ReplicateState) -> Callable[[torch.Tensor], None]:
+    """The parameters' post-accumulate-grad hook, holding the state weakly: torch keeps such a
+    hook alive from C++ (the tensor's hook dict), an edge gc cannot see, so a hook holding the
+    state would keep the model alive for good."""
+    ref = weakref.ref(state)
+
+    def on_grad(p: torch.Tensor) -> None:
+        s = ref()
+        if s is not None:
+            s.on_grad(p)
+
+    return on_grad
 
 
 def _agree_on_layout(layouts: Any, stage: int, reduce_dtype: Any, collectives: str, error: str | None,
@@ -210,11 +225,9 @@ def _install_hooks(module: nn.Module, state: ReplicateState) -> None:
     module.register_state_dict_pre_hook(lambda *a, **k: state.sync_params())
 
 
-_STEP_HOOK: Any = None
-
-
-def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global step pre-hook: drop state an optimizer holds for parameters another rank owns.
+def _drop_foreign_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Step pre-hook of an optimizer given to :meth:`MatrixReplicateModule.register_optimizer`:
+    drop the state it holds for ``replicate`` parameters another rank owns.
 
     Only owners step a parameter, but torch's DCP helpers create state for *every* parameter of
     a torch optimizer before loading (``get_state_dict`` runs a zero-gradient step on a fresh
@@ -237,15 +250,6 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
 def _is_replica(p: Any) -> bool:
     info = owner_of(p)
     return info is not None and info.storage == "replicated"
-
-
-def _watch_optimizer_steps(state: ReplicateState) -> None:
-    global _STEP_HOOK
-    watch_optimizer_steps(state.exchange)  # the engine's: a step makes the gathers due
-    if _STEP_HOOK is None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        _STEP_HOOK = register_optimizer_step_pre_hook(_before_optimizer_step)
 
 
 def state_of(module: nn.Module, what: str = "") -> ReplicateState:
@@ -286,6 +290,33 @@ class MatrixReplicateModule:
     def sync_params(self) -> None:
         """Finish the parameter all-gathers now (they otherwise run at the next forward)."""
         state_of(self).sync_params()  # type: ignore[arg-type]
+
+    def register_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make ``optimizer`` drop, before each of its steps, the state it holds for parameters
+        another rank owns; returns the hook's ``RemovableHandle`` (idempotent per optimizer).
+
+        Needed only for a torch optimizer resumed through torch's own DCP helpers
+        (``get_state_dict``/``set_state_dict``), which create state for every parameter: without
+        it each rank keeps DDP-sized state. ``matrixfsdp.optim`` never creates that state. The
+        hook is this optimizer's alone (``Optimizer.register_step_pre_hook``), nothing global.
+
+        Example::
+
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            model.register_optimizer(opt)
+            msd, osd = get_state_dict(model, opt)   # ... dcp.load, set_state_dict
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"{API}.register_optimizer: expects a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        state_of(self, f"{API}.register_optimizer")  # type: ignore[arg-type]
+        hooks = optimizer._optimizer_step_pre_hooks
+        for key, hook in hooks.items():
+            if hook is _drop_foreign_state:  # already registered: a handle to that hook
+                handle = torch.utils.hooks.RemovableHandle(hooks)
+                handle.id = key
+                return handle
+        return optimizer.register_step_pre_hook(_drop_foreign_state)
 
     @property
     def owner_plan(self) -> OwnerPlan:

@@ -42,11 +42,12 @@ After ``step()`` only owners hold the new values until the next forward's gather
 :class:`~matrixfsdp.engine.exchange.Exchange` with a gather unit per bucket, the engine's
 mechanism that ``fully_shard``'s HSDP ``split`` runs too (see [Note: deferred gathers]).
 Everything that reads parameters between the two (``state_dict()``, DCP, ``sync_params()``)
-settles it first. Two events mark it stale on every rank: a reducing backward that finished and
-the ``step()`` of any ``torch.optim.Optimizer`` holding a managed parameter, so a
-``state_dict()`` between backward and ``step()`` cannot hide the update from the next forward. A
-forward that does not start at the root (a submodule called directly) gathers at its first
-managed module's pre-forward instead, and waits for every bucket.
+settles it first. A reducing backward that finished marks it stale on every rank; a settle
+gathers only once some rank's parameters moved since their last gather (their version counters,
+agreed over the group), so a ``state_dict()`` between backward and ``step()`` cannot hide the
+update from the next forward, whichever optimizer or hand-written update makes it. A forward
+that does not start at the root (a submodule called directly) gathers at its first managed
+module's pre-forward instead, and waits for every bucket.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ import torch
 import torch.nn as nn
 
 from ..comm.collectives import Handle, SegmentCollectives
-from ..engine.backward import BackwardTracker, in_backward, wrap_grad_tensors
-from ..engine.exchange import Exchange, GatherUnit
+from ..engine.backward import BackwardTracker, dynamo_disable, in_backward, wrap_grad_tensors
+from ..engine.exchange import Exchange, GatherUnit, any_rank, version_stamp
 from ..engine.reducer import PendingReduce, Reducer, ReplicaComm, read_flags
 from ..engine.streams import CommContext
 from .layout import BucketLayout
@@ -99,8 +100,10 @@ class Bucket:
         self.n_ready = 0
         self.used = [False] * len(params)
         self.pending: PendingReduce | None = None
-        #: the deferred in-place gather of the owners' new values (see [Note: stale parameters])
-        self.gather = GatherUnit(self._start_gather)
+        #: the deferred in-place gather of the owners' new values (see [Note: stale parameters]);
+        #: the parameters keep their own version counters (``p.data = view`` does not share the
+        #: bucket's), so they are what the stamp reads
+        self.gather = GatherUnit(self._start_gather, lambda: version_stamp(self.params))
 
     def _start_gather(self) -> Handle:
         """The owners' values to every rank, in place, on the gather stream (the compute stream
@@ -186,7 +189,7 @@ class ReplicateState:
 
     def __init__(self, module: nn.Module, buckets: list[Bucket], params: dict[str, nn.Parameter], *,
                  rank: int, world_size: int, coll: SegmentCollectives, comm: CommContext, stage: int,
-                 replicas: ReplicaComm | None = None):
+                 replicas: ReplicaComm | None = None, agree: SegmentCollectives | None = None):
         self.module = module
         self.replicas = replicas  # this rank's replicate group (HSDP), else None
         self.buckets = buckets  # forward (registration) order; reduced in reverse
@@ -198,7 +201,9 @@ class ReplicateState:
                 self.where[id(p)] = (b, i)
         self.requires_gradient_sync = True
         self.find_unused = True  # set_find_unused_parameters (see [Note: usage-flag host read])
-        self.exchange = Exchange((b.gather for b in buckets), (p for b in buckets for p in b.params))
+        # whether anyone wrote is agreed over every data-parallel rank (``agree``: the flattened
+        # HSDP group), since a bucket's gather spans the replicas too
+        self.exchange = Exchange((b.gather for b in buckets), agree=any_rank(agree or coll, comm.device))
         self.active = False  # the running backward reduces
         self.next_launch = 0  # index into the reduction order
         self.stash: dict[int, torch.Tensor] = {}  # reduced grads held over an accumulating backward
@@ -214,6 +219,7 @@ class ReplicateState:
         self.uncovered_buckets: list[Bucket] | None = None
 
     # ----------------------------------------------------------------------------- forward
+    @dynamo_disable
     def pre_forward_root(self) -> None:
         if in_backward():
             return  # a recomputation inside backward: parameters are current
@@ -221,6 +227,7 @@ class ReplicateState:
             for b in self.uncovered_buckets or ():
                 b.gather.wait()
 
+    @dynamo_disable
     def pre_forward_module(self, module: nn.Module, buckets: list[Bucket]) -> None:
         if (self.exchange.stale or self.backward.callback_queued) and not in_backward():
             # a forward that did not start at the root (a submodule called directly): the root's
@@ -232,6 +239,7 @@ class ReplicateState:
         for b in buckets:
             b.gather.wait()
 
+    @dynamo_disable
     def post_forward_root(self, output: Any) -> Any:
         for b in self.buckets:  # a bucket no module waited for (its parameters went unused)
             b.gather.wait()
@@ -258,18 +266,20 @@ class ReplicateState:
         """Bring every rank's parameters up to date now (a collective when they are stale)."""
         if in_backward():
             return
-        self._issue_gathers(forward=False)  # a settle is collective only when stale, as before
-        self.exchange.settle()
-
-    def _issue_gathers(self, *, forward: bool = True) -> bool:
-        """Outside backward: clean up after a backward an exception escaped (its callback is
-        gone), then issue every bucket's all-gather if the parameters are stale. Returns whether
-        it issued them."""
         if self.backward.take_aborted():
             self._abort_backward()
-        return self.exchange.issue(forward=forward)
+        self.exchange.settle()  # collective only when stale (see [Note: deferred gathers])
+
+    def _issue_gathers(self) -> bool:
+        """At a forward, outside backward: clean up after a backward an exception escaped (its
+        callback is gone), then issue every bucket's all-gather if the parameters are stale.
+        Returns whether it issued them."""
+        if self.backward.take_aborted():
+            self._abort_backward()
+        return self.exchange.issue()
 
     # ----------------------------------------------------------------------------- backward
+    @dynamo_disable
     def _backward_start_from_output(self) -> None:
         self.on_backward_start(from_output=True)
 
@@ -353,6 +363,7 @@ class ReplicateState:
         hit = self.where.get(key)
         return hit[0].params[hit[1]] if hit is not None else None
 
+    @dynamo_disable
     def on_grad(self, p: nn.Parameter) -> None:
         """Post-accumulate-grad hook of every managed parameter."""
         if not self.backward.is_current():
@@ -380,6 +391,7 @@ class ReplicateState:
             order[self.next_launch].launch()
             self.next_launch += 1
 
+    @dynamo_disable
     def final_callback(self) -> None:
         try:
             order = self.buckets[::-1]

@@ -15,7 +15,8 @@ Offline, without a process group (streaming: one tensor in memory at a time)::
 
 Hugging Face ``transformers`` models: ``model.save_pretrained`` does not work on a sharded model
 (it sees empty shards); :func:`save_pretrained` gathers full tensors and writes the same folder
-(config, safetensors, tied weights once) from rank 0::
+(config, safetensors, tied weights once) from rank 0, and after :func:`enable_save_pretrained`
+``model.save_pretrained`` itself does the same (called on every rank)::
 
     matrixfsdp.checkpoint.save_pretrained(model, "out/hf")     # every rank
 
@@ -39,7 +40,7 @@ from typing import Sequence
 
 from .dcp import MODEL_KEY, OPTIM_KEY, load, model_state_dict, optimizer_state_dict, read_metadata, save
 from .safetensors import ByteTracker, export_safetensors, import_safetensors
-from .huggingface import save_pretrained
+from .huggingface import enable_save_pretrained, save_pretrained
 
 __all__ = [
     "save",
@@ -51,6 +52,7 @@ __all__ = [
     "import_safetensors",
     "ByteTracker",
     "save_pretrained",
+    "enable_save_pretrained",
     "MODEL_KEY",
     "OPTIM_KEY",
     "main",

@@ -10,9 +10,10 @@ on every rank), keeps it only on rank 0, and lets rank 0 run transformers' own
 once (aliased keys map to one gathered tensor, which transformers de-duplicates as for an
 unsharded model).
 
-The same collective form is given to ``model.save_pretrained`` itself on every ``fully_shard``-ed
-Hugging Face model, through a class adapter of the engine's class swap (the runtime knows nothing
-of transformers).
+:func:`enable_save_pretrained` gives the same collective form to ``model.save_pretrained`` itself
+on every ``fully_shard``-ed Hugging Face model, through a class adapter of the engine's class swap
+(the runtime knows nothing of transformers). It is a call, not an import side effect: importing
+matrixfsdp changes no class.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.nn as nn
 from ..comm.agree import agree, encode_error
 from ..engine.swap import register_class_adapter
 
-__all__ = ["save_pretrained", "gather_full_state_dict"]
+__all__ = ["save_pretrained", "gather_full_state_dict", "enable_save_pretrained"]
 
 
 def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True, api: str = "matrixfsdp.checkpoint") -> dict[str, torch.Tensor]:
@@ -119,4 +120,15 @@ def _save_pretrained_adapter(user_cls: type, mixin: type) -> dict[str, Any]:
     return {}
 
 
-register_class_adapter(_save_pretrained_adapter)
+def enable_save_pretrained() -> None:
+    """Make ``model.save_pretrained(path)`` of every ``fully_shard``-ed ``transformers`` model
+    (sharded before or after this call) collective, as :func:`save_pretrained`: call it on every
+    rank, full tensors are gathered and rank 0 writes the folder. Idempotent; without it, use
+    :func:`save_pretrained` (transformers' own would see the empty shards of non-owners).
+
+    Example::
+
+        matrixfsdp.checkpoint.enable_save_pretrained()
+        model.save_pretrained("out/hf")        # every rank, e.g. from code that only knows transformers
+    """
+    register_class_adapter(_save_pretrained_adapter)

@@ -22,13 +22,33 @@ for the collectives already issued and drops their partial results.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import functools
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["BackwardHook", "BackwardTracker", "wrap_grad_tensors", "in_backward"]
+__all__ = ["BackwardHook", "BackwardTracker", "wrap_grad_tensors", "in_backward", "dynamo_disable"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def dynamo_disable(fn: _F) -> _F:
+    """``fn`` run outside dynamo, as FSDP2 wraps its hooks (``_fsdp_common._dynamo_disable``):
+    under ``torch.compile`` of a model the front-ends' module forward hooks, backward hooks,
+    post-accumulate-grad hooks and final callbacks (host bookkeeping, collectives) run eagerly
+    behind a graph break instead of being traced. ``torch._dynamo`` is imported at the first call
+    (``import matrixfsdp`` does not load it)."""
+    disabled: list[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not disabled:
+            disabled.append(torch._dynamo.disable(fn, recursive=True, reason="skipping matrixfsdp hooks"))
+        return disabled[0](*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def in_backward() -> bool:

@@ -7,43 +7,90 @@ of the other replicas hold copies).
 
 [Note: deferred gathers]
 An :class:`Exchange` is a list of :class:`GatherUnit` (a bucket, a block), each of which knows how
-to issue its gather. It is *stale* from any event that may have changed the source values (a
-reducing backward that finished, whether or not the user then steps: a redundant gather is
-harmless, a missing one is not; the ``step()`` of any ``torch.optim.Optimizer`` holding one of its
-parameters, see :func:`watch_optimizer_steps`) until it is issued. It is issued at the root's
-pre-forward, one program point on every rank, every unit in a fixed order; each unit is waited
-for where its parameters are first read (a module's pre-forward, a block's unshard). A unit
+to issue its gather and how to *stamp* the tensors its source ranks may write (the parameters'
+version counters, which torch bumps at every in-place write: an optimizer's step, a hand-written
+``p.add_``, ``load_state_dict``). No optimizer hook is involved, global or not.
+
+The exchange is *stale* from the end of a reducing backward (a step may follow; a redundant
+gather is harmless, a missing one is not) until it is issued. It is issued at the root's
+pre-forward, one program point on every rank, every unit in a fixed order, with no further
+check: the training step keeps its collective count and has no host sync. Each unit is waited
+for where its parameters are first read (a module's pre-forward, a block's unshard); a unit
 waited for while the exchange is stale (a forward that did not start at the root) issues
-everything first. Everything that reads parameters between ``step()`` and the next forward
-(``state_dict()``, DCP, ``full_tensor()``, ``sync_params()``) calls :meth:`Exchange.settle`: the
-same gathers, waited for at once. With ``refresh_after_settle`` (``fully_shard``'s HSDP
-exchange) a settle leaves the next forward due to gather once more: a write after it that no
-optimizer step announces (a hand-written update) still reaches every replica, at the cost of one
-gather per settle that a step did not follow (one per checkpoint taken after ``step()``).
-``replicate`` keeps DDP's collective count per step instead (its Trainer parity pins it). Every rank that shares a unit's group decides stale-ness from
-the same events, so the collectives stay matched ([Note: ordering of collectives]).
+everything first. When a gather completes, its unit records the stamp.
+
+Everything that reads parameters between ``step()`` and the next forward (``state_dict()``, DCP,
+``full_tensor()``, ``sync_params()``) calls :meth:`Exchange.settle`. A settle of a stale exchange
+first *agrees* whether any rank's stamps moved since its last gather: one 4-byte all-reduce over
+the units' group (counted with the group's collectives) read on the host. If one moved (the step
+ran), it issues and waits for every unit and the exchange is no longer stale. If none moved (a
+``state_dict()`` between backward and ``step()``), every rank already holds the current values:
+nothing is gathered and the exchange stays stale, so the step that may follow still reaches
+every rank at the next settle or forward (each settle agrees again meanwhile: ``fully_shard``'s
+state-dict hook on every block makes that one all-reduce per block in such a ``state_dict()``).
+With ``refresh_after_settle`` (``fully_shard``'s HSDP exchange) any settle also leaves the next
+forward due to gather once more, so a write after it that no backward precedes (a hand-written
+update) still reaches every replica, at the cost of one gather per settle; ``replicate`` keeps
+DDP's collective count per step instead (its Trainer parity pins it).
+
+The invariant: every rank of a unit's group takes the same branch at every decision. ``stale``
+and ``due`` change only at program points every rank passes alike (a reducing backward's final
+callback, the root's pre-forward, a settle), and the one input that differs across ranks (only
+owners step, so only their stamps move) enters a decision only through the all-reduce, so the
+collectives stay matched ([Note: ordering of collectives]). What no rule here sees is a write
+made on some ranks only after the forward's gathers with no backward before the next forward
+(e.g. a second ``step()`` on the same gradients): make such writes on every rank alike, or run a
+backward first. A rank-0-only settle (DDP's rank-0 save) is collective-free once a settle on
+every rank after ``step()`` has gathered (``sync_params()``), or a forward has.
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 
-from ..comm.collectives import Handle
+from ..comm.collectives import Handle, SegmentCollectives
 
-__all__ = ["Exchange", "GatherUnit", "watch_optimizer_steps"]
+__all__ = ["Exchange", "GatherUnit", "version_stamp", "any_rank"]
+
+
+def version_stamp(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
+    """Identity and version counter of each tensor (and of a DTensor's local tensor: writes to it
+    directly, as ``matrixfsdp.optim`` makes them, bump only its own counter)."""
+    out: list[int] = []
+    for t in tensors:
+        out += (id(t), t._version)
+        local = getattr(t, "_local_tensor", None)
+        if local is not None:
+            out += (id(local), local._version)
+    return tuple(out)
+
+
+def any_rank(coll: SegmentCollectives, device: torch.device) -> Callable[[bool], bool]:
+    """Whether ``flag`` holds on any rank of ``coll``'s group: a counted 4-byte all-reduce and one
+    host read (a collective: every rank of the group calls it)."""
+
+    def agree(flag: bool) -> bool:
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+        coll.all_reduce(t, async_op=False).wait()
+        return bool(t.item())
+
+    return agree
 
 
 class GatherUnit:
-    """One deferred gather: ``start()`` issues it and returns its :class:`Handle`."""
+    """One deferred gather: ``start()`` issues it and returns its :class:`Handle`; ``stamp()``
+    stamps the tensors its source ranks may write (see [Note: deferred gathers])."""
 
-    __slots__ = ("_start", "_handle")
+    __slots__ = ("_start", "_stamp", "_handle", "baseline")
 
-    def __init__(self, start: Callable[[], Handle]):
+    def __init__(self, start: Callable[[], Handle], stamp: Callable[[], tuple[int, ...]] = tuple):
         self._start = start
+        self._stamp = stamp
         self._handle: Handle | None = None
+        #: the stamp when the last gather completed (or at construction)
+        self.baseline = stamp()
 
     def issue(self) -> None:
         self._handle = self._start()
@@ -52,6 +99,14 @@ class GatherUnit:
         h, self._handle = self._handle, None
         if h is not None:
             h.wait()
+            self.baseline = self._stamp()
+
+    def moved(self) -> bool:
+        """Whether this rank wrote the unit's tensors since its last gather."""
+        return self._stamp() != self.baseline
+
+    def mark_current(self) -> None:
+        self.baseline = self._stamp()
 
     @property
     def in_flight(self) -> bool:
@@ -59,20 +114,26 @@ class GatherUnit:
 
 
 class Exchange:
-    """The deferred gathers of one model (see [Note: deferred gathers])."""
+    """The deferred gathers of one model (see [Note: deferred gathers]). ``agree(flag)`` answers
+    whether ``flag`` holds on any rank of the units' group (:func:`any_rank`)."""
 
-    def __init__(self, units: Iterable[GatherUnit] = (), params: Iterable[torch.Tensor] = (), *,
+    def __init__(self, units: Iterable[GatherUnit] = (), *, agree: Callable[[bool], bool],
                  refresh_after_settle: bool = False):
         self.units = list(units)
+        self.agree = agree
         self.refresh_after_settle = refresh_after_settle
-        #: ids of the parameters whose optimizer step makes the exchange stale
-        self.param_ids = {id(p) for p in params}
         self.stale = False
-        #: a settle happened since the last forward's gathers (see the Note)
+        #: a settle happened since the last forward's gathers (``refresh_after_settle`` only)
         self.due = False
 
     def mark_stale(self) -> None:
         self.stale = True
+
+    def mark_current(self) -> None:
+        """Every rank holds the current values (fresh storage, initialized alike everywhere)."""
+        self.stale = self.due = False
+        for u in self.units:
+            u.mark_current()
 
     def issue(self, *, forward: bool = True) -> bool:
         """Issue every unit's gather if the exchange is stale (or, at a forward, due); returns
@@ -94,28 +155,12 @@ class Exchange:
 
     def settle(self) -> None:
         """Bring every value up to date now (a collective when stale or in flight)."""
-        self.issue(forward=False)
+        # stale is the same on every rank of the group: all of them agree here, or none does
+        if self.stale and self.units and not self.agree(any(u.moved() for u in self.units)):
+            pass  # nobody wrote since the last gather: current everywhere, still stale for the step
+        else:
+            self.issue(forward=False)
         for u in self.units:
             u.wait()
-        self.due = self.refresh_after_settle
-
-
-_WATCHED: "weakref.WeakSet[Exchange]" = weakref.WeakSet()
-_STEP_HOOK: Any = None
-
-
-def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for ex in list(_WATCHED):
-        if not ex.stale and any(id(p) in ex.param_ids for g in optimizer.param_groups for p in g["params"]):
-            ex.mark_stale()
-
-
-def watch_optimizer_steps(exchange: Exchange) -> None:
-    """Mark ``exchange`` stale after the ``step()`` of any optimizer holding one of its parameters
-    (one step post-hook for all exchanges, registered with torch once)."""
-    global _STEP_HOOK
-    _WATCHED.add(exchange)
-    if _STEP_HOOK is None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _STEP_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+        if self.refresh_after_settle:
+            self.due = True

@@ -16,7 +16,8 @@ module holds at most one front-end's state.
 
 Outside code that must add methods to swapped classes (the Hugging Face integration gives
 ``save_pretrained`` its collective form) registers a *class adapter* with
-:func:`register_class_adapter`; the front-ends know nothing of it.
+:func:`register_class_adapter`, explicitly, when its user asks for it (nothing registers one at
+import); it applies to the classes swapped before and after. The front-ends know nothing of it.
 """
 
 from __future__ import annotations
@@ -39,10 +40,14 @@ _MIXINS: set[type] = set()
 
 
 def register_class_adapter(adapter: ClassAdapter) -> None:
-    """Add attributes to every class swapped from now on (idempotent per adapter)."""
-    if adapter not in _ADAPTERS:
-        _ADAPTERS.append(adapter)
-        _CACHE.clear()
+    """Add ``adapter``'s attributes to every swapped class, those swapped already included
+    (idempotent per adapter)."""
+    if adapter in _ADAPTERS:
+        return
+    _ADAPTERS.append(adapter)
+    for (cls, mixin), swapped in _CACHE.items():
+        for name, value in adapter(cls, mixin).items():
+            setattr(swapped, name, value)
 
 
 def _refuse_deepcopy(api: str) -> Callable[..., NoReturn]:

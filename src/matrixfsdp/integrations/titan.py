@@ -19,8 +19,10 @@ What the conversion does:
   (HSDP) on the 2-D ``["dp_replicate", "fsdp"]`` mesh torchtitan's own ``apply_fsdp`` takes
   (owners planned within ``fsdp``, ``replica_step`` from :func:`with_matrixfsdp`; mixed precision and
   ``fsdp_reshard_after_forward`` from the config), summed gradients (torchtitan normalizes the
-  loss by the global token count), full-tensor parameter initialization (see below) and
-  matrixfsdp's gradient clipping;
+  loss by the global token count) and full-tensor parameter initialization (see below);
+* the config becomes a ``MatrixTrainer.Config``: :class:`MatrixTrainer` is torchtitan's Trainer
+  whose gradient clipping goes to matrixfsdp's (torch's total norm cannot combine gradients on
+  different owner meshes); nothing of torchtitan is replaced process-wide;
 * the optimizer becomes :class:`MatrixOptimizersContainer` (``"Muon"``, ``"Shampoo"`` or
   ``"SOAP"``; torchtitan's own names still work): owned matrices get the matrix rule, every
   other parameter AdamW, in separate param groups so the LR schedule scales both;
@@ -65,8 +67,9 @@ Not supported (clear errors): context/expert/pipeline parallelism, CPU offload,
 ``torch.compile`` of the model, MoE (parameters with more than 2 dimensions); with tensor
 parallelism also HSDP (``dp_replicate > 1``: a 3-D mesh), async TP
 (``compile.enable_async_tensor_parallel``) and quantized linears (Float8/MXFP8/NVFP4 model
-converters). The clipping dispatch replaces ``torchtitan.distributed.utils.clip_grad_norm_``
-process-wide with a wrapper that calls the original for models without matrixfsdp parameters.
+converters). ``parallelize_matrixfsdp`` used with torchtitan's stock ``Trainer`` (not
+``MatrixTrainer``) trains, but torchtitan's clipping then refuses the owned gradients: build the
+Trainer from ``with_matrixfsdp``'s config or ``MatrixTrainer.Config``.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ from .._fully_shard import MatrixFSDPModule, MixedPrecisionPolicy, fully_shard
 try:
     import torchtitan  # noqa: F401
     from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+    from torchtitan.trainer import Trainer
 except ImportError as e:  # pragma: no cover - exercised only without torchtitan
     raise ImportError(
         "matrixfsdp.titan needs torchtitan (pip install -c constraints.txt 'matrixfsdp[titan]'); "
@@ -99,6 +103,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torchtitan
 __all__ = [
     "parallelize_matrixfsdp",
     "MatrixOptimizersContainer",
+    "MatrixTrainer",
     "with_matrixfsdp",
     "qwen3_debugmodel_muon",
 ]
@@ -194,7 +199,6 @@ def parallelize_matrixfsdp(
                 reshard_after_forward=False if raf is None else raf, collectives=collectives)
     model.set_gradient_divide_factor(1.0)  # type: ignore[attr-defined]
     _redirect_param_init(model)
-    _install_clip_dispatch()
     return model
 
 
@@ -307,26 +311,78 @@ def _redirect_reset_parameters(m: nn.Module) -> None:
     m._init_self_parameters = bound  # type: ignore[method-assign]
 
 
-def _install_clip_dispatch() -> None:
-    """Route torchtitan's ``clip_grad_norm_`` to matrixfsdp's when matrixfsdp parameters are
-    involved (torch's total norm cannot combine gradients on different owner meshes)."""
+@torch.no_grad()
+def _clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                     foreach: bool | None = None, pp_mesh: Any = None, ep_enabled: bool = False) -> torch.Tensor:
+    """torchtitan's ``clip_grad_norm_`` signature; matrixfsdp's clipping when matrixfsdp
+    parameters are involved (torch's total norm cannot combine gradients on different owner
+    meshes), torchtitan's own otherwise."""
     from torchtitan.distributed import utils as dist_utils
 
-    orig = dist_utils.clip_grad_norm_
-    if getattr(orig, "_matrixfsdp", False):
-        return
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if pp_mesh is None and not ep_enabled and any(owned_of(p) is not None for p in params):
+        return _mfsdp_clip(params, max_norm, norm_type, error_if_nonfinite)
+    return dist_utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
 
-    @functools.wraps(orig)
-    def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False, foreach: bool | None = None,
-                        pp_mesh: Any = None, ep_enabled: bool = False) -> torch.Tensor:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if pp_mesh is None and not ep_enabled and any(owned_of(p) is not None for p in params):
-            return _mfsdp_clip(params, max_norm, norm_type, error_if_nonfinite)
-        return orig(params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
 
-    clip_grad_norm_._matrixfsdp = True  # type: ignore[attr-defined]
-    dist_utils.clip_grad_norm_ = clip_grad_norm_
+class _DistUtils:
+    """``torchtitan.distributed.utils`` as :class:`MatrixTrainer`'s ``train_step`` sees it: every
+    name is torchtitan's (read at each use, so patches of the module apply), but
+    ``clip_grad_norm_``."""
+
+    clip_grad_norm_ = staticmethod(_clip_grad_norm_)
+
+    def __getattr__(self, name: str) -> Any:
+        from torchtitan.distributed import utils as dist_utils
+
+        return getattr(dist_utils, name)
+
+
+class _TrainerGlobals(dict):
+    """The globals of torchtitan's ``trainer`` module, read live, with ``overrides`` in front (a
+    function whose globals are a dict subclass looks names up with ``__getitem__``)."""
+
+    def __init__(self, module: types.ModuleType, **overrides: Any):
+        super().__init__(overrides)
+        self._module = module
+
+    def __missing__(self, key: str) -> Any:
+        return self._module.__dict__[key]
+
+
+def _with_dist_utils(fn: Any) -> Any:
+    """``fn``'s code with ``dist_utils`` bound to :class:`_DistUtils` for this function alone."""
+    import sys
+
+    if "dist_utils" not in fn.__code__.co_names:
+        raise ImportError(
+            f"{API}: torchtitan's {fn.__qualname__} does not call dist_utils.clip_grad_norm_ as "
+            "torchtitan 0.3.x does; matrixfsdp.titan cannot route its gradient clipping"
+        )
+    scope = _TrainerGlobals(sys.modules[fn.__module__], dist_utils=_DistUtils())
+    out = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    out.__qualname__, out.__doc__, out.__module__ = fn.__qualname__, fn.__doc__, __name__
+    return out
+
+
+class MatrixTrainer(Trainer):
+    """torchtitan's ``Trainer`` (what :func:`with_matrixfsdp`'s config builds), whose gradient
+    clipping goes to :func:`matrixfsdp.clip_grad_norm_` for matrixfsdp's parameters.
+
+    torchtitan's ``Trainer.train_step`` clips with ``dist_utils.clip_grad_norm_`` (a module-level
+    name of ``torchtitan/trainer.py``), which cannot combine gradients owned on different one-rank
+    meshes. This class runs the very same ``train_step`` code with that one name resolved to
+    :func:`_clip_grad_norm_` (the original for models without matrixfsdp parameters, with a
+    pipeline mesh or expert parallelism); nothing of torchtitan is replaced, for other trainers
+    in the process or at all. Build it from ``MatrixTrainer.Config`` (a ``Trainer.Config``).
+    """
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        pass
+
+    train_step = _with_dist_utils(Trainer.train_step)
 
 
 # ================================================================================ optimizers
@@ -413,7 +469,8 @@ def with_matrixfsdp(
     collectives: str = "all_to_all",
     replica_step: str = "auto",
 ) -> Any:
-    """Return ``config`` (a torchtitan ``Trainer.Config``) converted to train with matrixfsdp.
+    """Return ``config`` (a torchtitan ``Trainer.Config``) converted to train with matrixfsdp: a
+    ``MatrixTrainer.Config``, which builds a :class:`MatrixTrainer`.
 
     ``optimizer`` is ``"Muon"``, ``"Shampoo"`` or ``"SOAP"`` with ``lr``/``weight_decay`` for the
     matrices and ``adamw_lr``/``adamw_weight_decay`` for everything else (``adamw_lr=None``: the
@@ -447,7 +504,16 @@ def with_matrixfsdp(
             raise ValueError(f"{API}.with_matrixfsdp: pass adamw_lr (the source config has no Adam/AdamW "
                              "group to take it from)")
         adamw_lr = float(lrs[0])
+    if not isinstance(config, Trainer.Config) or type(config) not in (Trainer.Config, MatrixTrainer.Config):
+        raise ValueError(
+            f"{API}.with_matrixfsdp: config must be torchtitan's Trainer.Config (it is converted to "
+            f"MatrixTrainer.Config, whose Trainer routes gradient clipping to matrixfsdp's), got "
+            f"{type(config).__qualname__}"
+        )
     config = copy.deepcopy(config)  # the caller's config (and its sections) stay untouched
+    if type(config) is Trainer.Config:
+        config = MatrixTrainer.Config(**{f.name: getattr(config, f.name)
+                                         for f in dataclasses.fields(config) if f.init})
     config.model_spec = dataclasses.replace(
         config.model_spec,
         parallelize_fn=functools.partial(parallelize_matrixfsdp, policy=policy, plan_optimizer=plan_opt,

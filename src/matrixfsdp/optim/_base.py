@@ -350,7 +350,7 @@ class MatrixOptimizer(Optimizer):
     # limit. So ``step()`` reads ``param_groups`` before ``self.state`` (dynamo builds every
     # parameter of an Optimizer's groups, with param_groups sources, at the first read of that
     # attribute; torch's own optimizers get this order from dynamo's ``_init_group`` special
-    # case), and so does ``replicate``'s step pre-hook, which is traced first.
+    # case), and so does the step pre-hook ``replicate.register_optimizer`` adds, traced first.
     # ``benchmarks/repro/compile_sharded_step.py`` shows it: 5 compiles in 5 calls, or 1.
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

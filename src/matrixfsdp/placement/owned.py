@@ -44,7 +44,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._compat import called_from
-from .owner import (_OWNER_OF, Owned, is_owned, owned_of, owner_meshes, owner_of, owner_tp_meshes, set_owner,
+from .owner import (Owned, is_owned, owned_of, owner_meshes, owner_of, owner_source, owner_tp_meshes, set_owner,
                     tp_mesh_of)
 
 __all__ = [
@@ -125,7 +125,7 @@ class OwnedDTensor(DTensor):
         return self._spec.mesh
 
     def _dp(self) -> tuple[DeviceMesh, int]:
-        found = _OWNER_OF.get(self.device_mesh)
+        found = owner_source(self.device_mesh)
         if found is None:
             raise RuntimeError(f"matrixfsdp: {self.device_mesh} is not a matrixfsdp owner mesh")
         return found
@@ -222,7 +222,7 @@ def empty_local(shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torc
 
 
 def _as_owned_if_owner_mesh(x: Any) -> Any:
-    if type(x) is DTensor and x.device_mesh in _OWNER_OF:
+    if type(x) is DTensor and owner_source(x.device_mesh) is not None:
         local = x._local_tensor
         if x.device_mesh.get_coordinate() is None:
             # DTensor gives ranks outside a mesh a shapeless [0] tensor; ours hold empty_local
@@ -239,7 +239,7 @@ def wrap_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Any, shape: 
     on an owner sub-mesh it is an :class:`OwnedDTensor`."""
     stride = torch.empty(shape, device="meta").stride() if shape else ()
     spec = DTensorSpec(mesh, tuple(placements), TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
-    cls = OwnedDTensor if mesh in _OWNER_OF else DTensor
+    cls = OwnedDTensor if owner_source(mesh) is not None else DTensor
     return cls(local, spec, requires_grad=requires_grad)
 
 

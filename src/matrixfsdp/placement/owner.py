@@ -25,6 +25,7 @@ parameters only: they are the ones whose local tensor is empty on non-owners.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,8 @@ from ..mesh import flat_dp_mesh, mesh_tag
 from .tp_host import tp_host_of
 
 __all__ = ["Owned", "owner_of", "owned_of", "is_owned", "keeps_state", "set_owner", "owner_meshes",
-           "step_meshes", "one_rank_meshes", "owner_tp_meshes", "dp_tp_mesh", "tp_mesh_of", "coordinates", "STORAGES"]
+           "step_meshes", "one_rank_meshes", "owner_tp_meshes", "owner_source", "mesh_scratch", "dp_tp_mesh",
+           "tp_mesh_of", "coordinates", "STORAGES"]
 
 _ATTR = "_matrixfsdp_owned"
 #: set by fully_shard on each sharded parameter (owned or even): its fqn, for messages
@@ -142,8 +144,68 @@ def set_owner(t: Any, info: Owned) -> None:
     setattr(t, _ATTR, info)
 
 
-_OWNER_MESHES: dict[DeviceMesh, tuple[DeviceMesh, ...]] = {}
-_STEP_MESHES: dict[DeviceMesh, tuple[tuple[DeviceMesh, ...], ...]] = {}
+# [Note: mesh caches die with their meshes]
+# The sub-meshes made here (owner, step, one-rank and TP-row meshes) and what each one stands for
+# live on the mesh objects themselves, never in a module-level registry: a data-parallel mesh
+# carries a _MeshCache of the sub-meshes made from it, and each sub-mesh carries the mesh its full
+# value is broadcast over (and its owner's index there), plus, for a TP-row mesh, this rank's TP
+# mesh. These are ordinary references, so a model's parameters keep their sub-meshes (and those
+# their data-parallel mesh) alive, and once model and mesh are dropped the whole graph is
+# garbage (cycles included). Meshes are compared by value (init_device_mesh, a slice, a default
+# mesh: a new object per call, equal to the last), and equal meshes must get the *same*
+# sub-mesh objects (an op mixing two owner meshes of one owner is refused by identity): caches
+# are found by value through _CACHES, whose values are held weakly and whose keys are plain
+# tuples, so nothing in it keeps a mesh alive. The attributes travel with a mesh's __dict__ when
+# it is pickled or copied (DeviceMesh.__getstate__), so a copy still answers owner_source(); a
+# cache itself is not copied (it becomes None, and the copy looks its value up again).
+_CACHE_ATTR = "_matrixfsdp_mesh_cache"
+_SOURCE_ATTR = "_matrixfsdp_owner_source"
+_TP_ATTR = "_matrixfsdp_tp_mesh"
+
+
+class _MeshCache:
+    """The sub-meshes made from one data-parallel mesh (see the Note above)."""
+
+    __slots__ = ("owner", "step", "one_rank", "owner_tp", "scratch", "__weakref__")
+
+    def __init__(self) -> None:
+        self.owner: tuple[DeviceMesh, ...] | None = None
+        self.step: tuple[tuple[DeviceMesh, ...], ...] | None = None
+        self.one_rank: dict[str, tuple[DeviceMesh, ...]] = {}
+        self.owner_tp: dict[DeviceMesh, tuple[DeviceMesh, ...]] = {}
+        self.scratch: dict[str, Any] = {}
+
+    def __reduce__(self) -> tuple:
+        # a pickled or copied mesh carries no cache (it may hold weak references): the copy finds
+        # the live one of its value, or starts its own
+        return type(None), ()
+
+
+_CACHES: "weakref.WeakValueDictionary[tuple, _MeshCache]" = weakref.WeakValueDictionary()
+
+
+def _cache(mesh: DeviceMesh) -> _MeshCache:
+    """``mesh``'s cache: its own, or the one of an equal mesh still alive (made once per value)."""
+    c = mesh.__dict__.get(_CACHE_ATTR)
+    if c is None:
+        key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape), mesh.mesh_dim_names)
+        c = _CACHES.get(key)
+        if c is None:
+            c = _CACHES[key] = _MeshCache()
+        setattr(mesh, _CACHE_ATTR, c)
+    return c
+
+
+def mesh_scratch(mesh: DeviceMesh) -> dict[str, Any]:
+    """A dict shared by every mesh equal to ``mesh`` and dropped with the last of them, for a
+    front-end's per-mesh bookkeeping (see [Note: mesh caches die with their meshes])."""
+    return _cache(mesh).scratch
+
+
+def owner_source(mesh: DeviceMesh) -> tuple[DeviceMesh, int] | None:
+    """For a matrixfsdp owner, step, one-rank or TP-row mesh: the mesh its tensors' full value is
+    broadcast over and the owner's rank in it; ``None`` for any other mesh."""
+    return mesh.__dict__.get(_SOURCE_ATTR)
 
 
 def _grid(mesh: DeviceMesh) -> list[list[int]]:
@@ -157,11 +219,8 @@ def owner_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
 
     Every rank must call this the first time for a given ``mesh`` (``fully_shard`` does).
     """
-    subs = _OWNER_MESHES.get(mesh)
-    if subs is None:
-        # named after the data-parallel mesh: two meshes over the same ranks that differ only in
-        # their dimension names (or two groups sharing a rank) must not share an owner sub-mesh,
-        # which DeviceMesh compares by ranks and names (the inverse map below would mix them up)
+    cache = _cache(mesh)
+    if cache.owner is None:
         tag, grid = mesh_tag(mesh), _grid(mesh)
         # No communicator: a [Replicate()] tensor on these meshes never communicates (W new_group
         # calls would mean W communicator splits, with eager NCCL init, for nothing). Named after
@@ -169,49 +228,46 @@ def owner_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
         subs = tuple(_mesh_without_group(mesh.device_type, [row[s] for row in grid], f"owned_by_rank{s}@{tag}")
                      for s in range(len(grid[0])))
         shard = mesh if mesh.ndim == 1 or mesh.get_coordinate() is None else mesh[mesh.mesh_dim_names[1]]
-        _OWNER_MESHES[mesh] = subs
+        cache.owner = subs
         for s, sub in enumerate(subs):
-            _OWNER_OF[sub] = (shard, s)  # full_tensor broadcasts within this rank's shard group
+            setattr(sub, _SOURCE_ATTR, (shard, s))  # full_tensor broadcasts within this rank's shard group
         if mesh.ndim == 2:
-            _make_step_meshes(mesh)
-    return subs
+            _make_step_meshes(mesh, cache)
+    return cache.owner
 
 
 def step_meshes(mesh: DeviceMesh) -> tuple[tuple[DeviceMesh, ...], ...]:
     """``[replica][shard]`` one-rank meshes, on which ``split`` state is presented (HSDP only;
     created by :func:`owner_meshes`)."""
     owner_meshes(mesh)
-    try:
-        return _STEP_MESHES[mesh]
-    except KeyError:
-        raise ValueError(f"matrixfsdp: step meshes exist for 2-D (HSDP) meshes only, got {mesh}") from None
+    subs = _cache(mesh).step
+    if subs is None:
+        raise ValueError(f"matrixfsdp: step meshes exist for 2-D (HSDP) meshes only, got {mesh}")
+    return subs
 
 
-def _make_step_meshes(mesh: DeviceMesh) -> None:
+def _make_step_meshes(mesh: DeviceMesh, cache: _MeshCache) -> None:
     # The full value of a step-mesh tensor is broadcast over every data-parallel rank: one
     # flattened group, created here, where every rank calls (collective).
     if mesh.get_coordinate() is None:
         return
     subs, S = one_rank_meshes(flat_dp_mesh(mesh), "stepped_by_rank"), int(mesh.shape[-1])
-    _STEP_MESHES[mesh] = tuple(subs[q * S:(q + 1) * S] for q in range(int(mesh.shape[0])))
-
-
-_ONE_RANK: dict[tuple[DeviceMesh, str], tuple[DeviceMesh, ...]] = {}
+    cache.step = tuple(subs[q * S:(q + 1) * S] for q in range(int(mesh.shape[0])))
 
 
 def one_rank_meshes(over: DeviceMesh, label: str) -> tuple[DeviceMesh, ...]:
     """One-rank meshes ``{label}{i}@...``, one per rank ``i`` of the 1-D mesh ``over``, on which a
     tensor whole on that rank is presented (state dicts, DCP); its ``full_tensor()`` broadcasts
     over ``over``. No communicator (created once per ``(over, label)``; local)."""
-    key = (over, label)
-    subs = _ONE_RANK.get(key)
+    cache = _cache(over)
+    subs = cache.one_rank.get(label)
     if subs is None:
         tag = mesh_tag(over)
         subs = tuple(_mesh_without_group(over.device_type, [g], f"{label}{i}@{tag}")
                      for i, g in enumerate(over.mesh.flatten().tolist()))
         for i, sub in enumerate(subs):
-            _OWNER_OF[sub] = (over, i)
-        _ONE_RANK[key] = subs
+            setattr(sub, _SOURCE_ATTR, (over, i))
+        cache.one_rank[label] = subs
     return subs
 
 
@@ -229,19 +285,14 @@ def _mesh_without_group(device_type: str, ranks: list[int], name: str) -> Device
     return sub
 
 
-_OWNER_TP: dict[tuple[DeviceMesh, DeviceMesh], tuple[DeviceMesh, ...]] = {}
-# owner TP-row mesh -> this rank's own TP mesh (the full value's TP all-gather runs there)
-_TP_ROW: dict[DeviceMesh, DeviceMesh] = {}
-
-
 def owner_tp_meshes(dp: DeviceMesh, tp: DeviceMesh) -> tuple[DeviceMesh, ...]:
     """The TP-row mesh of every owner ``s`` of ``dp`` (FSDP2 + TP: ``dp = mesh["dp_shard"]``,
     ``tp = mesh["tp"]`` of one ``("dp_shard", "tp")`` mesh): the ``T`` ranks at shard coordinate
     ``s``, on which a TP-sharded parameter owned by ``s`` is presented with its TP placements
     (see [Note: owned parameter representation]). This rank's own row reuses the TP group (no new
     communicator); the other rows have none (this rank is not in them). Local; cached."""
-    key = (dp, tp)
-    subs = _OWNER_TP.get(key)
+    cache = _cache(dp)
+    subs = cache.owner_tp.get(tp)
     if subs is None:
         pair = dp_tp_mesh(dp, tp)
         grid = pair.mesh.tolist()
@@ -253,10 +304,10 @@ def owner_tp_meshes(dp: DeviceMesh, tp: DeviceMesh) -> tuple[DeviceMesh, ...]:
                 sub = DeviceMesh.from_group(tp.get_group(), tp.device_type, mesh=row, mesh_dim_names=name)
             else:
                 sub = _mesh_without_group(tp.device_type, row, name[0])
-            _OWNER_OF[sub] = (dp, s)
-            _TP_ROW[sub] = tp
+            setattr(sub, _SOURCE_ATTR, (dp, s))
+            setattr(sub, _TP_ATTR, tp)  # the full value's TP all-gather runs on this rank's TP mesh
             out.append(sub)
-        subs = _OWNER_TP[key] = tuple(out)
+        subs = cache.owner_tp[tp] = tuple(out)
     return subs
 
 
@@ -300,9 +351,4 @@ def dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
 
 def tp_mesh_of(owner_mesh: DeviceMesh) -> DeviceMesh | None:
     """This rank's TP mesh for an owner TP-row mesh (:func:`owner_tp_meshes`), else ``None``."""
-    return _TP_ROW.get(owner_mesh)
-
-
-# owner sub-mesh -> (the mesh to broadcast its full value over, the owner's rank in it); filled
-# by owner_meshes
-_OWNER_OF: dict[DeviceMesh, tuple[DeviceMesh, int]] = {}
+    return owner_mesh.__dict__.get(_TP_ATTR)
