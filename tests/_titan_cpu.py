@@ -401,7 +401,7 @@ def tiny_qwen3_config(*, steps: int, global_batch: int = 4, seq_len: int = 32, d
       with inductor: study obstacle 5; SDPA is titan's test-only swap,
       experiments/graph_trainer/common_utils.py:63-71);
     * loss: plain ``CrossEntropyLoss`` (the debug config's ``ChunkedLossWrapper``, which calls
-      ``lm_head`` outside the root forward, is the "chunked" variant of tests/test_titan.py);
+      ``lm_head`` outside the root forward, is the "chunked" variant of tests/integrations/test_titan.py);
     * data: :class:`NullTokenizer`, :class:`SyntheticTokens`; ``hf_assets_path=""``;
     * ``training``: ``global_batch_size=global_batch``, ``local_batch_size=global_batch //
       world_size`` (no gradient accumulation), ``seq_len``, ``steps``, float32 params and reduce,

@@ -73,7 +73,7 @@ def test_no_caller_frame_inspection_outside_the_compat_module():
 
 
 def test_the_compat_module_pins_the_torch_versions_it_was_verified_on():
-    """A torch upgrade fails here until tests/test_full_state_load.py has been rerun on it and
+    """A torch upgrade fails here until tests/checkpoint/test_full_state_load.py has been rerun on it and
     the version added (see [Note: torch's full state-dict loaders and owned tensors])."""
     from matrixfsdp.placement import _compat
 

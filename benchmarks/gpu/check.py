@@ -24,7 +24,7 @@ results in ``<out>/<part>*.json``, a summary in ``<out>/summary.json``):
 
 Without CUDA the script says so, runs what a CPU can run (``race`` without streams, as a
 parity check, and ``smoke`` under gloo at W=1), reports the GPU-only parts as skipped and exits 0
-unless a part that ran failed. ``tests/test_gpu_check.py`` runs it that way in CI.
+unless a part that ran failed. ``tests/bench/test_gpu_check.py`` runs it that way in CI.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from ..comm.collectives import CommCounter, collectives_for
 from ..engine.backward import dynamo_disable, in_backward
 from ..engine.swap import attach_state, swap_class
-from ..placement.owned import local_tensor, owner_meshes
+from ..placement.owned_tensor import local_tensor, owner_meshes
 from ..planner.owner_plan import OwnerPlan
 from ..engine.plan_check import check_world_size, verify_plan_digest
 from ..engine.reducer import check_find_unused

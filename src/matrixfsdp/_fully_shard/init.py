@@ -46,7 +46,7 @@ from .param import ManagedParam, shard_param
 from ..engine.reducer import replica_comm
 from ..engine.swap import attached_state
 from .param_group import CommContext, check_one_dtype
-from .tp import attach_tp_hosts, check_plan_tp, localize, tp_layout
+from .tp_params import attach_tp_hosts, check_plan_tp, localize, tp_layout
 from .state import BlockState, RootContext
 
 API = "matrixfsdp.fully_shard"
@@ -63,7 +63,7 @@ def get_state(module: nn.Module) -> BlockState | None:
 def _collect_managed(module: nn.Module, ignored: set[nn.Parameter], dp: DeviceMesh) -> list[ManagedParam]:
     """Parameters of ``module`` not under an already wrapped submodule (FSDP2's rule); TP
     DTensors of ``dp``'s TP sibling mesh carry their layout (see [Note: owners of TP-sharded
-    parameters] in ``tp.py``)."""
+    parameters] in ``tp_params.py``)."""
     by_id: dict[int, ManagedParam] = {}
     visited: set[int] = set()
 

@@ -6,7 +6,7 @@ slots (``module._parameters[name]``, every slot of a tied parameter):
 
 * the *sharded* parameter, a DTensor whose local tensor is this rank's row segment (see
   [Note: row segments] in ``planner/owner_plan.py`` and [Note: owned parameter representation] in
-  ``placement/owned.py``): what optimizers, state dicts and checkpoints see, outside forward and backward;
+  ``placement/owned_tensor.py``): what optimizers, state dicts and checkpoints see, outside forward and backward;
 * the *unsharded* parameter, a plain ``nn.Parameter`` *leaf* with the full shape, created once per
   storage: a view of the block's receive buffer (peers' rows, or a mixed-precision cast of the
   owner's), of its assembly buffer (evenly sharded parameters with several pieces), or of the
@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from ..mesh import MeshInfo
 from ..placement.owner import FQN_ATTR, owner_of, set_owner
 from ..placement.tp_host import set_tp_host, tp_host_of
-from ..placement.owned import local_tensor, make_sharded_param, owned_of
+from ..placement.owned_tensor import local_tensor, make_sharded_param, owned_of
 
 if TYPE_CHECKING:
     from ..planner.owner_plan import ParamPlan
@@ -55,7 +55,7 @@ class ManagedParam:
     sharded: Any = None  #: the DTensor parameter after resolution
     unsharded: nn.Parameter | None = None  #: the full-shape leaf (see the Note)
     #: ``(tp mesh, placements)`` of a TP-sharded parameter (see [Note: owners of TP-sharded
-    #: parameters] in ``tp.py``); the engine then runs on its TP shard
+    #: parameters] in ``tp_params.py``); the engine then runs on its TP shard
     tp: Any = None
 
     @property
@@ -72,7 +72,7 @@ class ManagedParam:
         """Make the unsharded leaf a parameter over ``data`` (a view; storage is shared); a TP
         DTensor leaf for a TP-sharded parameter."""
         if self.tp is not None:
-            from .tp import unsharded_leaf
+            from .tp_params import unsharded_leaf
 
             self.unsharded = unsharded_leaf(data, self.tp, self.sharded.shape, self.requires_grad)
             return

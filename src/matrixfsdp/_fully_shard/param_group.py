@@ -69,7 +69,7 @@ from ..engine.exchange import Exchange, GatherUnit
 from ..engine.layout import BlockLayout
 from ..engine.reducer import PendingReduce, Reducer, ReplicaComm
 from ..engine.streams import CommContext
-from ..placement.owned import make_sharded_grad
+from ..placement.owned_tensor import make_sharded_grad
 from .param import ManagedParam
 
 __all__ = ["BlockReduce", "CommContext", "ParamGroup", "ReplicaComm", "accumulate_grad"]
@@ -358,7 +358,7 @@ class ParamGroup:
             u = mp.unsharded
             g = None if u is None else u.grad
             if g is not None and mp.tp is not None:
-                from .tp import local_grad
+                from .tp_params import local_grad
 
                 g = local_grad(g, mp.tp)  # a TP leaf's gradient: its local shard is reduced
             grads.append(g)

@@ -20,8 +20,8 @@ from ..mesh import MeshInfo, default_mesh, mesh_info
 from ..placement.owner import Owned, keeps_state, owner_of, set_owner
 from ..engine.swap import attach_state, attached_state, front_end_of, swap_class
 from ..planner.owner_plan import OwnerPlan
-from .layout import build_layout
-from .buckets import Bucket, ReplicateState
+from .bucket_layout import build_layout
+from .state import Bucket, ReplicateState
 
 __all__ = ["replicate", "MatrixReplicateModule"]
 
@@ -130,7 +130,7 @@ def replicate(
                 if replicas is not None:
                     replicas.coll.broadcast(t, 0)
                 coll.broadcast(t, 0)
-    from ..placement.owned import owner_meshes
+    from ..placement.owned_tensor import owner_meshes
 
     owner_meshes(mesh)  # optimizer state is presented on them (see [Note: optimizer state in state dicts])
     state = ReplicateState(module, buckets, named, rank=rank, world_size=W, coll=coll, comm=comm, stage=stage,

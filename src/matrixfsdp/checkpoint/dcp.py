@@ -72,7 +72,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from .._fully_shard import drop_stale_state, materialized_modules
 from ..comm.agree import agree, encode_error, is_distributed
 from ..optim._base import MatrixOptimizer
-from ..placement.owned import local_tensor, owned_of, wrap_dtensor
+from ..placement.owned_tensor import local_tensor, owned_of, wrap_dtensor
 from ..placement.owner import keeps_state
 from ..placement.tp_host import tp_host_of
 from .safe_pickle import SafeFileSystemReader, SafeLoadPlanner, UntrustedCheckpointError, load_metadata

@@ -39,7 +39,7 @@ def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True, api: st
     tensor object, as in an unsharded model's state dict.
     """
     from .dcp import _check_sharded, drop_stale_state
-    from ..placement.owned import full_tensor
+    from ..placement.owned_tensor import full_tensor
 
     drop_stale_state(model)
     _check_sharded(model, api)

@@ -1,8 +1,8 @@
 """Segment math for one wrapped block: who stores which rows, and where they travel.
 
 Pure functions of an :class:`~matrixfsdp.planner.owner_plan.OwnerPlan`'s parameters and the world size: no
-process group, no tensor. The front-ends (``_fully_shard/param_group.py``, ``_replicate/layout.py``) turn these numbers into buffer views and
-collective split sizes; the property tests in ``tests/test_layout.py`` pin the invariants.
+process group, no tensor. The front-ends (``_fully_shard/param_group.py``, ``_replicate/bucket_layout.py``) turn these numbers into buffer views and
+collective split sizes; the property tests in ``tests/engine/test_layout.py`` pin the invariants.
 
 [Note: chunks and pieces]
 Every parameter is partitioned along dim 0 into ``W`` contiguous row ranges in rank order (see
@@ -30,7 +30,7 @@ usage flags (see [Note: unused parameters] in ``engine/reducer.py``). With ``F``
 ``d`` starts at ``sum(n_e + F for e < d)`` elements: any ``F`` that is not a multiple of
 ``16 / itemsize`` pushes every later chunk off a 16-byte boundary (unpadded, ``plan_owners`` on the
 Qwen3-8B preset misaligns 259 of 296 chunk starts at W=8 in bf16 and 518 of 592 at W=16; see
-``tests/test_layout.py``), and NCCL and the copy kernels fall back to narrower loads on misaligned
+``tests/engine/test_layout.py``), and NCCL and the copy kernels fall back to narrower loads on misaligned
 buffers. So the flag block of every chunk is padded with zeros up to the next multiple
 of :data:`ALIGN_BYTES` (``reduce_splits(extra, itemsize=...)``): every chunk start is aligned, at
 a cost of fewer than ``16 / itemsize`` elements per destination (< 16 bytes per destination and

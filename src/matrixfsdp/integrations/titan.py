@@ -86,7 +86,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import optim as _optim
 from ..placement.clip import clip_grad_norm_ as _mfsdp_clip
-from ..placement.owned import owned_of, set_full_
+from ..placement.owned_tensor import owned_of, set_full_
 from ..planner.owners import plan_owners
 from .._fully_shard import MatrixFSDPModule, MixedPrecisionPolicy, fully_shard
 

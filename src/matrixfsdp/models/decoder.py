@@ -233,7 +233,7 @@ class Decoder(nn.Module):
         the same full tensors and keeps its own segment, so a sharded model gets exactly the
         values of an unsharded one with the same ``seed``, at any world size.
         """
-        from ..placement.owned import set_full_
+        from ..placement.owned_tensor import set_full_
 
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         residual = {f"model.layers.{i}.{n}.weight" for i in range(self.cfg.num_hidden_layers)

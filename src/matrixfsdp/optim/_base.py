@@ -73,7 +73,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..placement.owned import local_tensor  # one local-tensor helper for the package
+from ..placement.owned_tensor import local_tensor  # one local-tensor helper for the package
 from ..placement.stepping import planned_kind, stepping_of  # the one descriptor optimizers ask
 from ._adamw import adamw_foreach, adamw_foreach_capturable, adamw_step, lr_tensor, new_step_counter
 from .rule import UpdateRule

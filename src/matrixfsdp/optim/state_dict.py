@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ..placement.owned import empty_local, local_tensor, owned_of, wrap_dtensor
+from ..placement.owned_tensor import empty_local, local_tensor, owned_of, wrap_dtensor
 from ..placement.owner import owner_of, tp_mesh_of
 from ..placement.stepping import stepping_of  # owner and TP host, asked once (placement/stepping.py)
 

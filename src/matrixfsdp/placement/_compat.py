@@ -27,7 +27,7 @@ refused by ``DTensorSpec._verify_shard_order`` (see ``shared/notes/torch-2.13-cp
 The callers are recognized by code object identity against the torch functions above
 (:func:`called_from`), and only on the torch versions in :data:`SUPPORTED_TORCH`, which
 ``tests/test_layering.py`` pins: a torch upgrade fails that test until these paths are verified
-again (``tests/test_full_state_load.py``). On any other version the workaround is off, and the
+again (``tests/checkpoint/test_full_state_load.py``). On any other version the workaround is off, and the
 full-state-dict loaders fail as torch's own code does.
 """
 

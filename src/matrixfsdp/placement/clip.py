@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from ..comm.agree import agreement_device
 from ..mesh import flat_dp_mesh, mesh_device
-from .owned import local_tensor
+from .owned_tensor import local_tensor
 from .owner import coordinates, dp_tp_mesh, owner_of, tp_mesh_of
 
 __all__ = ["clip_grad_norm_", "reduction_device_and_group"]

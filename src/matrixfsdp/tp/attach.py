@@ -1,5 +1,5 @@
 """One way TP hosts are attached, for both ways in: ``host_matrices`` (dp=1) and ``fully_shard``
-over TP-sharded parameters (``_fully_shard/tp.py``).
+over TP-sharded parameters (``_fully_shard/tp_params.py``).
 
 Both hand :func:`attach_hosts` the micro-groups of every owner row (at dp=1 there is one row, the
 TP group itself), this rank's row, and the ranks of each row; it builds this row's host step, the

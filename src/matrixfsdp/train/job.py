@@ -22,7 +22,7 @@ gradient is summed over another number of ranks in another order: the result agr
 rounding, not bitwise (W=2 -> 4 at the default size: losses within 2.2e-7 relative, see
 benchmarks/results/train/default/README.md). The same holds across ``--replicas`` (the HSDP mesh
 is not part of the fingerprint: DCP reshards between the flat and the (R, W/R) meshes and between
-``repeat`` and ``split``); tests/test_train.py resumes a flat W=4 checkpoint on (2, 2).
+``repeat`` and ``split``); tests/train/test_job.py resumes a flat W=4 checkpoint on (2, 2).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..models.decoder import Decoder, DecoderConfig, DecoderLayer
-from ..placement.owned import local_tensor
+from ..placement.owned_tensor import local_tensor
 from .data import VOCAB_SIZE, Corpus, heldout_windows, load_corpus, local_batch
 
 __all__ = ["TrainConfig", "MODEL_SIZES", "OPTIMIZER_LRS", "run_rank", "TrainError", "latest_checkpoint",

@@ -1,0 +1,141 @@
+"""``fully_shard`` over tensor-parallel parameters: torch's FSDP2 + TP pattern with owners.
+
+[Note: owners of TP-sharded parameters]
+The calls are torch's::
+
+    mesh = init_device_mesh(dev, (dp, tp), mesh_dim_names=("dp_shard", "tp"))
+    parallelize_module(block, mesh["tp"], {...})           # Shard(0)/Shard(1) DTensors on "tp"
+    plan = matrixfsdp.plan_owners(model, mesh, ...)         # owners over dp_shard; tp from the mesh
+    matrixfsdp.fully_shard(block, mesh=mesh["dp_shard"], plan=plan)
+
+Owners are planned over ``dp_shard`` from the global shapes, so every TP column holds the same
+plan. What a data-parallel rank stores of a TP-sharded parameter is its *TP shard*: the engine
+runs on TP-local tensors (each TP column reduces and gathers its own shards over its own
+``dp_shard`` group, exactly as for plain parameters), and the plan's shapes are localized per
+rank (``localize``). The planner never shards such a parameter evenly: the owner's whole TP row
+holds it, the other rows hold empty shards.
+
+The three representations:
+
+* sharded (optimizers, state dicts, DCP): a DTensor with the parameter's TP placements on the
+  owner's *TP-row mesh* (``placement/owner.py: owner_tp_meshes``), the TP shard on that row and an
+  empty tensor elsewhere; ``full_tensor()`` broadcasts each TP shard down its column, then
+  all-gathers over TP;
+* unsharded (forward, backward): a DTensor leaf on this rank's own TP mesh with the TP placements,
+  as FSDP2's unsharded TP parameters, so ``parallelize_module``'s styles run unchanged; its
+  gradient's local tensor is what the reduction sends;
+* the step: every ``"matrix"`` parameter with a ``Shard(d)`` placement is stepped whole on one
+  host of its owner's TP row between two fused all-to-alls per micro-group, the plan's
+  ``micro_groups[owner]`` (``tp/host_step.py``, [Note: TP hosts]). Only the owner's row runs
+  them: across data parallelism the step stays free of communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..placement.owned_tensor import OwnedDTensor
+from ..placement.owner import dp_tp_mesh, owner_tp_meshes
+from ..mesh import flat_dp_mesh
+
+if TYPE_CHECKING:
+    from ..planner.owner_plan import OwnerPlan, ParamPlan
+
+__all__ = ["tp_layout", "localize", "check_plan_tp", "attach_tp_hosts"]
+
+API = "matrixfsdp.fully_shard"
+
+TPLayout = tuple[DeviceMesh, tuple[Any, ...]]  # (this rank's TP mesh, the TP placements)
+
+
+def tp_layout(name: str, p: torch.Tensor, dp: DeviceMesh) -> TPLayout:
+    """The TP layout of DTensor parameter ``p`` under ``fully_shard(mesh=dp)``; raises for a
+    DTensor of any other origin (another sharding API, a mesh that is not ``dp``'s TP sibling)."""
+    mesh = p.device_mesh  # type: ignore[attr-defined]
+    if isinstance(p, OwnedDTensor) or mesh.ndim != 1 or mesh == dp:
+        raise ValueError(f"{API}: parameter {name!r} is already a DTensor on {mesh}; it is managed by "
+                         "another sharding API")
+    if dp.ndim != 1:
+        raise ValueError(f"{API}: TP parameter {name!r} under an HSDP mesh {dp}: HSDP with tensor "
+                         "parallelism (a 3-D mesh) is not supported; use a (\"dp_shard\", \"tp\") mesh "
+                         "and fully_shard(..., mesh=mesh[\"dp_shard\"])")
+    placements = tuple(p.placements)  # type: ignore[attr-defined]
+    if any(type(pl) not in (Shard, Replicate) for pl in placements):
+        raise ValueError(f"{API}: TP parameter {name!r} has placements {placements}; fully_shard "
+                         "takes Shard(d) or Replicate() on the TP mesh (parallelize_module's styles)")
+    owner_tp_meshes(dp, mesh)  # checks the two meshes are dimensions of one ("dp_shard", "tp") mesh
+    return mesh, placements
+
+
+def localize(pp: "ParamPlan", p: torch.Tensor, fqn: str) -> "ParamPlan":
+    """The plan entry with this rank's TP-shard shape: the engine runs on TP-local tensors."""
+    if pp.owner is None:
+        raise ValueError(
+            f"{API}: the plan shards TP parameter {fqn!r} evenly, but a TP-sharded parameter must be "
+            "owned; build the plan from the parallelized model (plan_owners(model, mesh) after "
+            "parallelize_module), which owns every DTensor parameter"
+        )
+    return dataclasses.replace(pp, shape=tuple(p._local_tensor.shape))  # type: ignore[attr-defined]
+
+
+def check_plan_tp(plan: "OwnerPlan", params: list[Any]) -> None:
+    """The plan was built for the model's TP degree (local; before anything is sharded)."""
+    for mp in params:
+        if mp.tp is not None and plan.tp != mp.tp[0].size():
+            raise ValueError(
+                f"{API}: the model's TP mesh has {mp.tp[0].size()} ranks but the plan was built with "
+                f"tp={plan.tp}; plan with the (\"dp_shard\", \"tp\") mesh: plan_owners(model, mesh, ...)"
+            )
+
+
+def unsharded_leaf(data: torch.Tensor, tp: TPLayout, shape: torch.Size, requires_grad: bool) -> torch.nn.Parameter:
+    """The unsharded TP DTensor leaf over ``data`` (this rank's TP shard; no copy)."""
+    dt = DTensor.from_local(data, tp[0], tp[1], run_check=False, shape=shape,
+                            stride=torch.empty(shape, device="meta").stride())
+    return torch.nn.Parameter(dt, requires_grad=requires_grad)
+
+
+def local_grad(grad: torch.Tensor, tp: TPLayout) -> torch.Tensor:
+    """The local tensor of an unsharded TP leaf's gradient, in the parameter's TP placements (a
+    gradient that DTensor left ``Partial``, e.g. of a replicated norm under sequence parallelism,
+    is reduced over TP first, as FSDP2 does)."""
+    if isinstance(grad, DTensor):
+        if tuple(grad.placements) != tp[1]:
+            grad = grad.redistribute(tp[0], tp[1])
+        return grad._local_tensor
+    return grad
+
+
+def attach_tp_hosts(states: list[Any], plan: "OwnerPlan", dp: DeviceMesh, shard_rank: int, *,
+                    pipeline: bool = True) -> None:
+    """Give every TP-sharded ``"matrix"`` parameter its host descriptor and this rank's executor
+    (its owner row's micro-groups; see the module Note). Collective once (the host meshes' flat
+    group); every rank calls at resolution."""
+    from ..tp.attach import attach_hosts
+
+    hosted: dict[str, Any] = {}
+    for s in states:
+        for mp in s.params:
+            if mp.tp is not None and mp.plan.placement == "matrix" and any(isinstance(pl, Shard) for pl in mp.tp[1]):
+                hosted[mp.fqn] = mp
+    if not hosted:
+        return
+    tp_mesh = next(iter(hosted.values())).tp[0]
+    if tp_mesh.size() == 1:
+        return  # a one-rank TP mesh: every owner holds its matrices whole, stepped locally
+    rows = [[(g.index, [(f, hosted[f].sharded, h) for f, h in g.members if f in hosted])
+             for g in (plan.micro_groups[s] if plan.micro_groups else ())] for s in range(plan.world_size)]
+    planned = {f for row in rows for _, members in row for f, _, _ in members}
+    missing = [f for f in hosted if f not in planned]
+    if missing:
+        raise ValueError(f"{API}: the plan has no micro-group for TP matrix {missing[0]!r}; build the "
+                         "plan from the parallelized model with the (\"dp_shard\", \"tp\") mesh")
+    pair = dp_tp_mesh(dp, tp_mesh)
+    attach_hosts(tp_mesh, [[(k, m) for k, m in row if m] for row in rows], shard_rank,
+                 [r.mesh.flatten().tolist() for r in owner_tp_meshes(dp, tp_mesh)], flat_dp_mesh(pair),
+                 pipeline=pipeline)

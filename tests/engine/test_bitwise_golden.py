@@ -1,0 +1,104 @@
+"""Bitwise guard of the reduction engine: losses, every gradient after backward and every parameter
+after the step, hashed per rank, for ``fully_shard`` (W=2, planned), ``replicate`` (W=2, stages 1
+and 2) and ``fully_shard`` on an HSDP (2, 2) mesh with ``replica_step="split"``, against goldens
+computed at 25ffc19 (before the engine's one ``Reducer``). A refactor that changes one bit fails.
+
+Regenerate (only for an intentional numeric change, and say so in the commit)::
+
+    PYTHONPATH=src python tests/engine/test_bitwise_golden.py --regen
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden", "bitwise.json")
+CASES = ["fully_shard_w2", "replicate_w2_stage1", "replicate_w2_stage2", "fully_shard_hsdp22_split"]
+WORLD = {"fully_shard_w2": 2, "replicate_w2_stage1": 2, "replicate_w2_stage2": 2, "fully_shard_hsdp22_split": 4}
+BATCH = 12
+
+
+def _digest(t: torch.Tensor | None) -> str:
+    if t is None:
+        return "none"
+    t = getattr(t, "_local_tensor", t).detach().contiguous()
+    return hashlib.sha256(t.cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16] + f":{tuple(t.shape)}"
+
+
+def run_case(case: str, steps: int = 3) -> dict:
+    from _models import Block, TinyConfig, TinyDecoder, make_batch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import matrixfsdp
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    cfg = TinyConfig()
+    model = TinyDecoder(cfg, seed=0)
+    if case.startswith("replicate"):
+        mesh = init_device_mesh("cpu", (W,))
+        plan = matrixfsdp.plan_owners(model, mesh, policy="alpha_balanced", elementwise="owned",
+                                      bucket_numel=40_000)
+        matrixfsdp.replicate(model, mesh=mesh, plan=plan, stage=int(case[-1]))
+    else:
+        if case == "fully_shard_hsdp22_split":
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+            plan = matrixfsdp.plan_owners(model, mesh, block_types=(Block,), replica_step="split")
+        else:
+            mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("dp_shard",))
+            plan = matrixfsdp.plan_owners(model, mesh, block_types=(Block,))
+        for b in model.blocks:
+            matrixfsdp.fully_shard(b, mesh=mesh, plan=plan)
+        matrixfsdp.fully_shard(model, mesh=mesh, plan=plan)
+    opt = matrixfsdp.optim.Muon(model, lr=0.02, ns_dtype=torch.float32, adamw_lr=3e-3, weight_decay=0.01)
+    per = BATCH // W
+    out: dict = {"loss": [], "grad": [], "param": []}
+    for step in range(steps):
+        x, y = make_batch(cfg, step, BATCH)
+        # step 1: the gated projection unused on rank 0 only (the usage flags)
+        kw = {"use_extra": step != 1 or rank != 0}
+        loss = model.loss(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per], **kw)
+        loss.backward()
+        out["loss"].append(float(loss).hex())
+        out["grad"].append({n: _digest(p.grad) for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    if hasattr(model, "sync_params"):
+        model.sync_params()
+    out["param"] = {n: _digest(p) for n, p in model.named_parameters()}
+    return out
+
+
+def _compute(case: str) -> list[dict]:
+    from _harness import get_pool
+
+    return get_pool(WORLD[case]).run(run_case, case)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bitwise_against_25ffc19(case):
+    with open(GOLDEN) as f:
+        golden = json.load(f)[case]
+    got = _compute(case)
+    for r, (g, want) in enumerate(zip(got, golden)):
+        assert g["loss"] == want["loss"], (case, r, "losses", g["loss"], want["loss"])
+        for step, (gg, wg) in enumerate(zip(g["grad"], want["grad"])):
+            bad = sorted(n for n in wg if gg.get(n) != wg[n])
+            assert not bad, (case, r, f"gradients after backward {step}", bad)
+        bad = sorted(n for n in want["param"] if g["param"].get(n) != want["param"][n])
+        assert not bad, (case, r, "parameters", bad)
+
+
+if __name__ == "__main__" and "--regen" in sys.argv:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
+    data = {case: _compute(case) for case in CASES}
+    with open(GOLDEN, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    print("wrote", GOLDEN)
