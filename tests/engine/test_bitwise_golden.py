@@ -3,6 +3,10 @@ after the step, hashed per rank, for ``fully_shard`` (W=2, planned), ``replicate
 and 2) and ``fully_shard`` on an HSDP (2, 2) mesh with ``replica_step="split"``, against goldens
 computed at 25ffc19 (before the engine's one ``Reducer``). A refactor that changes one bit fails.
 
+The bits depend on torch's CPU kernels: the goldens record the torch version and CPU capability
+they were computed with (``torch.backends.cpu.get_cpu_capability()``), and on another pair the test
+is skipped with that reason (regenerate from 25ffc19 on that machine to guard there).
+
 Regenerate (only for an intentional numeric change, and say so in the commit)::
 
     PYTHONPATH=src python tests/engine/test_bitwise_golden.py --regen
@@ -75,6 +79,10 @@ def run_case(case: str, steps: int = 3) -> dict:
     return out
 
 
+def _env() -> dict:
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def _compute(case: str) -> list[dict]:
     from _harness import get_pool
 
@@ -84,7 +92,11 @@ def _compute(case: str) -> list[dict]:
 @pytest.mark.parametrize("case", CASES)
 def test_bitwise_against_25ffc19(case):
     with open(GOLDEN) as f:
-        golden = json.load(f)[case]
+        data = json.load(f)
+    env = {k: data["env"][k] for k in ("torch", "cpu_capability")}
+    if env != _env():
+        pytest.skip(f"goldens computed with {env}, this machine has {_env()}: other kernels, other bits")
+    golden = data["cases"][case]
     got = _compute(case)
     for r, (g, want) in enumerate(zip(got, golden)):
         assert g["loss"] == want["loss"], (case, r, "losses", g["loss"], want["loss"])
@@ -98,7 +110,9 @@ def test_bitwise_against_25ffc19(case):
 if __name__ == "__main__" and "--regen" in sys.argv:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
-    data = {case: _compute(case) for case in CASES}
+    data = {"env": {**_env(), "computed_at": sys.argv[sys.argv.index("--regen") + 1]
+                    if len(sys.argv) > sys.argv.index("--regen") + 1 else "unknown"},
+            "cases": {case: _compute(case) for case in CASES}}
     with open(GOLDEN, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
     print("wrote", GOLDEN)
