@@ -97,6 +97,9 @@ def replicate(
                            bucket_numel=bucket_numel)
     if not isinstance(plan, OwnerPlan):
         raise TypeError(f"{API}: plan must be None or a matrixfsdp OwnerPlan, got {type(plan).__name__}")
+    # collective, first: a plan wrong on some ranks only fails on every rank here, before any
+    # local check could raise on those ranks alone and leave the others waiting in it
+    verify_plan_digest(plan, info, api=API)
     check_world_size(plan, info, api=API)
     named = dict(module.named_parameters())
     missing = sorted(set(named) - {p.fqn for p in plan.params})
@@ -104,7 +107,6 @@ def replicate(
         raise ValueError(f"{API}: the plan has no entry for {missing[:3]} (plan the same model)")
     _check_whole(plan, named)
     coll = collectives_for(info.shard_group, collectives)
-    verify_plan_digest(plan, info, api=API)  # before anything depends on the plan's content
     rank, W = info.shard_rank, info.shard_size
     trainable = [f for f, p in named.items() if p.requires_grad]
     devices = {p.device for p in named.values()}

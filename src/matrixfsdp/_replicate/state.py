@@ -336,8 +336,9 @@ class ReplicateState:
             base = b.flat.data_ptr()
             size = b.flat.element_size()
             for slot, p in zip(b.layout.slots, b.params):
+                # a zero-element view has no storage address to compare (data_ptr() is 0)
                 if (p.dtype != b.flat.dtype or p.device != b.flat.device
-                        or p.data_ptr() != base + slot.offset * size):
+                        or (slot.numel and p.data_ptr() != base + slot.offset * size)):
                     raise ValueError(
                         f"matrixfsdp.replicate: parameter {slot.fqn!r} is no longer a view of its flat "
                         f"bucket (now {p.dtype} on {p.device}, bucket {b.flat.dtype} on {b.flat.device}): "
@@ -353,7 +354,7 @@ class ReplicateState:
             for b in self.buckets:
                 base, size = b.flat.data_ptr(), b.flat.element_size()
                 for slot, p in zip(b.layout.slots, b.params):
-                    if p.data_ptr() == base + slot.offset * size and p.dtype == b.flat.dtype:
+                    if p.dtype == b.flat.dtype and (not slot.numel or p.data_ptr() == base + slot.offset * size):
                         continue
                     view = b.flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
                     view.copy_(p.detach())
