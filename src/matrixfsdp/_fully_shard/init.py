@@ -30,6 +30,7 @@ parameters still on meta raise there.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any, Iterable
 
@@ -40,11 +41,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..comm.collectives import collectives_for
-from ..planner.owner_plan import OwnerPlan, ParamPlan
-from ..mesh import MeshInfo
-from .param import ManagedParam, shard_param
+from ..engine.exchange import Exchange, GatherUnit, any_rank, version_stamp
 from ..engine.reducer import replica_comm
 from ..engine.swap import attached_state
+from ..mesh import MeshInfo
+from ..placement.owner import mesh_scratch, owner_of, set_owner
+from ..planner.owner_plan import OwnerPlan, ParamPlan
+from ..planner.owners import plan_owners
+from .param import ManagedParam, shard_param
 from .param_group import CommContext, check_one_dtype
 from .tp_params import attach_tp_hosts, check_plan_tp, localize, tp_layout
 from .state import BlockState, RootContext
@@ -133,10 +137,6 @@ def plan_call(params: list[ManagedParam], info: MeshInfo, state: BlockState,
               adopted: list[BlockState]) -> OwnerPlan:
     """The plan of one plan-less ``fully_shard`` call (see [Note: drop-in planning]); records
     the call's loads on ``state``."""
-    import dataclasses
-
-    from ..planner.owners import plan_owners
-
     W = info.shard_size
     tp = [mp.fqn for mp in params if mp.tp is not None]
     if tp:
@@ -175,8 +175,6 @@ def plan_call(params: list[ManagedParam], info: MeshInfo, state: BlockState,
 def _scope(info: MeshInfo, adopted: list[BlockState]) -> list[BlockState]:
     """The earlier calls of the model being wrapped: those waiting for a root on this mesh (in
     call order), then the ones this call adopts that are not among them (in module order)."""
-    from ..placement.owner import mesh_scratch
-
     pending = [s for ref in mesh_scratch(info.mesh).get(_PENDING, ()) if (s := ref()) is not None]
     seen = {id(s) for s in pending}
     return pending + [s for s in adopted if id(s) not in seen]
@@ -185,8 +183,6 @@ def _scope(info: MeshInfo, adopted: list[BlockState]) -> list[BlockState]:
 def end_call(state: BlockState, info: MeshInfo, adopted: list[BlockState]) -> None:
     """After a plan-less call: it waits for a root, or, adopting earlier calls, closes the model's
     tally (see [Note: drop-in planning])."""
-    from ..placement.owner import mesh_scratch
-
     scratch = mesh_scratch(info.mesh)
     if adopted:
         scratch.pop(_PENDING, None)
@@ -204,11 +200,6 @@ def chunk_order(params: list[ManagedParam], plan_order: dict[str, int]) -> None:
 def attach_exchange(ctx: RootContext, info: MeshInfo) -> None:
     """HSDP split: one deferred gather per block holding split parameters on this rank, and the
     exchange on every split parameter's descriptor (see [Note: deferred gathers])."""
-    import dataclasses
-
-    from ..engine.exchange import Exchange, GatherUnit, any_rank, version_stamp
-    from ..placement.owner import owner_of, set_owner
-
     split = [mp for s in ctx.states for mp in s.params if mp.plan.step_replica is not None]  # type: ignore[union-attr]
     if not info.is_hsdp or not split:
         return

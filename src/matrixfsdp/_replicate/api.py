@@ -136,8 +136,7 @@ def replicate(
 
     owner_meshes(mesh)  # optimizer state is presented on them (see [Note: optimizer state in state dicts])
     state = ReplicateState(module, buckets, named, rank=rank, world_size=W, coll=coll, comm=comm, stage=stage,
-                           replicas=replicas,
-                           agree=collectives_for(info.dp_group, collectives) if replicas is not None else None)
+                           replicas=replicas, agree=collectives_for(info.dp_group, collectives))
     state.plan = plan
     state.mesh = mesh
     on_grad = _grad_hook(state)

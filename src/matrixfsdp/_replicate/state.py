@@ -189,7 +189,7 @@ class ReplicateState:
 
     def __init__(self, module: nn.Module, buckets: list[Bucket], params: dict[str, nn.Parameter], *,
                  rank: int, world_size: int, coll: SegmentCollectives, comm: CommContext, stage: int,
-                 replicas: ReplicaComm | None = None, agree: SegmentCollectives | None = None):
+                 agree: SegmentCollectives, replicas: ReplicaComm | None = None):
         self.module = module
         self.replicas = replicas  # this rank's replicate group (HSDP), else None
         self.buckets = buckets  # forward (registration) order; reduced in reverse
@@ -201,9 +201,9 @@ class ReplicateState:
                 self.where[id(p)] = (b, i)
         self.requires_gradient_sync = True
         self.find_unused = True  # set_find_unused_parameters (see [Note: usage-flag host read])
-        # whether anyone wrote is agreed over every data-parallel rank (``agree``: the flattened
-        # HSDP group), since a bucket's gather spans the replicas too
-        self.exchange = Exchange((b.gather for b in buckets), agree=any_rank(agree or coll, comm.device))
+        # whether anyone wrote is agreed over every data-parallel rank (``agree``: the shard group,
+        # or the flattened HSDP group, since a bucket's gather spans the replicas too)
+        self.exchange = Exchange((b.gather for b in buckets), agree=any_rank(agree, comm.device))
         self.active = False  # the running backward reduces
         self.next_launch = 0  # index into the reduction order
         self.stash: dict[int, torch.Tensor] = {}  # reduced grads held over an accumulating backward

@@ -266,7 +266,9 @@ class Reducer:
         self.split_prefix = self._split_prefix()
         #: DDP's pre-division, applied by :meth:`put` while copying (as DDP's bucket copy)
         self._put_scale = 1.0 / divide_factors(self._group_size, None, reduce_dtype, predivide=True)[0]
-        self._flag_index: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: index tensors of the padding and the flag blocks, made once per device (no host-to-
+        #: device copy per backward)
+        self._index_cache: dict[tuple[str, torch.device], torch.Tensor] = {}
 
     # ============================================================================ copy-in
     def copy_in(self, grads: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
@@ -298,11 +300,25 @@ class Reducer:
         zeroed here, once (one kernel), and never written again, so the reduction never sums
         uninitialized memory; every piece and flag is written before each launch."""
         buf = torch.empty(self.numel, dtype=self.reduce_dtype, device=device)
-        pads = [i for d in range(self.world_size)
-                for i in range(self.offsets[d] + self.splits[d] - self._pads[d], self.offsets[d] + self.splits[d])]
-        if pads:
-            buf.index_fill_(0, torch.tensor(pads, dtype=torch.long, device=device), 0)
+        if any(self._pads):
+            buf.index_fill_(0, self._index("pads", device), 0)
         return buf
+
+    def _index(self, what: str, device: torch.device) -> torch.Tensor:
+        """The positions in the input of its padding (``"pads"``), of every destination's flags
+        (``"flag_dst"``) and the parameter each of those flags is (``"flag_src"``)."""
+        key = (what, torch.device(device))
+        t = self._index_cache.get(key)
+        if t is None:
+            W, n = self.world_size, self.layout.chunk_numel
+            end = [self.offsets[d] + self.splits[d] for d in range(W)]
+            values = {
+                "pads": [i for d in range(W) for i in range(end[d] - self._pads[d], end[d])],
+                "flag_dst": [self.offsets[d] + n[d] + k for d in range(W) for k in range(len(self.flagged[d]))],
+                "flag_src": [j for d in range(W) for j in self.flagged[d]],
+            }[what]
+            t = self._index_cache[key] = torch.tensor(values, dtype=torch.long, device=device)
+        return t
 
     def put(self, buf: torch.Tensor, j: int, grad: torch.Tensor | None) -> None:
         """Parameter ``j``'s pieces into ``buf`` (zeros for a parameter this rank did not use),
@@ -329,14 +345,8 @@ class Reducer:
         for j, u in enumerate(used):
             if u:
                 flags[j: j + 1].fill_(1.0)
-        if self._flag_index is None or self._flag_index[0].device != buf.device:
-            n = self.layout.chunk_numel
-            dst = [self.offsets[d] + n[d] + k for d in range(self.world_size) for k in range(len(self.flagged[d]))]
-            src = [j for d in range(self.world_size) for j in self.flagged[d]]
-            self._flag_index = (torch.tensor(dst, dtype=torch.long, device=buf.device),
-                                torch.tensor(src, dtype=torch.long, device=buf.device))
-        dst_index, src_index = self._flag_index
-        buf.index_copy_(0, dst_index, flags.index_select(0, src_index))
+        buf.index_copy_(0, self._index("flag_dst", buf.device),
+                        flags.index_select(0, self._index("flag_src", buf.device)))
 
     # ============================================================================ launch
     @property
