@@ -10,7 +10,9 @@ one per rank, in rank order:
 * ``"matrix"`` / ``"tail"`` (owned): the owner holds rows ``[0, n)``, every other rank ``[0, 0)``
   (an empty ``[0, *shape[1:]]`` tensor);
 * ``"even"``: ``torch.chunk`` semantics, as stock FSDP2 ``Shard(0)``: chunk ``c = ceil(n / W)``,
-  rank ``r`` holds ``[min(r*c, n), min((r+1)*c, n))``.
+  rank ``r`` holds ``[min(r*c, n), min((r+1)*c, n))``;
+* ``"experts"`` (an expert stack ``[E, out, in]``, see [Note: expert placement]): rank ``r`` holds
+  ``experts[r]`` whole experts, the ranks' ranges following each other in rank order.
 
 0-dim parameters cannot be split and are always owned. Because both cases are "row ranges in rank
 order", materialization and reduction are one piece of segment math for both (see ``local_rows``).
@@ -30,6 +32,15 @@ parameter's gradient is combined across its ``replicas`` owners in one of two wa
 Evenly sharded parameters are reduce-scattered within the group and all-reduced across replicas,
 as in torch's HSDP. A flat plan has ``replicas == 1`` and no step replica; its digest is the one
 it had before replicas existed.
+
+[Note: expert placement]
+An expert stack is ``E`` expert slices along dim 0, each ``splits`` matrices along its rows (see
+[Note: one routing rule] in ``rules.py``). The planner balances every expert as a role of its own
+with the dense matrices; since the experts of one stack are alike, only how many each rank gets
+matters, so the plan records the counts (``experts[r]`` for shard rank ``r``, summing to ``E``)
+and rank ``r`` holds the contiguous experts ``[sum(experts[:r]), sum(experts[:r+1]))``. No expert
+is ever split, and a rank may hold none (``E < W``). On an HSDP mesh every replica holds the same
+experts, all-reduced across replicas and stepped by each (as evenly sharded tensors).
 
 [Note: tensor-parallel micro-groups]
 With ``tp > 1`` every weight is also split across a TP group of ``tp`` ranks, and each data-parallel
@@ -65,7 +76,7 @@ __all__ = [
 ]
 
 #: The three placements a parameter can have.
-PLACEMENTS = ("matrix", "tail", "even")
+PLACEMENTS = ("matrix", "tail", "even", "experts")
 #: How owned parameters combine across replicas (see [Note: replicas and step replicas]).
 REPLICA_STEPS = ("auto", "repeat", "split")
 
@@ -100,13 +111,17 @@ class ParamPlan:
     state_nbytes: int
     cost: float
     step_replica: int | None = None
+    #: ``"experts"`` placement: whole experts per shard rank (see [Note: expert placement])
+    experts: tuple[int, ...] = ()
+    #: matrices per expert along the rows of an expert slice (``"experts"`` placement)
+    splits: int = 1
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
             raise ValueError(
                 f"ParamPlan {self.fqn!r}: placement must be one of {PLACEMENTS}, got {self.placement=!r}"
             )
-        owned = self.placement != "even"
+        owned = self.placement not in ("even", "experts")
         if owned != (self.owner is not None):
             raise ValueError(
                 f"ParamPlan {self.fqn!r}: {self.placement!r} placement "
@@ -124,6 +139,26 @@ class ParamPlan:
             raise ValueError(
                 f"ParamPlan {self.fqn!r}: 'matrix' placement needs a 2D parameter, got {self.shape=}"
             )
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        object.__setattr__(self, "experts", tuple(self.experts))
+        if self.placement != "experts":
+            if self.experts or self.splits != 1:
+                raise ValueError(f"ParamPlan {self.fqn!r}: experts and splits belong to the 'experts' "
+                                 f"placement, got {self.experts=} {self.splits=} with {self.placement!r}")
+            return
+        if len(self.shape) != 3:
+            raise ValueError(f"ParamPlan {self.fqn!r}: 'experts' placement needs a 3-D expert stack, "
+                             f"got {self.shape=}")
+        if (isinstance(self.splits, bool) or not isinstance(self.splits, int) or self.splits < 1
+                or self.shape[1] % self.splits):
+            raise ValueError(f"ParamPlan {self.fqn!r}: splits must be an int >= 1 dividing the expert "
+                             f"rows {self.shape[1]}, got {self.splits=!r}")
+        if (not self.experts or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.experts)
+                or sum(self.experts) != self.shape[0]):
+            raise ValueError(f"ParamPlan {self.fqn!r}: experts must give each shard rank a count >= 0 of "
+                             f"whole experts, summing to E={self.shape[0]}, got {self.experts=!r}")
 
     @property
     def numel(self) -> int:
@@ -134,6 +169,9 @@ class ParamPlan:
         n = self.shape[0] if self.shape else 1
         if self.placement == "even":
             return even_rows(n, world_size, rank)
+        if self.placement == "experts":
+            start = sum(self.experts[:rank])
+            return start, start + self.experts[rank]
         return (0, n) if rank == self.owner else (0, 0)
 
     def local_shape(self, rank: int, world_size: int) -> tuple[int, ...]:
@@ -145,6 +183,8 @@ class ParamPlan:
 
     def share(self, rank: int, world_size: int) -> float:
         """Fraction of this parameter that ``rank`` stores (and updates)."""
+        if self.placement == "experts":
+            return self.experts[rank] / self.shape[0]
         if self.placement != "even":
             return 1.0 if rank == self.owner else 0.0
         start, end = self.local_rows(rank, world_size)
@@ -341,6 +381,9 @@ class OwnerPlan:
                     f"OwnerPlan: {p.fqn!r} step_replica must be in [0, {self.replicas}), got "
                     f"{p.step_replica=}"
                 )
+            if p.placement == "experts" and len(p.experts) != self.world_size:
+                raise ValueError(f"OwnerPlan: expert stack {p.fqn!r} needs a count per shard rank "
+                                 f"({self.world_size}), got {len(p.experts)}: {p.experts!r}")
         self._check_micro_groups()
         payload = json.dumps(self._canonical(), sort_keys=True, separators=(",", ":"))
         object.__setattr__(self, "digest", hashlib.sha256(payload.encode()).hexdigest())
@@ -572,6 +615,8 @@ class OwnerPlan:
                     "cost": p.cost,
                     # only where set: a flat plan keeps the digest it had before replicas existed
                     **({"step_replica": p.step_replica} if p.step_replica is not None else {}),
+                    # only for expert stacks: a dense plan keeps the digest it had before experts
+                    **({"experts": list(p.experts), "splits": p.splits} if p.placement == "experts" else {}),
                 }
                 for p in self.params
             ],
@@ -606,7 +651,8 @@ class OwnerPlan:
                 optimizer=d["optimizer"],
                 blocks=tuple(d["blocks"]),
                 params=tuple(
-                    ParamPlan(**{**p, "shape": tuple(p["shape"])}) for p in d["params"]
+                    ParamPlan(**{**p, "shape": tuple(p["shape"]), "experts": tuple(p.get("experts", ()))})
+                    for p in d["params"]
                 ),
                 meta=tuple((k, _freeze(v)) for k, v in d.get("meta", [])),
                 replicas=d.get("replicas", 1),

@@ -4,6 +4,9 @@
 memory is touched), groups parameters into *roles* and assigns each owned role to one rank.
 
 * Each 2D weight selected by ``matrix_filter`` inside a scope is one **matrix role**.
+* Each expert of an expert stack (see [Note: one routing rule] in ``rules.py``) is one **expert
+  role**; only how many experts of a stack each rank gets is recorded (see [Note: expert
+  placement] in ``owner_plan.py``).
 * The remaining (element-wise, AdamW-updated) tensors of a scope form one **tail role**, which is
   either owned by one rank or evenly sharded (``Shard(0)``, as stock FSDP2), see ``elementwise``.
 * A scope is a wrapped block; parameters outside every block form the **root scope** (``""``).
@@ -30,7 +33,7 @@ from .cost import ParamInfo, resolve_cost, state_nbytes
 from .micro_groups import plan_micro_groups
 from .owner_plan import REPLICA_STEPS, OwnerPlan, ParamPlan, _three_term_bound, even_rows
 from .partition import partition_buckets, partition_replicas
-from .rules import default_matrix_filter
+from .rules import MatrixRule, ParamKind, check_rule, default_matrix_filter, head_rows_of
 
 __all__ = ["plan_owners", "POLICIES", "ELEMENTWISE", "default_matrix_filter"]
 
@@ -49,6 +52,8 @@ class _Spec:
     module_type: type
     #: a DTensor (tensor-parallel) parameter: owned whole by one data-parallel rank, never even
     tp: bool = False
+    #: ``"experts"`` stacks: the rule's kind and splits (see [Note: one routing rule])
+    kind: ParamKind = ParamKind("elementwise")
 
 
 @dataclass
@@ -56,7 +61,7 @@ class _Role:
     key: str  # matrix fqn, or "<block>#tail"
     block: str
     members: tuple[_Spec, ...]
-    placement: str  # "matrix" | "tail"
+    placement: str  # "matrix" | "tail" | "experts" (one expert of a stack)
     nbytes: int
     cost: float
 
@@ -139,10 +144,10 @@ def _is_dtensor(p: Any) -> bool:
 
 
 def _collect(
-    model: nn.Module, block_fqns: list[str], matrix_filter: Callable[..., bool] | None
+    model: nn.Module, block_fqns: list[str], matrix_filter: Callable[..., bool] | None, rule: MatrixRule
 ) -> list[_Spec]:
     modules = dict(model.named_modules())
-    head_rows = frozenset(m.num_embeddings for m in modules.values() if isinstance(m, nn.Embedding))
+    head_rows = head_rows_of(model)
     block_set = set(block_fqns)
     specs = []
     for fqn, p in model.named_parameters():  # de-duplicates tied parameters (first name wins)
@@ -155,26 +160,47 @@ def _collect(
             if cand in block_set:
                 block = cand
                 break
-        if matrix_filter is None:
-            is_matrix = default_matrix_filter(fqn, p, module, head_rows)
-        else:
+        kind = rule.kind(fqn, p, module, head_rows)
+        if matrix_filter is not None and kind.kind != "experts":
             is_matrix = bool(matrix_filter(fqn, p))
             if is_matrix and p.ndim != 2:
                 raise ValueError(
                     f"plan_owners: matrix_filter selected {fqn!r}, which is not 2D: got shape={tuple(p.shape)}"
+                    + ("; a 3-D stack of expert matrices is selected by the rule instead: pass "
+                       f"matrix_rule=MatrixRule(expert_stacks=({fqn!r},))" if p.ndim == 3 else "")
                 )
+            kind = ParamKind("matrix") if is_matrix else ParamKind("elementwise")
+        if kind.kind == "experts" and _is_dtensor(p):
+            raise ValueError(
+                f"plan_owners: expert stack {fqn!r} is a DTensor (tensor- or expert-parallel); "
+                "experts are owned whole per data-parallel rank from plain parameters: plan the model "
+                "before distributing its experts, or pass matrix_rule=MatrixRule(experts=False)"
+            )
         info = ParamInfo(
             fqn=fqn,
             shape=tuple(p.shape),
             dtype=str(p.dtype).removeprefix("torch."),
             itemsize=p.element_size(),
-            is_matrix=is_matrix,
+            is_matrix=kind.kind == "matrix",
             requires_grad=p.requires_grad,
         )
-        specs.append(_Spec(fqn, block, info, type(module), tp=_is_dtensor(p)))
+        specs.append(_Spec(fqn, block, info, type(module), tp=_is_dtensor(p), kind=kind))
     if not specs:
         raise ValueError("plan_owners: the model has no parameters")
     return specs
+
+
+def _stack_cost(s: _Spec, cost_fn: Callable[[ParamInfo], float]) -> float:
+    E, k = s.info.shape[0], s.kind.splits
+    return sum(k * cost_fn(expert_matrix_info(s.info, k, e)) for e in range(E))
+
+
+def expert_matrix_info(info: ParamInfo, splits: int, expert: int) -> ParamInfo:
+    """One matrix of expert ``expert`` of the stack ``info`` (``[E, out, in]``, ``splits``
+    matrices per expert): what the cost model and state sizes see of it."""
+    _, rows, cols = info.shape
+    return ParamInfo(fqn=f"{info.fqn}[{expert}]", shape=(rows // splits, cols), dtype=info.dtype,
+                     itemsize=info.itemsize, is_matrix=True, requires_grad=info.requires_grad)
 
 
 def plan_owners(
@@ -186,6 +212,7 @@ def plan_owners(
     cost: str | Callable[[ParamInfo], float] = "flops",
     policy: str = "balanced",
     matrix_filter: Callable[[str, torch.Tensor], bool] | None = None,
+    matrix_rule: MatrixRule | None = None,
     optimizer: str = "muon",
     elementwise: str = "auto",
     precondition_frequency: int = 10,
@@ -216,7 +243,11 @@ def plan_owners(
             search), ``"role_greedy"``, ``"scope_greedy"``, or the ZeRO-1 bucket partitions
             ``"alpha_balanced"`` (Canzona Algorithm 1) and ``"naive_static"`` (its start-index rule).
         matrix_filter: ``f(fqn, param) -> bool`` choosing the 2D weights that get the matrix
-            optimizer (default: :func:`default_matrix_filter`).
+            optimizer (default: :func:`default_matrix_filter`); expert stacks are chosen by
+            ``matrix_rule`` alone.
+        matrix_rule: the routing rule (:class:`~matrixfsdp.MatrixRule`, default
+            ``MatrixRule()``): expert stacks, routers, fused expert projections (see
+            [Note: one routing rule]); give the optimizer the same rule.
         optimizer: ``"muon"``, ``"shampoo"``, ``"soap"`` or ``"adamw"``: sizes optimizer state
             and selects the FLOP formula.
         elementwise: placement of tail roles (element-wise tensors of a scope): ``"owned"``,
@@ -269,14 +300,28 @@ def plan_owners(
         raise ValueError(f"plan_owners: tp must be an int >= 1, got {tp=!r}")
     if tp_c_max is not None and tp == 1:
         raise ValueError(f"plan_owners: tp_c_max needs tp > 1, got {tp_c_max=!r} with tp=1")
+    rule = check_rule(matrix_rule, "plan_owners")
     cost_name, cost_fn = resolve_cost(cost, optimizer, precondition_frequency)
     block_fqns = _block_fqns(model, blocks, block_types)
-    specs = _collect(model, block_fqns, matrix_filter)
+    specs = _collect(model, block_fqns, matrix_filter, rule)
+    if tp > 1 and any(s.kind.kind == "experts" for s in specs):
+        name = next(s.fqn for s in specs if s.kind.kind == "experts")
+        raise ValueError(
+            f"plan_owners: expert stack {name!r} with tp={tp}: experts are not tensor-parallel here "
+            "(torchtitan shards them by expert parallelism instead); plan with tp=1, or pass "
+            "matrix_rule=MatrixRule(experts=False) to keep the stacks element-wise"
+        )
 
-    def make(spec: _Spec, placement: str, owner: int | None) -> ParamPlan:
+    def make(spec: _Spec, placement: str, owner: int | None, counts: tuple[int, ...] = ()) -> ParamPlan:
         info = spec.info
         if placement == "even" and not info.shape:
             placement, owner = "tail", 0  # 0-dim cannot be split
+        if placement == "experts":
+            one = expert_matrix_info(info, spec.kind.splits, 0)
+            E, k = info.shape[0], spec.kind.splits
+            return ParamPlan(fqn=spec.fqn, placement="experts", owner=None, block=spec.block, shape=info.shape,
+                             dtype=info.dtype, nbytes=info.nbytes, state_nbytes=E * k * state_nbytes(one, optimizer),
+                             cost=E * k * cost_fn(one), experts=counts, splits=k)
         return ParamPlan(
             fqn=spec.fqn,
             placement=placement,
@@ -288,6 +333,12 @@ def plan_owners(
             state_nbytes=state_nbytes(info, optimizer),
             cost=cost_fn(info),
         )
+
+    def counts_of(spec: _Spec, owners: dict[str, int]) -> tuple[int, ...]:
+        counts = [0] * W
+        for e in range(spec.info.shape[0]):
+            counts[owners[f"{spec.fqn}#{e}"]] += 1
+        return tuple(counts)
 
     meta: tuple[tuple[str, Any], ...] = ()
     if policy in BUCKET_POLICIES and elementwise == "auto":
@@ -303,18 +354,28 @@ def plan_owners(
         seq = [s for s in specs if s.fqn not in even_fqns]
         owners, meta = partition_buckets(
             [s.fqn for s in seq],
-            [cost_fn(s.info) for s in seq],
+            [_stack_cost(s, cost_fn) if s.kind.kind == "experts" else cost_fn(s.info) for s in seq],
             W,
             policy=policy,
             alpha=alpha,
             bucket_numel=bucket_numel,
             numels=[s.info.numel for s in seq],
         )
-        params += [make(s, "matrix" if s.info.is_matrix else "tail", owners[s.fqn]) for s in seq]
+        for s in seq:
+            if s.kind.kind == "experts":  # atomic in a bucket: the whole stack on one rank
+                params.append(make(s, "experts", None, tuple(s.info.shape[0] if r == owners[s.fqn] else 0
+                                                             for r in range(W))))
+            else:
+                params.append(make(s, "matrix" if s.info.is_matrix else "tail", owners[s.fqn]))
     else:
         owners = _assign(roles, even, W, policy, cost_fn)
+        stacks: dict[str, _Spec] = {}
         for role in roles:
+            if role.placement == "experts":
+                stacks[role.members[0].fqn] = role.members[0]
+                continue
             params += [make(s, role.placement, owners[role.key]) for s in role.members]
+        params += [make(s, "experts", None, counts_of(s, owners)) for s in stacks.values()]
     params.sort(key=lambda p: p.fqn)
     if R > 1:
         params = _assign_step_replicas(params, R, replica_step)
@@ -369,15 +430,23 @@ def _build_roles(
     for block in sorted(by_block):
         members = sorted(by_block[block], key=lambda s: s.fqn)
         mats = [s for s in members if s.info.is_matrix]
-        tail = [s for s in members if not s.info.is_matrix]
+        stacks = [s for s in members if s.kind.kind == "experts"]
+        tail = [s for s in members if not s.info.is_matrix and s.kind.kind != "experts"]
         for s in mats:
             roles.append(_Role(s.fqn, block, (s,), "matrix", s.info.nbytes, cost_fn(s.info)))
+        for s in stacks:
+            E, k = s.info.shape[0], s.kind.splits
+            nbytes = s.info.nbytes // E if E else 0
+            roles += [_Role(f"{s.fqn}#{e}", block, (s,), "experts", nbytes,
+                            k * cost_fn(expert_matrix_info(s.info, k, e))) for e in range(E)]
         if not tail:
             continue
         tail_bytes = sum(s.info.nbytes for s in tail)
         if elementwise == "auto":
             scope_bytes = sum(s.info.nbytes for s in members)
-            fair = max(max((s.info.nbytes for s in mats), default=0), scope_bytes / W)
+            largest = max([s.info.nbytes for s in mats] + [s.info.nbytes // s.info.shape[0] for s in stacks
+                                                            if s.info.shape[0]], default=0)
+            fair = max(largest, scope_bytes / W)
             owned = tail_bytes <= fair
         else:
             owned = elementwise == "owned"
@@ -615,7 +684,7 @@ def _local_search(roles: list[_Role], assign: dict[str, int], st: _State, max_it
             return
         partners = sorted((k for k in range(W) if k != top), key=lambda k: (objs[k], k))[:T]
         best: tuple[float, Any] | None = None
-        for a in sorted(on_rank[top], key=lambda r: r.key):
+        for a in _distinct(on_rank[top]):
             for k in partners:
                 # move a: top -> k
                 if st.fits(a, k):
@@ -623,7 +692,7 @@ def _local_search(roles: list[_Role], assign: dict[str, int], st: _State, max_it
                     if new < cur - eps and (best is None or new < best[0] - eps):
                         best = (new, ("move", a, k, None))
                 # swap a <-> b
-                for b in on_rank[k]:
+                for b in _distinct(on_rank[k]):
                     db, dc = b.nbytes - a.nbytes, b.cost - a.cost
                     if db >= 0 and dc >= 0:
                         continue
@@ -646,6 +715,19 @@ def _local_search(roles: list[_Role], assign: dict[str, int], st: _State, max_it
             on_rank[k].remove(b)
             on_rank[top].append(b)
             assign[b.key] = top
+
+
+def _distinct(roles: list[_Role]) -> list[_Role]:
+    """One role per (block, bytes, cost), by key: moving or swapping any of a set of alike roles
+    (the experts of a stack) changes the loads alike, so the search tries the first only."""
+    seen: set[tuple[str, int, float]] = set()
+    out = []
+    for r in sorted(roles, key=lambda r: r.key):
+        sig = (r.block, r.nbytes, r.cost)
+        if sig not in seen:
+            seen.add(sig)
+            out.append(r)
+    return out
 
 
 def _swap_fits(st: _State, a: _Role, ra: int, b: _Role, rb: int) -> bool:
