@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from ..mesh import MeshInfo
 from ..placement.owner import FQN_ATTR, owner_of, set_owner
 from ..placement.tp_host import set_tp_host, tp_host_of
+from ..placement.experts import expert_rows
 from ..placement.owned_tensor import local_tensor, make_sharded_param, owned_of
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ class ManagedParam:
         shape = tuple(old.shape) if self.tp is not None else tuple(pp.shape)  # TP: pp has the TP shard's
         new = make_sharded_param(local, shape=shape, mesh=mesh, owner=pp.owner,
                                  kind=pp.placement, requires_grad=old.requires_grad,
-                                 step_replica=pp.step_replica, tp=self.tp)
+                                 step_replica=pp.step_replica, tp=self.tp, experts=pp.experts, splits=pp.splits)
         info, host = owner_of(old), tp_host_of(old)
         if host is not None:
             set_tp_host(new, host)
@@ -123,7 +124,8 @@ class ManagedParam:
         local = local_tensor(p)
         rank = info.shard_rank
         expected = pp.local_shape(rank, info.shard_size)
-        good_meta = (owned_of(p) is not None) == (pp.owner is not None) and isinstance(p, DTensor)
+        good_meta = ((owned_of(p) is not None) == (pp.owner is not None) and isinstance(p, DTensor)
+                     and (expert_rows(p) == pp.experts if pp.placement == "experts" else expert_rows(p) is None))
         if tuple(local.shape) == expected and good_meta:
             return False
         if tuple(local.shape) != expected:
@@ -163,7 +165,7 @@ def shard_param(mp: ManagedParam, info: MeshInfo) -> None:
             local = data.new_empty(pp.local_shape(rank, W))
     mp.sharded = make_sharded_param(local, shape=tuple(orig.shape), mesh=mesh, owner=pp.owner,
                                     kind=pp.placement, requires_grad=orig.requires_grad,
-                                    step_replica=pp.step_replica, tp=mp.tp)
+                                    step_replica=pp.step_replica, tp=mp.tp, experts=pp.experts, splits=pp.splits)
     setattr(mp.sharded, FQN_ATTR, mp.fqn)  # optimizers' warnings name it
     mp.orig = None
     mp.to_sharded()

@@ -74,8 +74,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..placement.owned_tensor import local_tensor  # one local-tensor helper for the package
-from ..placement.stepping import planned_kind, stepping_of  # the one descriptor optimizers ask
+from ..placement.stepping import expert_splits_of, planned_kind, stepping_of  # the one descriptor optimizers ask
 from ._adamw import adamw_foreach, adamw_foreach_capturable, adamw_step, lr_tensor, new_step_counter
+from ._experts import init_stacked, loop_step, matrices, route_name
 from .rule import UpdateRule
 
 __all__ = ["MatrixOptimizer", "local_tensor", "wide_dtype", "is_real", "lr_tensor", "ADAMW_DEFAULTS", "STEP_FLAGS"]
@@ -162,13 +163,20 @@ class MatrixOptimizer(Optimizer):
     #: [Note: optimizer state in state dicts].
     _state_placeholders: ClassVar[dict[str, str]] = {}
 
-    def __init__(self, params: Any, defaults: dict[str, Any], adamw: dict[str, Any]) -> None:
-        defaults = {**defaults, "algorithm": "auto", **adamw}
+    def __init__(self, params: Any, defaults: dict[str, Any], adamw: dict[str, Any],
+                 matrix_rule: Any = None) -> None:
+        from ..planner.rules import check_rule
+
+        defaults = {**defaults, "algorithm": "auto", "experts": None, **adamw}
         # Constructor arguments first, so their errors name no group.
         self._check_hparams(defaults, "")
+        rule = check_rule(matrix_rule, type(self).__name__)
         from_module = isinstance(params, torch.nn.Module)
         if from_module:
-            params = self._module_groups(params)
+            params = self._module_groups(params, rule)
+        elif matrix_rule is not None:
+            raise ValueError(f"{type(self).__name__}: matrix_rule routes the parameters of a model; pass the "
+                             f"model itself ({type(self).__name__}(model, matrix_rule=...)), not parameters")
         #: ids of owned parameters whose owner (another rank) has state (see present_state)
         self._remote_state: set[int] = set()
         #: host-side step counts of capturable groups (see [Note: host step counts])
@@ -180,28 +188,35 @@ class MatrixOptimizer(Optimizer):
 
             warn_if_list_routing_differs(self)
 
-    def _module_groups(self, model: torch.nn.Module) -> list[dict[str, Any]]:
-        """[Note: one routing rule] ``Optimizer(model)`` routes every parameter by the planner's
-        rule, sharded or not: 2D weights get the matrix rule, except embeddings and output heads
-        (``default_matrix_filter``), everything else AdamW. On a sharded model the owner plan's
-        decision is used (the same rule unless the plan was built with another ``matrix_filter``),
-        so a plain reference run and a sharded run of the same model step every parameter alike.
+    def _module_groups(self, model: torch.nn.Module, rule: Any) -> list[dict[str, Any]]:
+        """``Optimizer(model)`` routes every parameter by the planner's rule (see [Note: one routing
+        rule] in ``planner/rules.py``), sharded or not: 2D weights and routers get the matrix rule,
+        expert stacks the matrix rule per expert matrix, embeddings, output heads and everything
+        else AdamW. On a sharded model the owner plan's decision is used (the same rule unless the
+        plan was built with another ``matrix_filter`` or ``matrix_rule``), so a plain reference run
+        and a sharded run of the same model step every parameter alike, in the same param groups:
+        matrices, expert stacks (one group per ``splits``, key ``"experts"``), AdamW.
         ``Optimizer(model.parameters())`` with ``algorithm="auto"`` cannot see modules: there a
         plain 2D tensor gets the matrix rule (embeddings and heads included)."""
-        from ..planner.rules import default_matrix_filter
+        from ..planner.rules import head_rows_of
 
-        head_rows = frozenset(m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding))
+        head_rows = head_rows_of(model)
         matrix, rest = [], []
+        stacks: dict[int, list[Tensor]] = {}
         for fqn, p in model.named_parameters():
-            planned = planned_kind(p)  # owned, TP-hosted or evenly sharded: the plan decided
+            planned = planned_kind(p)  # owned, TP-hosted, an expert stack or evenly sharded: the plan decided
             if planned is not None:
-                is_matrix = planned == "matrix"
+                kind, splits = planned, expert_splits_of(p)
             else:
-                module = model.get_submodule(fqn.rpartition(".")[0])
-                is_matrix = default_matrix_filter(fqn, p, module, head_rows)
-            (matrix if is_matrix else rest).append(p)
-        return [g for g in (dict(params=matrix, algorithm=self.rule), dict(params=rest, algorithm="adamw"))
-                if g["params"]]
+                kind, splits = rule.kind(fqn, p, model.get_submodule(fqn.rpartition(".")[0]), head_rows)
+            if kind == "experts":
+                stacks.setdefault(splits, []).append(p)
+            else:
+                (matrix if kind == "matrix" else rest).append(p)
+        groups = [dict(params=matrix, algorithm=self.rule)]
+        groups += [dict(params=stacks[k], algorithm=self.rule, experts=k) for k in sorted(stacks)]
+        groups.append(dict(params=rest, algorithm="adamw"))
+        return [g for g in groups if g["params"]]
 
     # ----------------------------------------------------------------------------- validation
     def _fail(self, msg: str, where: str) -> NoReturn:
@@ -253,6 +268,10 @@ class MatrixOptimizer(Optimizer):
         for key in STEP_FLAGS:
             if not isinstance(group.get(key, False), bool):
                 self._fail(f"{key} must be a bool, got {key}={group[key]!r}", where)
+        experts = group.get("experts")
+        if experts is not None and (isinstance(experts, bool) or not isinstance(experts, int) or experts < 1):
+            self._fail("experts must be None or the number of matrices per expert (an int >= 1) of the "
+                       f"group's 3-D expert stacks, got experts={experts!r}", where)
         self._check_lr(group, "lr", where)
         self._check_nonneg(group, "weight_decay", where)
         self._check_lr(group, "adamw_lr", where, optional=True)
@@ -280,14 +299,46 @@ class MatrixOptimizer(Optimizer):
             if torch.is_complex(p):
                 self._fail(f"complex parameters are not supported, got dtype={p.dtype}", where)
             if self._route(group, p) != "adamw":
+                splits = self._expert_splits(group, p)
+                if splits:
+                    self._check_stack(p, splits, index, group)
+                    continue
                 if p.ndim != 2:
                     self._fail(
-                        f"param group {index} asks for the {self.rule!r} rule, which only takes 2D "
-                        f"matrices, but holds a parameter of shape {tuple(p.shape)}; put it in a "
-                        "group with algorithm='adamw'",
+                        f"param group {index} asks for the {self.rule!r} rule, which takes 2D "
+                        f"matrices and expert stacks, but holds a parameter of shape {tuple(p.shape)} "
+                        "that is neither; put it in a group with algorithm='adamw', or, if it is a "
+                        "3-D stack of expert matrices [E, out, in], in a group with experts=1 (or the "
+                        "number of matrices fused per expert); Optimizer(model) routes a model's "
+                        "expert stacks itself",
                         "",
                     )
                 self._check_whole(p, local_tensor(p), index)
+
+    def _check_stack(self, p: Tensor, splits: int, index: int, group: dict[str, Any]) -> None:
+        """An expert stack under the matrix rule: 3-D, rows dividing by ``splits``, whole experts
+        here (see [Note: expert optimizer state] in ``optim/_experts.py``)."""
+        if p.ndim != 3 or p.shape[1] % splits:
+            self._fail(f"param group {index} steps a parameter of shape {tuple(p.shape)} as an expert stack "
+                       f"with {splits} matrices per expert, which needs a 3-D [E, out, in] stack whose out "
+                       f"divides by {splits}; fix the group's experts= value", "")
+        local = local_tensor(p)
+        if local.numel() != 0 and tuple(local.shape[1:]) != tuple(p.shape[1:]):
+            self._fail(f"param group {index} holds an expert stack of global shape {tuple(p.shape)} whose "
+                       f"local tensor {tuple(local.shape)} splits its experts; shard it with "
+                       "matrixfsdp.fully_shard (whole experts per rank) or keep it unsharded", "")
+        if group.get("capturable", False) and type(self)._experts_step is MatrixOptimizer._experts_step:
+            self._fail(f"param group {index} is capturable and holds an expert stack, which "
+                       f"{type(self).__name__}'s capturable step does not take yet; use capturable=False "
+                       "for the group of expert stacks", "")
+
+    def _expert_splits(self, group: dict[str, Any], p: Tensor) -> int:
+        """Matrices per expert if ``p`` is stepped as an expert stack under ``group``'s matrix rule
+        (the plan's, else the group's ``experts``), else 0."""
+        planned = expert_splits_of(p)
+        if planned:
+            return planned
+        return group.get("experts") or 0 if p.ndim == 3 and planned_kind(p) is None else 0
 
     # ----------------------------------------------------------------------------- routing
     def _route(self, group: dict[str, Any], p: Tensor) -> str:
@@ -300,10 +351,10 @@ class MatrixOptimizer(Optimizer):
         """
         algorithm = group["algorithm"]
         if algorithm == "auto":
-            planned = planned_kind(p)  # TP-hosted, owned or evenly sharded: the plan decided
+            planned = planned_kind(p)  # TP-hosted, owned, an expert stack or evenly sharded: the plan decided
             if planned is not None:
-                return self.rule if planned == "matrix" else "adamw"
-            return self.rule if p.ndim == 2 else "adamw"
+                return self.rule if planned in ("matrix", "experts") else "adamw"
+            return self.rule if p.ndim == 2 or (p.ndim == 3 and group.get("experts")) else "adamw"
         return algorithm
 
     def _check_whole(self, p: Tensor, local: Tensor, index: int) -> None:
@@ -397,10 +448,16 @@ class MatrixOptimizer(Optimizer):
                 continue
             param = local_tensor(p)
             if p.grad is None or param.numel() == 0:
+                if p.grad is not None and expert_splits_of(p):
+                    self._remote_state.add(id(p))  # an expert stack with no expert here
                 continue  # no gradient, or an empty even shard
             grad = local_tensor(p.grad)
             if grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            splits = self._expert_splits(group, p) if route != "adamw" else 0
+            if splits:
+                self._experts_step(param, grad, self.state[p], group, splits)
+                continue
             if route != "adamw":
                 self._check_whole(p, param, index)
             rules[route].step(param, grad, self.state[p])
@@ -417,6 +474,7 @@ class MatrixOptimizer(Optimizer):
                 "(matrixfsdp.tp.host_matrices), which the capturable and batched steps do not "
                 "support yet; use capturable=False, batched=False for that group"
             )
+        stacks: list[tuple[Tensor, Tensor, int]] = []
         for p in group["params"]:
             if p.grad is None or not stepping_of(p).keeps_state:
                 if p.grad is not None:  # another rank owns it: no state, no compute here
@@ -426,7 +484,13 @@ class MatrixOptimizer(Optimizer):
                 continue
             param = local_tensor(p)
             if param.numel() == 0:
+                if expert_splits_of(p):
+                    self._remote_state.add(id(p))  # an expert stack with no expert here
                 continue  # an empty even shard
+            splits = self._expert_splits(group, p) if self._route(group, p) != "adamw" else 0
+            if splits:
+                stacks.append((p, param, splits))
+                continue
             grad = local_tensor(p.grad)
             if grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
@@ -439,6 +503,8 @@ class MatrixOptimizer(Optimizer):
             self._adamw_group(adamw, group)
         if matrix:
             self._matrix_group(matrix, group)
+        for p, param, splits in stacks:
+            self._experts_step(param, local_tensor(p.grad), self.state[p], group, splits)
 
     def _adamw_group(self, items: list[tuple[Tensor, Tensor, Tensor]], group: dict[str, Any]) -> None:
         """AdamW on a group's element-wise parameters: foreach when batched or capturable."""
@@ -476,6 +542,25 @@ class MatrixOptimizer(Optimizer):
     ) -> None:
         """``_matrix_step`` without host reads of changing values (``p`` keys the host step count)."""
         raise NotImplementedError
+
+    def _experts_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any],
+                      splits: int) -> None:
+        """Step the expert stack ``param`` (``[n, out, in]``, local) as its ``n * splits`` matrices
+        (see [Note: expert optimizer state] in ``optim/_experts.py``): one at a time through
+        ``_matrix_step`` on views of the stacked state; Muon overrides it with a batched step."""
+        mats = matrices(param, splits)
+        if not state:
+            state.update(self._expert_init_state(mats, group))
+        loop_step(lambda w, g, st: self._matrix_step(w, g, st, group), mats, matrices(grad, splits), state)
+
+    def _expert_init_state(self, mats: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """The stacked state a first step of the matrices ``mats`` (``[m, rows, cols]``) starts from."""
+        def one(like: Tensor) -> dict[str, Any]:
+            st: dict[str, Any] = {}
+            self._matrix_init_state(like, st, group)
+            return st
+
+        return init_stacked(one, mats)
 
     # [Note: host step counts] Shampoo's and SOAP's schedules branch on each parameter's step
     # count, which a capturable step must not read from the device. The host keeps it as
@@ -518,6 +603,7 @@ class MatrixOptimizer(Optimizer):
         for group in self.param_groups:
             for key in STEP_FLAGS:
                 group.setdefault(key, False)
+            group.setdefault("experts", None)
 
     # [Note: state-initialization step]
     # torch.distributed.checkpoint.state_dict.get_state_dict() "initializes" an optimizer with no
@@ -553,6 +639,10 @@ class MatrixOptimizer(Optimizer):
                 param = param.new_empty(tuple(p.shape))
             if p.grad is None or param.numel() == 0:
                 continue
+            splits = self._expert_splits(group, p) if route != "adamw" else 0
+            if splits:
+                self.state[p].update(self._expert_init_state(matrices(param, splits), group))
+                continue
             self.state[p].update(self._rule(group, route).init_state(param))
         self._sync_host_steps()
 
@@ -567,7 +657,12 @@ class MatrixOptimizer(Optimizer):
         placeholders its state dict adds; given ``like`` (``p``'s whole tensor), the state a first
         step starts from, allocated like it."""
         base = like if like is not None else torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
-        schema = self._rule(group, self._route(group, p)).init_state(base)
+        route = self._route(group, p)
+        splits = self._expert_splits(group, p) if route != "adamw" else 0
+        if splits:
+            schema = self._expert_init_state(matrices(base, splits), group)
+        else:
+            schema = self._rule(group, route).init_state(base)
         for key, dep in self._state_placeholders.items():
             if key not in schema and isinstance(schema.get(dep), Tensor):
                 schema[key] = torch.zeros_like(schema[dep])
@@ -633,7 +728,13 @@ class MatrixOptimizer(Optimizer):
         return sd
 
     def _routes(self) -> list[list[str]]:
-        return [[self._route(g, p) for p in g["params"]] for g in self.param_groups]
+        """Each parameter's rule, as state dicts record it (an expert stack's with its layout)."""
+        def label(g: dict[str, Any], p: Tensor) -> str:
+            route = self._route(g, p)
+            splits = self._expert_splits(g, p) if route != "adamw" else 0
+            return route_name(route, splits) if splits else route
+
+        return [[label(g, p) for p in g["params"]] for g in self.param_groups]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Torch's loader, except that wide (float32) matrix statistics keep their dtype.

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ._base import ADAMW_DEFAULTS, MatrixOptimizer, is_real, lr_tensor
+from ._experts import matrices, ns_chunks
 
 __all__ = ["Muon"]
 
@@ -182,6 +183,7 @@ class Muon(MatrixOptimizer):
         adamw_weight_decay: float | None = ADAMW_DEFAULTS["adamw_weight_decay"],
         capturable: bool = False,
         batched: bool = False,
+        matrix_rule: Any = None,
     ) -> None:
         defaults = {
             "capturable": capturable,
@@ -202,7 +204,7 @@ class Muon(MatrixOptimizer):
             "adamw_eps": adamw_eps,
             "adamw_weight_decay": adamw_weight_decay,
         }
-        super().__init__(params, defaults, adamw)
+        super().__init__(params, defaults, adamw, matrix_rule)
 
     def _check_rule_hparams(self, group: dict[str, Any], where: str) -> None:
         self._check_nonneg(group, "momentum", where)
@@ -256,6 +258,32 @@ class Muon(MatrixOptimizer):
         param.mul_(1 - lr * group["weight_decay"])
         # addcmul, not add(alpha=): no lr-dependent Python number reaches a kernel
         param.addcmul_(ortho, lr * -lr_ratio(group["adjust_lr_fn"], param.shape))
+
+    def _experts_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any],
+                      splits: int) -> None:
+        """The rule on each matrix of an expert stack (see [Note: expert optimizer state] in
+        ``optim/_experts.py``): the per-matrix op sequence with every element-wise op run once over
+        the stack and Newton-Schulz batched (``bmm``/``baddbmm``) in chunks of bounded bytes. Where
+        the backend's batched GEMM equals its GEMM (float32 on this CPU) it is bitwise the rule on
+        each matrix alone, i.e. ``E * splits`` separate 2-D parameters."""
+        mats, grads = matrices(param, splits), matrices(grad, splits)
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grads, memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"]
+        momentum = group["momentum"]
+        buf.lerp_(grads, 1 - momentum)
+        update = grads.lerp(buf, momentum) if group["nesterov"] else buf
+        capturable = group.get("capturable", False)
+        lr = lr_tensor(group["lr"], mats) if capturable else group["lr"]
+        mats.mul_(1 - lr * group["weight_decay"])
+        ratio = lr_ratio(group["adjust_lr_fn"], mats.shape[1:])
+        ns_args = (group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
+        for chunk in ns_chunks(mats.shape[0], mats.shape[1], mats.shape[2], group["ns_dtype"]):
+            ortho = batched_newtonschulz(update[chunk], *ns_args)
+            if capturable:  # no lr-dependent Python number reaches a kernel
+                mats[chunk].addcmul_(ortho, lr * -ratio)
+            else:
+                mats[chunk].add_(ortho, alpha=-(lr * ratio))
 
     def _matrix_group(self, items: list[tuple[Tensor, Tensor, Tensor]], group: dict[str, Any]) -> None:
         if not group.get("batched", False):

@@ -118,6 +118,7 @@ class Shampoo(MatrixOptimizer):
         capturable: bool = False,
         batched: bool = False,
         allow_tf32: bool = False,
+        matrix_rule: Any = None,
     ) -> None:
         defaults = {
             "capturable": capturable,
@@ -139,7 +140,7 @@ class Shampoo(MatrixOptimizer):
             "adamw_eps": adamw_eps,
             "adamw_weight_decay": adamw_weight_decay,
         }
-        super().__init__(params, defaults, adamw)
+        super().__init__(params, defaults, adamw, matrix_rule)
 
     def _check_rule_hparams(self, group: dict[str, Any], where: str) -> None:
         self._check_betas(group, "betas", where, allow_one=True)

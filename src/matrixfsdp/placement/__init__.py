@@ -3,6 +3,7 @@ helpers every consumer uses to read it: the owner descriptor, ``full_tensor``, `
 and the cross-owner gradient-norm clip."""
 
 from .clip import clip_grad_norm_
+from .experts import ExpertStack, expert_stack_of
 from .owned_tensor import Owned, full_tensor, owned_of, set_full_
 
-__all__ = ["Owned", "owned_of", "full_tensor", "set_full_", "clip_grad_norm_"]
+__all__ = ["Owned", "owned_of", "full_tensor", "set_full_", "clip_grad_norm_", "ExpertStack", "expert_stack_of"]

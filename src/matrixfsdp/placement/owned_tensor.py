@@ -44,7 +44,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._compat import called_from
-from .owner import (Owned, is_owned, owned_of, owner_meshes, owner_of, owner_source, owner_tp_meshes, set_owner,
+from .owner import (Owned, coordinates, is_owned, owned_of, owner_meshes, owner_of, owner_source, owner_tp_meshes, set_owner,
                     tp_mesh_of)
 
 __all__ = [
@@ -253,6 +253,8 @@ def make_sharded_param(
     requires_grad: bool,
     step_replica: int | None = None,
     tp: tuple[DeviceMesh, tuple[Any, ...]] | None = None,
+    experts: tuple[int, ...] = (),
+    splits: int = 1,
 ) -> nn.Parameter:
     """Wrap ``local`` (this rank's row segment) as the sharded parameter.
 
@@ -261,8 +263,17 @@ def make_sharded_param(
     parameter representation]) carrying :class:`Owned`. ``tp=(tp_mesh, placements)``: a
     TP-sharded parameter (FSDP2 + TP), owned, with ``local`` its TP shard: presented with its TP
     placements on the owner's TP-row mesh (``owner_tp_meshes``).
+    ``kind="experts"``: an expert stack, ``experts[r]`` whole experts on shard rank ``r`` (see
+    [Note: expert stack representation] in ``experts.py``).
     ``local`` is used as is (no copy): on the owner it may be the original parameter's storage.
     """
+    if kind == "experts":
+        from .experts import make_expert_param
+
+        if tp is not None:
+            raise ValueError("matrixfsdp: an expert stack cannot be tensor-parallel here")
+        return make_expert_param(local, shape=shape, mesh=mesh, counts=experts, splits=splits,
+                                 requires_grad=requires_grad)  # type: ignore[return-value]
     if tp is not None:
         if owner is None:
             raise ValueError("matrixfsdp: a TP-sharded parameter must be owned (the planner never "
@@ -283,6 +294,11 @@ def make_sharded_param(
 
 def make_sharded_grad(param: DTensor, local_grad: torch.Tensor) -> DTensor:
     """A gradient DTensor with ``param``'s layout around ``local_grad`` (same local shape)."""
+    from .experts import expert_rows, wrap_expert_tensor
+
+    rows = expert_rows(param)
+    if rows is not None:
+        return wrap_expert_tensor(local_grad, param.device_mesh, rows, tuple(param.shape))
     return wrap_dtensor(local_grad, param.device_mesh, param.placements, tuple(param.shape))
 
 
@@ -334,6 +350,14 @@ def set_full_(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     tp = tp_mesh_of(param.device_mesh)
     if info is not None and tp is None:
         local.copy_(full)
+        return param
+    from .experts import expert_rows
+
+    rows = expert_rows(param)
+    if rows is not None:  # an expert stack: this rank's experts, by the plan's counts
+        _, s = coordinates(param.device_mesh)
+        first = sum(rows[:s])
+        local.copy_(full[first:first + local.shape[0]])
         return param
     # an evenly sharded parameter: its rows; a TP-sharded owned one (FSDP2 + TP): on the owner's
     # TP row, this rank's TP shard, in the coordinates of its own TP mesh

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from .experts import expert_stack_of
 from .owner import keeps_state, owner_of
 from .tp_host import tp_host_of
 
@@ -24,15 +25,16 @@ try:  # torch builds without distributed have no DTensor; then nothing is one.
 except ImportError:  # pragma: no cover
     _DTensor = None
 
-__all__ = ["Stepping", "stepping_of", "planned_kind"]
+__all__ = ["Stepping", "stepping_of", "planned_kind", "expert_splits_of"]
 
 
 class Stepping(NamedTuple):
     """How this rank steps one parameter (see [Note: one stepping descriptor])."""
 
     #: ``"matrix"``: a plan made it a whole-matrix parameter (owned with placement ``"matrix"``,
-    #: or TP-hosted); ``"elementwise"``: a plan made it element-wise (an owned tail, an evenly
-    #: sharded or other DTensor); ``None``: a plain tensor, whose shape decides
+    #: or TP-hosted); ``"experts"``: an expert stack, whole experts per rank; ``"elementwise"``:
+    #: a plan made it element-wise (an owned tail, an evenly sharded or other DTensor); ``None``:
+    #: a plain tensor, whose shape (and param group) decides
     planned: str | None
     #: this rank steps it (itself or as a TP host) and keeps its state
     keeps_state: bool
@@ -52,12 +54,20 @@ def planned_kind(p: Any) -> str | None:
     """:attr:`Stepping.planned` of ``p`` alone (the routing question, asked at every step)."""
     if tp_host_of(p) is not None:
         return "matrix"  # a TP-sharded matrix stepped whole on its host
+    if expert_stack_of(p) is not None:
+        return "experts"
     info = owner_of(p)
     if info is not None and info.storage == "sharded":
         return "matrix" if info.kind == "matrix" else "elementwise"
     if _DTensor is not None and isinstance(p, _DTensor):
         return "elementwise"  # evenly sharded: the plan made it element-wise
     return None
+
+
+def expert_splits_of(p: Any) -> int:
+    """Matrices per expert of an expert stack placed by ``fully_shard``, else 0."""
+    info = expert_stack_of(p)
+    return info.splits if info is not None else 0
 
 
 def stepping_of(p: Any) -> Stepping:

@@ -11,6 +11,7 @@ the optimizers and ``report`` the human-readable report. The command line,
 from .owners import ELEMENTWISE, POLICIES, default_matrix_filter, plan_owners
 from .micro_groups import MicroGroup, plan_micro_groups
 from .owner_plan import OwnerPlan, ParamPlan
+from .rules import MatrixRule, ParamKind
 
 __all__ = ["plan_owners", "OwnerPlan", "ParamPlan", "MicroGroup", "plan_micro_groups", "POLICIES", "ELEMENTWISE",
-           "default_matrix_filter"]
+           "default_matrix_filter", "MatrixRule", "ParamKind"]

@@ -1,0 +1,234 @@
+"""Expert stacks: whole experts per rank, how they are stored, described and checkpointed.
+
+[Note: expert stack representation]
+An expert stack (plan placement ``"experts"``, [Note: expert placement] in
+``planner/owner_plan.py``) is an :class:`ExpertDTensor`: a DTensor on the data-parallel mesh with
+``Shard(0)`` (``(Replicate(), Shard(0))`` on an HSDP mesh) whose local tensor is this shard rank's
+whole experts, ``[counts[r], out, in]``. The counts are the plan's, not ``torch.chunk``'s, so the
+tensor carries them (:class:`ExpertStack`, :func:`expert_stack_of`) and answers the calls whose
+answer depends on where rows live from them, not from DTensor's chunk rule:
+
+* ``full_tensor()`` / ``redistribute(..., [Replicate()])``: one in-place all-gather of the rows
+  over the shard group (every rank of the data-parallel mesh must call);
+* torch.distributed.checkpoint (``__create_write_items__``, ``__create_chunk_list__``,
+  ``__get_tensor_shard__``): rank ``r`` writes and reads its rows at offset
+  ``sum(counts[:r])``; DCP reshards them into any other layout (other counts, stock FSDP2's
+  ``Shard(0)``, one process). On an HSDP mesh only replica 0 writes.
+
+Element-wise ops and ``zeros_like`` run on the local rows and keep the class and counts (what
+optimizers and their state need); ops that move rows (indexing dim 0, views across it) are not
+defined on it and raise. Optimizer state of a stack is presented with the same class: one row per
+matrix (``splits`` rows per expert, [Note: expert optimizer state] in ``optim/_base.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .owner import coordinates
+
+__all__ = ["ExpertStack", "ExpertDTensor", "expert_stack_of", "make_expert_param", "wrap_expert_tensor",
+           "expert_rows"]
+
+_ATTR = "_matrixfsdp_experts"
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """An expert stack's layout: shard rank ``r`` of ``mesh`` holds ``counts[r]`` whole experts,
+    each ``splits`` matrices along its rows, ranks' ranges in rank order.
+
+    Example::
+
+        info = matrixfsdp.expert_stack_of(model.layers[0].mlp.experts.down_proj)
+        first, stop = info.local_experts          # this rank's experts [first, stop)
+    """
+
+    counts: tuple[int, ...]
+    splits: int = 1
+    mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_experts(self) -> int:
+        return sum(self.counts)
+
+    def experts_of(self, shard_rank: int) -> tuple[int, int]:
+        """The experts ``[first, stop)`` shard rank ``shard_rank`` holds."""
+        first = sum(self.counts[:shard_rank])
+        return first, first + self.counts[shard_rank]
+
+    @property
+    def local_experts(self) -> tuple[int, int]:
+        """This rank's experts ``[first, stop)`` (``(0, 0)`` off the mesh)."""
+        if self.mesh is None:
+            raise ValueError(f"matrixfsdp: expert stack {self!r} has no data-parallel mesh")
+        _, s = coordinates(self.mesh)
+        return (0, 0) if s is None else self.experts_of(s)
+
+
+def expert_stack_of(t: Any) -> ExpertStack | None:
+    """The :class:`ExpertStack` of an expert stack placed by ``fully_shard``, else ``None``."""
+    return getattr(t, _ATTR, None)
+
+
+def expert_rows(t: Any) -> tuple[int, ...] | None:
+    """Rows per shard rank along dim 0 of an :class:`ExpertDTensor` (a parameter's counts, or its
+    state's ``counts * rows per expert``), else ``None``."""
+    return getattr(t, "_rows", None) if isinstance(t, ExpertDTensor) else None
+
+
+class ExpertDTensor(DTensor):
+    """A DTensor whose dim-0 rows are split over the shard group by explicit counts (see
+    [Note: expert stack representation])."""
+
+    _rows: tuple[int, ...]
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        flat = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, DTensor)]
+        mine = [a for a in flat if isinstance(a, ExpertDTensor)]
+        rows = mine[0]._rows
+        for a in flat:
+            if expert_rows(a) != rows or tuple(a.shape)[:1] != tuple(mine[0].shape)[:1]:
+                raise ValueError(
+                    f"matrixfsdp: {func._schema.name} mixes an expert stack (rows {rows} per shard rank) "
+                    f"with a DTensor of another row layout ({expert_rows(a)}); expert stacks support "
+                    "element-wise ops with tensors of their own layout (their gradients, optimizer "
+                    "state); for anything else take p.full_tensor() or p.to_local()"
+                )
+        if not _row_local(func):
+            raise ValueError(
+                f"matrixfsdp: {func._schema.name} is not defined on an expert stack (rows {rows} per shard "
+                "rank, not torch.chunk's): only element-wise ops, copies and sums/norms run on its local "
+                "experts; take p.full_tensor() for the whole stack or p.to_local() for this rank's experts"
+            )
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        ids = {id(a._local_tensor): a for a in mine}
+
+        def rewrap(x: Any) -> Any:
+            if not isinstance(x, DTensor):
+                return x
+            same = ids.get(id(x._local_tensor))
+            if same is not None and same._spec == x._spec:
+                return same
+            if any(pl.is_shard() for pl in x.placements):  # rows as the inputs': same layout
+                return _as_expert(x, rows)
+            return x  # a reduction (Partial/Replicate): no rows of its own
+
+        return tree_map(rewrap, out)
+
+    def _shard_group(self) -> Any:
+        mesh = self._spec.mesh
+        return mesh.get_group(mesh.ndim - 1)
+
+    def full_tensor(self, *, grad_placements: Any = None) -> torch.Tensor:  # type: ignore[override]
+        """The whole stack on every rank (one in-place all-gather of rows over the shard group)."""
+        from ..comm.collectives import collectives_for
+
+        local = self._local_tensor.detach()
+        row = int(torch.Size(self.shape[1:]).numel())
+        out = torch.empty(tuple(self.shape), dtype=local.dtype, device=local.device)
+        _, s = coordinates(self._spec.mesh)
+        first = sum(self._rows[:s])
+        out[first:first + local.shape[0]].copy_(local)
+        splits = [n * row for n in self._rows]
+        collectives_for(self._shard_group()).all_gather_inplace(out.view(-1), splits, async_op=False).wait()
+        return out
+
+    def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Any = None,
+                     *, async_op: bool = False, forward_dtype: Any = None,
+                     backward_dtype: Any = None) -> DTensor:  # type: ignore[override]
+        """To ``[Replicate()]`` on its mesh (every rank gets the whole stack); anything else raises."""
+        mesh = self.device_mesh if device_mesh is None else device_mesh
+        placements = tuple(placements) if placements is not None else tuple(self.placements)
+        if mesh == self.device_mesh and all(pl.is_replicate() for pl in placements) and len(placements) == mesh.ndim:
+            full = self.full_tensor()
+            return DTensor.from_local(full, mesh, placements, run_check=False, shape=self.shape, stride=full.stride())
+        raise ValueError(
+            f"matrixfsdp: an expert stack (rows {self._rows} per shard rank) can be redistributed to "
+            f"[Replicate()] on its own mesh; got mesh {mesh} and placements {placements}; take "
+            "p.full_tensor() and distribute that"
+        )
+
+    # ---- torch.distributed.checkpoint (see [Note: expert stack representation])
+    def _chunk(self) -> tuple[torch.Size, torch.Size]:
+        _, s = coordinates(self._spec.mesh)
+        first = sum(self._rows[:s]) if s is not None else 0
+        n = self._rows[s] if s is not None else 0
+        return torch.Size((n, *self.shape[1:])), torch.Size((first, *([0] * (self.ndim - 1))))
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        r, _ = coordinates(self._spec.mesh)
+        sizes, offsets = self._chunk()
+        if r not in (0, None) or sizes[0] == 0:
+            return []  # HSDP: replica 0 writes; a rank without experts has nothing to write
+        return [WriteItem(
+            index=MetadataIndex(fqn, offsets),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                properties=TensorProperties.create_from_tensor(self._local_tensor),
+                size=self.size(),
+            ),
+        )]
+
+    def __create_chunk_list__(self) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        sizes, offsets = self._chunk()
+        return [ChunkStorageMetadata(offsets=offsets, sizes=sizes)]
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        return self._local_tensor
+
+
+_ROW_LOCAL = frozenset({
+    "aten::detach", "aten::alias", "aten::clone", "aten::copy_", "aten::_to_copy", "aten::zeros_like",
+    "aten::empty_like", "aten::ones_like", "aten::full_like", "aten::zero_", "aten::fill_",
+    "aten::linalg_vector_norm", "aten::norm", "aten::sum", "aten::lerp_", "aten::lerp", "aten::addcmul_",
+    "aten::addcdiv_", "aten::addcmul", "aten::addcdiv", "aten::_local_scalar_dense", "aten::equal",
+})
+
+
+def _row_local(func: Any) -> bool:
+    """Whether ``func`` on DTensors of one row layout is computed on local rows alone (what
+    DTensor's chunk rule would otherwise re-lay out): element-wise, copies, sums and norms."""
+    name = func._schema.name
+    return (torch.Tag.pointwise in func.tags or name.startswith("aten::_foreach_") or name in _ROW_LOCAL)
+
+
+def _as_expert(x: DTensor, rows: tuple[int, ...]) -> ExpertDTensor:
+    out = ExpertDTensor(x._local_tensor, x._spec, requires_grad=x.requires_grad)
+    out._rows = rows
+    return out
+
+
+def wrap_expert_tensor(local: torch.Tensor, mesh: DeviceMesh, rows: tuple[int, ...], shape: tuple[int, ...],
+                       *, requires_grad: bool = False) -> ExpertDTensor:
+    """An :class:`ExpertDTensor` of global ``shape`` around ``local`` (this shard rank's rows of
+    ``rows``), no copy, no dispatch."""
+    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+    stride = torch.empty(shape, device="meta").stride()
+    spec = DTensorSpec(mesh, placements, TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    out = ExpertDTensor(local, spec, requires_grad=requires_grad)
+    out._rows = tuple(rows)
+    return out
+
+
+def make_expert_param(local: torch.Tensor, *, shape: tuple[int, ...], mesh: DeviceMesh, counts: tuple[int, ...],
+                      splits: int, requires_grad: bool) -> torch.Tensor:
+    """The sharded parameter of an expert stack around ``local`` (used as is)."""
+    dt = wrap_expert_tensor(local.detach(), mesh, counts, shape, requires_grad=requires_grad)
+    dt._is_param = True  # isinstance(dt, nn.Parameter), as nn.Parameter(dt) would make it
+    setattr(dt, _ATTR, ExpertStack(counts=tuple(counts), splits=splits, mesh=mesh))
+    return dt
