@@ -14,8 +14,7 @@ locally with zero communication.
 from . import checkpoint, optim
 from ._fully_shard import MatrixFSDPModule, fully_shard
 from ._replicate import MatrixReplicateModule, replicate
-from ._fully_shard import comm_counter
-from .placement import ExpertStack, Owned, clip_grad_norm_, expert_stack_of, full_tensor, owned_of, set_full_
+from .placement import Owned, clip_grad_norm_, full_tensor, owned_of, set_full_
 from .planner import MatrixRule, OwnerPlan, ParamPlan, plan_owners
 
 __version__ = "0.1.0"
@@ -50,15 +49,12 @@ __all__ = [
     "ParamPlan",
     "MatrixRule",
     "fully_shard",
-    "comm_counter",
     "MatrixFSDPModule",
     "replicate",
     "MatrixReplicateModule",
     "clip_grad_norm_",
     "Owned",
     "owned_of",
-    "ExpertStack",
-    "expert_stack_of",
     "set_full_",
     "full_tensor",
     "optim",

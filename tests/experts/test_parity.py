@@ -43,7 +43,8 @@ def moe_parity(E: int, *, fused: bool = False, shared: bool = True, hsdp: tuple[
                optimizer: str = "muon", steps: int = 3, routers: bool = True) -> dict:
     from fully_shard.test_features import collective_spy
 
-    from matrixfsdp import MatrixRule, comm_counter, fully_shard, plan_owners
+    from matrixfsdp import MatrixRule, fully_shard, plan_owners
+    from matrixfsdp._fully_shard import comm_counter
 
     rank, W = dist.get_rank(), dist.get_world_size()
     cfg = MoEConfig(experts=E, fused=fused, shared=shared)
