@@ -77,8 +77,9 @@ def main(args: argparse.Namespace) -> None:
         matrixfsdp.fully_shard(layer, mesh=mesh, plan=plan)
     matrixfsdp.fully_shard(model, mesh=mesh, plan=plan)
 
-    # Muon on the owned matrices, AdamW (adamw_lr) on embeddings, head and norms.
-    opt = matrixfsdp.optim.Muon(model.parameters(), lr=args.lr, adamw_lr=args.adamw_lr, weight_decay=0.0,
+    # Muon on the owned matrices, AdamW (adamw_lr) on embeddings, head and norms: the model itself,
+    # so the optimizer routes by the plan's rule (a parameter list cannot see embeddings).
+    opt = matrixfsdp.optim.Muon(model, lr=args.lr, adamw_lr=args.adamw_lr, weight_decay=0.0,
                                 ns_dtype=torch.float32)
     before = heldout_loss(model, held_tokens, args, device)
     if rank == 0:

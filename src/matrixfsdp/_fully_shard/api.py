@@ -26,6 +26,7 @@ from ..planner.owner_plan import OwnerPlan
 from ..engine.plan_check import check_world_size, verify_plan_digest
 from ..engine.reducer import check_find_unused
 from ..mesh import default_mesh, mesh_info
+from ..planner.rules import MatrixRule, check_rule
 from .init import (API, CLAIM_ATTR, _check_call, _check_not_torch_fsdp,
                     _collect_managed, _is_planned_model, _resolve,
                     end_call, get_state, plan_call, resolve_call)
@@ -54,6 +55,7 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = None,
     plan: OwnerPlan | None = None,
     collectives: str = "all_to_all",
+    matrix_rule: MatrixRule | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters as ``plan`` says (owner or even placement), FSDP2-style.
 
@@ -70,6 +72,8 @@ def fully_shard(
     * ``shard_placement_fn`` is rejected (placement comes from the plan); ``offload_policy`` must
       be left alone; ``collectives`` picks the implementation (``"all_to_all"``, ``"p2p"``, or ``"two_phase"``:
       owner scatter + ring all-gather, bounded at <= 2x ring volume whatever gamma_B is).
+    * ``matrix_rule``: the routing rule of a plan-less (drop-in) call (default ``MatrixRule()``;
+      see [Note: one routing rule]); with a ``plan``, pass it to ``plan_owners`` instead.
 
     Example::
 
@@ -84,6 +88,10 @@ def fully_shard(
                                     lr=0.02, ns_dtype=torch.float32)
     """
     _check_call(module, plan, shard_placement_fn, offload_policy)
+    rule = check_rule(matrix_rule, API)
+    if plan is not None and matrix_rule is not None:
+        raise ValueError(f"{API}: matrix_rule routes a plan-less call's parameters, but a plan was given "
+                         "(its matrix_rule decided already); pass matrix_rule to plan_owners instead")
     if reshard_after_forward not in (None, True, False):
         raise ValueError(
             f"{API}: reshard_after_forward must be None, True or False (resharding to a smaller "
@@ -123,7 +131,7 @@ def fully_shard(
     swap_class(module, MatrixFSDPModule, API)
     if plan is None:  # drop-in: shard this call's parameters now (see [Note: drop-in planning])
         adopted = [s for m in module.modules() if (s := get_state(m)) is not None and s is not state]
-        call_plan = plan_call(params, info, state, adopted) if params else None
+        call_plan = plan_call(params, info, state, adopted, module, rule) if params else None
         if call_plan is not None:
             verify_plan_digest(call_plan, info, api=API)
         resolve_call(module, state, call_plan, info)

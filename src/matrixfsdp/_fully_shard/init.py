@@ -48,6 +48,7 @@ from ..mesh import MeshInfo
 from ..placement.owner import mesh_scratch, owner_of, set_owner
 from ..planner.owner_plan import OwnerPlan, ParamPlan
 from ..planner.owners import plan_owners
+from ..planner.rules import DecidedRule, MatrixRule, head_rows_of
 from .param import ManagedParam, shard_param
 from .param_group import CommContext, check_one_dtype
 from .tp_params import attach_tp_hosts, check_plan_tp, localize, tp_layout
@@ -134,9 +135,11 @@ def _tally(W: int, states: Iterable[BlockState]) -> list[float]:
 
 
 def plan_call(params: list[ManagedParam], info: MeshInfo, state: BlockState,
-              adopted: list[BlockState]) -> OwnerPlan:
+              adopted: list[BlockState], module: nn.Module, rule: MatrixRule) -> OwnerPlan:
     """The plan of one plan-less ``fully_shard`` call (see [Note: drop-in planning]); records
-    the call's loads on ``state``."""
+    the call's loads on ``state``. The routing rule classifies the parameters on their real
+    modules (an ``nn.Embedding`` stays element-wise, an experts module's stacks are expert
+    stacks), so a drop-in call routes as a planned one and the plain model do."""
     W = info.shard_size
     tp = [mp.fqn for mp in params if mp.tp is not None]
     if tp:
@@ -156,11 +159,17 @@ def plan_call(params: list[ManagedParam], info: MeshInfo, state: BlockState,
         orig = mp.orig
         m.register_parameter(attr, nn.Parameter(torch.empty(orig.shape, dtype=orig.dtype, device="meta"),
                                                 requires_grad=orig.requires_grad))
-    plan = plan_owners(holder, (info.replicate_size, W) if info.is_hsdp else W, blocks=[holder])
+    head_rows = head_rows_of(module)
+    decided = DecidedRule(decided={mp.fqn: rule.kind(mp.fqn, mp.orig, mp.sites[0][0], head_rows) for mp in params})
+    plan = plan_owners(holder, (info.replicate_size, W) if info.is_hsdp else W, blocks=[holder],
+                       matrix_rule=decided)
     loads = [0.0] * W
     for pp in plan.params:
         if pp.owner is not None:
             loads[pp.owner] += pp.nbytes + pp.state_nbytes
+        elif pp.placement == "experts":
+            for r in range(W):
+                loads[r] += (pp.nbytes + pp.state_nbytes) * pp.share(r, W)
     tally = _tally(W, _scope(info, adopted))
     heavy = sorted(range(W), key=lambda r: (-loads[r], r))
     light = sorted(range(W), key=lambda r: (tally[r], r))
@@ -168,8 +177,15 @@ def plan_call(params: list[ManagedParam], info: MeshInfo, state: BlockState,
     state.dropin_loads = [0.0] * W
     for r in range(W):
         state.dropin_loads[perm[r]] = loads[r]
-    return dataclasses.replace(plan, params=tuple(
-        dataclasses.replace(pp, owner=None if pp.owner is None else perm[pp.owner]) for pp in plan.params))
+    def relabel(pp: ParamPlan) -> ParamPlan:
+        if pp.placement == "experts":  # rank perm[r] takes what the plan gave r
+            counts = [0] * W
+            for r, n in enumerate(pp.experts):
+                counts[perm[r]] = n
+            return dataclasses.replace(pp, experts=tuple(counts))
+        return dataclasses.replace(pp, owner=None if pp.owner is None else perm[pp.owner])
+
+    return dataclasses.replace(plan, params=tuple(relabel(pp) for pp in plan.params))
 
 
 def _scope(info: MeshInfo, adopted: list[BlockState]) -> list[BlockState]:

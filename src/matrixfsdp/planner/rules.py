@@ -23,13 +23,14 @@ run and a drop-in run step every parameter alike. The rule, in order:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Mapping, NamedTuple
 
 import torch
 import torch.nn as nn
 
-__all__ = ["MatrixRule", "ParamKind", "KINDS", "default_matrix_filter", "DEFAULT_RULE"]
+__all__ = ["MatrixRule", "ParamKind", "KINDS", "default_matrix_filter", "DEFAULT_RULE", "DecidedRule", "head_rows_of",
+           "check_rule"]
 
 _HEAD_NAMES = ("lm_head", "output", "head", "classifier")
 _ROUTER_NAMES = ("gate", "router")
@@ -145,6 +146,18 @@ class MatrixRule:
 
 #: The rule every API uses when given none.
 DEFAULT_RULE = MatrixRule()
+
+
+@dataclass(frozen=True)
+class DecidedRule(MatrixRule):
+    """A rule whose answers were computed beforehand, by fqn: a plan-less ``fully_shard`` call
+    classifies its parameters with the user's rule on the real modules, then plans stand-in
+    modules that carry only names and shapes (see [Note: drop-in planning] in ``_fully_shard``)."""
+
+    decided: Mapping[str, ParamKind] = field(default_factory=dict)
+
+    def kind(self, fqn: str, param: torch.Tensor, module: nn.Module, head_rows: frozenset[int]) -> ParamKind:
+        return self.decided[fqn]
 
 
 def head_rows_of(model: nn.Module) -> frozenset[int]:

@@ -228,16 +228,16 @@ def _build_matrixfsdp(cfg: TrainConfig) -> _Run:
         matrixfsdp.fully_shard(layer, mesh=mesh, plan=plan, collectives=cfg.collectives)
     matrixfsdp.fully_shard(model, mesh=mesh, plan=plan, collectives=cfg.collectives)
     lr, adamw_lr = cfg.lrs()
-    params = list(model.parameters())
     opt: torch.optim.Optimizer
+    # the model, not its parameters: the optimizer routes by the plan's rule (one routing rule)
     if cfg.optimizer == "muon":
-        opt = matrixfsdp.optim.Muon(params, lr=lr, weight_decay=0.0, adamw_lr=adamw_lr, ns_dtype=torch.float32)
+        opt = matrixfsdp.optim.Muon(model, lr=lr, weight_decay=0.0, adamw_lr=adamw_lr, ns_dtype=torch.float32)
     elif cfg.optimizer == "shampoo":
-        opt = matrixfsdp.optim.Shampoo(params, lr=lr, adamw_lr=adamw_lr)
+        opt = matrixfsdp.optim.Shampoo(model, lr=lr, adamw_lr=adamw_lr)
     elif cfg.optimizer == "soap":
-        opt = matrixfsdp.optim.SOAP(params, lr=lr, adamw_lr=adamw_lr)
+        opt = matrixfsdp.optim.SOAP(model, lr=lr, adamw_lr=adamw_lr)
     else:
-        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     base = [(g["lr"], g.get("adamw_lr")) for g in opt.param_groups]
     return _Run(f"matrixfsdp-{cfg.optimizer}", model, opt, base, matrixfsdp.clip_grad_norm_, comm_counter(model))
 
