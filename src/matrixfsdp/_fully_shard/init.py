@@ -417,9 +417,12 @@ def _check_param(fqn: str, param: torch.Tensor, plan: OwnerPlan, block: str) -> 
         )
     pp = plan[fqn]
     if tuple(param.shape) != tuple(pp.shape):
+        what = (f" (an expert stack planned for {pp.shape[0]} experts, {pp.experts} per shard rank)"
+                if pp.placement == "experts" else "")
         raise ValueError(
             f"{API}: parameter {fqn!r} has shape {tuple(param.shape)} but the plan says "
-            f"{tuple(pp.shape)}; was the plan built for another model?"
+            f"{tuple(pp.shape)}{what}; the plan was built for another model: plan this one with "
+            "matrixfsdp.plan_owners(model, mesh, ...) and pass that plan"
         )
     dtype = str(param.dtype).removeprefix("torch.")
     if pp.dtype != dtype:
