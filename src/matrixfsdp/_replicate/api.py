@@ -105,6 +105,8 @@ def replicate(
     missing = sorted(set(named) - {p.fqn for p in plan.params})
     if missing:
         raise ValueError(f"{API}: the plan has no entry for {missing[:3]} (plan the same model)")
+    given = plan
+    plan = _stacks_owned(plan)  # the buckets' view: an expert stack is one owned tensor
     _check_whole(plan, named)
     coll = collectives_for(info.shard_group, collectives)
     rank, W = info.shard_rank, info.shard_size
@@ -137,13 +139,13 @@ def replicate(
     owner_meshes(mesh)  # optimizer state is presented on them (see [Note: optimizer state in state dicts])
     state = ReplicateState(module, buckets, named, rank=rank, world_size=W, coll=coll, comm=comm, stage=stage,
                            replicas=replicas, agree=collectives_for(info.dp_group, collectives))
-    state.plan = plan
+    state.plan = given
     state.mesh = mesh
     on_grad = _grad_hook(state)
     for b in buckets:
         for slot, p in zip(b.layout.slots, b.params):
             pp = plan[slot.fqn]
-            set_owner(p, Owned(owner=slot.owner, kind=pp.placement, mesh=mesh, storage="replicated",
+            set_owner(p, Owned(owner=slot.owner, kind=given[slot.fqn].placement, mesh=mesh, storage="replicated",
                                step_replica=pp.step_replica))
             p.register_post_accumulate_grad_hook(on_grad)
     _install_hooks(module, state)
@@ -183,6 +185,29 @@ def _agree_on_layout(layouts: Any, stage: int, reduce_dtype: Any, collectives: s
             "collectives or which parameters require grad differ); call replicate with the same "
             "model and arguments on every rank"
         )
+
+
+def _stacks_owned(plan: OwnerPlan) -> OwnerPlan:
+    """Buckets hold whole tensors: an expert stack whose experts the plan puts on one rank (the
+    bucket policies do, [Note: expert placement]) is owned by that rank here, its experts stepped
+    there as independent matrices; a plan that spreads a stack's experts over ranks (the owner
+    policies) is refused with the plan that fits."""
+    import dataclasses
+
+    out = []
+    for p in plan.params:
+        if p.placement == "experts":
+            holders = [r for r, n in enumerate(p.experts) if n]
+            if len(holders) > 1:
+                raise ValueError(
+                    f"{API}: its buckets hold whole tensors, so an expert stack must be held by one "
+                    f"rank, but the plan (policy={plan.policy!r}) spreads {p.fqn!r}'s experts over ranks "
+                    f"{holders} (counts {p.experts}); plan with plan_owners(..., policy='alpha_balanced', "
+                    "elementwise='owned') (replicate's default), or shard experts per rank with fully_shard"
+                )
+            p = dataclasses.replace(p, placement="tail", owner=holders[0] if holders else 0, experts=(), splits=1)
+        out.append(p)
+    return dataclasses.replace(plan, params=tuple(out))
 
 
 def _check_whole(plan: OwnerPlan, named: dict[str, Any]) -> None:
