@@ -14,7 +14,7 @@ shims torchtitan 0.3 needs on a CPU-only machine)::
 
     torchrun --nproc-per-node 2 recipes/titan_cpu.py --training.steps 50
 
-Config names: ``qwen3_{0_6b,8b,32b}_{muon,shampoo,soap}`` and ``qwen3_cpu_muon``.
+Config names: ``qwen3_{0_6b,8b,32b}_{muon,shampoo,soap}``, ``qwen3_cpu_muon`` and ``qwen3_moe_cpu_muon``.
 """
 
 from __future__ import annotations
@@ -141,26 +141,55 @@ class StdlibBytes(BaseDataLoader):
 def qwen3_cpu_muon() -> Any:
     """torchtitan's Qwen3 debug model made CPU-sized (dim 128, 4 layers, byte vocabulary, SDPA
     attention, fp32), trained on the stdlib's source by matrixfsdp + Muon."""
+    from torchtitan.models.qwen3 import _build_qwen3_layers
+
+    dim, head_dim, seq_len = 128, 32, 128
+    return _cpu_config("cpu_bytes", _build_qwen3_layers(
+        fuse_qkv=True, n_layers=4, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim, hidden_dim=3 * dim,
+        attn_backend="flex", rope=_rope(head_dim, seq_len)), dim, seq_len)
+
+
+def qwen3_moe_cpu_muon() -> Any:
+    """The CPU-sized Qwen3 made a mixture of experts (8 experts of hidden 128, top-2, 4 layers,
+    torchtitan's ``GroupedExperts``): Muon steps every expert matrix, owned whole per rank
+    (docs/experts.md); ``--parallelism.expert_parallel_degree 2`` on 2 ranks runs torchtitan's
+    expert parallelism instead, each rank stepping its own experts."""
+    from torchtitan.models.qwen3 import _build_qwen3_moe_layers
+
+    dim, head_dim, seq_len = 128, 32, 128
+    return _cpu_config("cpu_bytes_moe", _build_qwen3_moe_layers(
+        fuse_qkv=True, n_layers=4, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim, moe_hidden_dim=dim,
+        num_experts=8, top_k=2, attn_backend="flex", moe_comm_backend="standard", rope=_rope(head_dim, seq_len)),
+        dim, seq_len)
+
+
+def _rope(head_dim: int, seq_len: int) -> Any:
+    from torchtitan.models.common import CosSinRoPE
+
+    return CosSinRoPE.Config(dim=head_dim, max_seq_len=seq_len, theta=1000000.0)
+
+
+def _cpu_config(flavor: str, layers: Any, dim: int, seq_len: int) -> Any:
+    """A Qwen3 ``Trainer.Config`` with ``layers``, a byte vocabulary, SDPA attention and fp32, on
+    the stdlib's source, converted to matrixfsdp + Muon."""
     from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common import Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_layers, _qwen3_norm
+    from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, _qwen3_norm
     from torchtitan.models.qwen3.config_registry import qwen3_debugmodel
     from torchtitan.models.qwen3.model import Qwen3Model
 
-    vocab, dim, head_dim, seq_len = 256, 128, 32, 128
+    vocab = 256
     config = qwen3_debugmodel()
     model = Qwen3Model.Config(
         vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim), enable_weight_tying=False,
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
-        layers=_build_qwen3_layers(
-            fuse_qkv=True, n_layers=4, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim, hidden_dim=3 * dim,
-            attn_backend="flex", rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=seq_len, theta=1000000.0)),
+        layers=layers,
     )
     for layer in model.layers:  # FlexAttention compiles with inductor: SDPA on CPU
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    config.model_spec = dataclasses.replace(config.model_spec, flavor="cpu_bytes", model=model)
+    config.model_spec = dataclasses.replace(config.model_spec, flavor=flavor, model=model)
     config.hf_assets_path = ""
     config.dump_folder = "runs/titan_cpu"
     config.tokenizer = ByteTokenizer.Config()

@@ -3,6 +3,9 @@ recipes/titan_configs.py (a tiny Qwen3 on the stdlib's source, byte tokens, gloo
 
     torchrun --nproc-per-node 2 recipes/titan_cpu.py                      # 100 steps, ~1-2 min
     torchrun --nproc-per-node 2 recipes/titan_cpu.py --training.steps 20  # any torchtitan option
+    torchrun --nproc-per-node 2 recipes/titan_cpu.py --config qwen3_moe_cpu_muon   # mixture of experts
+    torchrun --nproc-per-node 2 recipes/titan_cpu.py --config qwen3_moe_cpu_muon \
+        --parallelism.expert_parallel_degree 2                            # torchtitan's expert parallelism
 
 torchtitan 0.3 assumes an accelerator; on a CPU-only machine it needs three shims, applied here
 before the Trainer is built (nothing else is patched; matrixfsdp.titan already initializes
@@ -58,7 +61,8 @@ if __name__ == "__main__":
         sys.exit("error: run under torchrun: torchrun --nproc-per-node 2 recipes/titan_cpu.py")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
     install_cpu_shims()
-    sys.argv[1:1] = ["--module", "titan_configs", "--config", "qwen3_cpu_muon"]  # this folder is on sys.path
+    given = any(a == "--config" or a.startswith("--config=") for a in sys.argv[1:])
+    sys.argv[1:1] = ["--module", "titan_configs"] + ([] if given else ["--config", "qwen3_cpu_muon"])  # this folder is on sys.path
     from torchtitan.train import main
 
     main()  # trains, closes the trainer, destroys the process group

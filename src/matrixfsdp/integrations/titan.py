@@ -63,8 +63,16 @@ torch's ``fully_shard`` for HSDP (dimension 0 replicates, dimension 1 shards; ``
 layout in every replica; ``replica_step`` (``"auto"``, ``"repeat"`` or ``"split"``, see
 ``plan_owners``) says how each owned matrix is combined across the replicas.
 
-Not supported (clear errors): context/expert/pipeline parallelism, CPU offload,
-``torch.compile`` of the model, MoE (parameters with more than 2 dimensions); with tensor
+Mixture-of-experts models (torchtitan's ``GroupedExperts`` stacks, Qwen3-MoE, DeepSeek-V3; see
+docs/experts.md): with ``expert_parallel_degree=1`` the planner owns every expert whole, balanced
+with the dense weights; with expert parallelism spanning the data-parallel shard group
+(``expert_parallel_degree == data_parallel_shard_degree``, ``efsdp == 1``) torchtitan's EP keeps
+its layout and token all-to-alls, the plan records each rank's experts as they are, and the
+matrix optimizer steps them locally.
+
+Not supported (clear errors): context/pipeline parallelism, expert parallelism with an
+expert-FSDP group (``efsdp > 1``), with HSDP or with TP, CPU offload,
+``torch.compile`` of the model; with tensor
 parallelism also HSDP (``dp_replicate > 1``: a 3-D mesh), async TP
 (``compile.enable_async_tensor_parallel``) and quantized linears (Float8/MXFP8/NVFP4 model
 converters). ``parallelize_matrixfsdp`` used with torchtitan's stock ``Trainer`` (not
@@ -86,8 +94,11 @@ from torch.distributed.tensor import DTensor
 
 from .. import optim as _optim
 from ..placement.clip import clip_grad_norm_ as _mfsdp_clip
+from ..placement.experts import adopt_expert_stack, expert_stack_of
 from ..placement.owned_tensor import owned_of, set_full_
+from ..placement.stepping import planned_kind
 from ..planner.owners import plan_owners
+from ..planner.rules import DEFAULT_RULE
 from .._fully_shard import MatrixFSDPModule, MixedPrecisionPolicy, fully_shard
 
 try:
@@ -144,9 +155,11 @@ def parallelize_matrixfsdp(
             "=True) is not supported: it needs torch.compile of the model, which matrixfsdp's hooks "
             "do not compose with; set compile.enable_async_tensor_parallel=False (plain TP works)"
         )
+    ep = bool(parallel_dims.ep_enabled)
+    if ep:
+        _check_ep_config(parallel_dims)
     unsupported = [name for name, on in (
-        ("context parallelism", parallel_dims.cp_enabled),
-        ("expert parallelism", parallel_dims.ep_enabled), ("pipeline parallelism", parallel_dims.pp_enabled),
+        ("context parallelism", parallel_dims.cp_enabled), ("pipeline parallelism", parallel_dims.pp_enabled),
         ("CPU offload", bool(getattr(training, "enable_cpu_offload", False))),
         ("torch.compile of the model", bool(compile_config.enable and "model" in compile_config.components)),
     ) if on]
@@ -157,17 +170,13 @@ def parallelize_matrixfsdp(
             f"{API}.parallelize_matrixfsdp: set parallelism.spmd_backend='partial_dtensor' "
             f"(with_matrixfsdp does), got {parallelism.spmd_backend=!r}"
         )
-    high = [fqn for fqn, p in model.named_parameters() if p.ndim > 2]
-    if high:
-        raise ValueError(
-            f"{API}.parallelize_matrixfsdp: parameters with more than 2 dimensions (MoE experts?) are "
-            f"not supported yet, got {high[:3]}{'...' if len(high) > 3 else ''}"
-        )
-    if tp:
-        _check_tp_config(model, parallel_dims)
-        # torchtitan's own TP, as its parallelize_{llama,qwen3} (partial_dtensor path): the
+    if tp or ep:
+        if tp:
+            _check_tp_config(model, parallel_dims)
+        # torchtitan's own TP and EP, as its parallelize_{llama,qwen3} (partial_dtensor path): the
         # sharding configs the model config set (update_from_config -> set_*_sharding_config)
-        # shard the parameters on the "tp" mesh and wrap the forwards; then AC, then fully_shard.
+        # shard the parameters on the "tp" mesh, the expert stacks by whole experts on the "ep"
+        # mesh, and wrap the forwards (EP: the token all-to-alls); then AC, then fully_shard.
         model.parallelize(parallel_dims)
         _retie_embeddings(model)
     if ac_config is not None:
@@ -187,19 +196,49 @@ def parallelize_matrixfsdp(
     # With TP the owners are planned over the 2-D ("fsdp", "tp") view of the same world mesh
     # (global shapes; tp taken from it), and fully_shard runs on "fsdp" as without TP.
     plan_mesh = parallel_dims.get_mesh(["fsdp", "tp"]) if tp else mesh
+    # Under EP the expert stacks are already whole experts per rank ("ep" Shard(0), efsdp == 1):
+    # the plan records them as they are (one plan, one digest, dense weights balanced around
+    # them) and fully_shard leaves them alone: their gradients are complete after backward (the
+    # token all-to-alls bring every token of an expert to its rank), nothing to reduce.
     plan = plan_owners(model, plan_mesh, block_types=block_types, policy=policy, optimizer=plan_optimizer,
                        replica_step=replica_step)
+    ep_stacks = {n: p for n, p in model.named_parameters() if ep and isinstance(p, DTensor)
+                 and plan[n].placement == "experts"}
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[training.mixed_precision_param],
                               reduce_dtype=_DTYPES[training.mixed_precision_reduce])
     raf = {"default": None, "always": True, "never": False}[parallelism.fsdp_reshard_after_forward]
+    ignored = set(ep_stacks.values())
     for layer in layers:
         fully_shard(layer, mesh=mesh, plan=plan, mp_policy=mp, reshard_after_forward=raf,
-                    collectives=collectives)
+                    collectives=collectives, ignored_params=ignored)
     fully_shard(model, mesh=mesh, plan=plan, mp_policy=mp,
-                reshard_after_forward=False if raf is None else raf, collectives=collectives)
+                reshard_after_forward=False if raf is None else raf, collectives=collectives,
+                ignored_params=ignored)
+    for name, p in ep_stacks.items():  # the same rows, described as the plan's expert stack
+        adopt_expert_stack(model, name, p, plan[name].experts, plan[name].splits)
     model.set_gradient_divide_factor(1.0)  # type: ignore[attr-defined]
     _redirect_param_init(model)
     return model
+
+
+def _check_ep_config(parallel_dims: Any) -> None:
+    """Expert parallelism where each EP rank's experts are its own (``efsdp == 1``: EP spans the
+    whole data-parallel shard group), without replicas or TP."""
+    efsdp = parallel_dims.get_mesh("efsdp").size()
+    problems = []
+    if efsdp != 1:
+        problems.append(f"expert_parallel_degree={parallel_dims.ep} leaves an expert-FSDP group of {efsdp} "
+                        f"ranks (efsdp = dp_shard * tp / ep); set expert_parallel_degree to the data-parallel "
+                        f"shard degree ({parallel_dims.dp_shard * parallel_dims.tp}), or 1 (matrixfsdp then "
+                        "owns the experts itself, balanced with the dense weights)")
+    if parallel_dims.dp_replicate_enabled:
+        problems.append("HSDP (data_parallel_replicate_degree > 1) with expert parallelism; set "
+                        "data_parallel_replicate_degree=1 or expert_parallel_degree=1")
+    if parallel_dims.tp_enabled:
+        problems.append("tensor parallelism with expert parallelism; use one of them")
+    if problems:
+        raise ValueError(f"{API}.parallelize_matrixfsdp: expert parallelism is supported where every EP "
+                         f"rank owns its experts whole: {'; '.join(problems)}")
 
 
 def _check_tp_config(model: nn.Module, parallel_dims: Any) -> None:
@@ -320,7 +359,9 @@ def _clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, e
     from torchtitan.distributed import utils as dist_utils
 
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    if pp_mesh is None and not ep_enabled and any(owned_of(p) is not None for p in params):
+    # expert parallelism included: its stacks are whole experts per rank, each gradient on
+    # exactly one rank, which is what matrixfsdp's clip sums
+    if pp_mesh is None and any(owned_of(p) is not None or expert_stack_of(p) is not None for p in params):
         return _mfsdp_clip(params, max_norm, norm_type, error_if_nonfinite)
     return dist_utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
 
@@ -434,8 +475,9 @@ class MatrixOptimizersContainer(OptimizersContainer):
             split_groups, split_patterns = [], []
             for g, pat in zip(groups[name], patterns[name]):
                 sharded = any(isinstance(m, MatrixFSDPModule) for m in model.modules())
-                is_matrix = [(owned_of(p) is not None and owned_of(p).kind == "matrix") if sharded
-                             else p.ndim == 2 for p in g["params"]]
+                kinds = DEFAULT_RULE.kinds(model) if not sharded else {}
+                is_matrix = [planned_kind(p) in ("matrix", "experts") if sharded
+                             else kinds[n].kind in ("matrix", "experts") for n, p in zip(g["param_names"], g["params"])]
                 for want, algo in ((True, "auto"), (False, "adamw")):
                     idx = [i for i, m in enumerate(is_matrix) if m == want]
                     if not idx:

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .owner import coordinates
 
 __all__ = ["ExpertStack", "ExpertDTensor", "expert_stack_of", "make_expert_param", "wrap_expert_tensor",
-           "expert_rows"]
+           "expert_rows", "adopt_expert_stack"]
 
 _ATTR = "_matrixfsdp_experts"
 
@@ -232,3 +232,23 @@ def make_expert_param(local: torch.Tensor, *, shape: tuple[int, ...], mesh: Devi
     dt._is_param = True  # isinstance(dt, nn.Parameter), as nn.Parameter(dt) would make it
     setattr(dt, _ATTR, ExpertStack(counts=tuple(counts), splits=splits, mesh=mesh))
     return dt
+
+
+def adopt_expert_stack(model: torch.nn.Module, fqn: str, p: DTensor, counts: tuple[int, ...], splits: int) -> torch.Tensor:
+    """Register, in place of ``model``'s parameter ``fqn`` (``p``: a stack already sharded by whole
+    experts, ``Shard(0)`` on a 1-D mesh, as torchtitan's expert parallelism leaves it), the
+    expert stack parameter over the same local rows, so optimizers, clipping and checkpoints see
+    the plan's layout (``counts``: ``p``'s rows per rank, checked here)."""
+    _, s = coordinates(p.device_mesh)
+    local = p._local_tensor
+    if s is None or p.device_mesh.ndim != 1 or len(counts) != p.device_mesh.size() or local.shape[0] != counts[s]:
+        raise ValueError(
+            f"matrixfsdp: expert stack {fqn!r} holds {local.shape[0]} experts on this rank of its mesh "
+            f"{tuple(p.device_mesh.shape)}, but the plan gives it {counts} per rank; plan the model after "
+            "distributing its experts (plan_owners records their layout)"
+        )
+    new = make_expert_param(local, shape=tuple(p.shape), mesh=p.device_mesh, counts=counts, splits=splits,
+                            requires_grad=p.requires_grad)
+    mod_path, _, attr = fqn.rpartition(".")
+    model.get_submodule(mod_path)._parameters[attr] = new  # type: ignore[assignment]
+    return new

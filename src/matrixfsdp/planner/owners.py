@@ -54,6 +54,9 @@ class _Spec:
     tp: bool = False
     #: ``"experts"`` stacks: the rule's kind and splits (see [Note: one routing rule])
     kind: ParamKind = ParamKind("elementwise")
+    #: an expert stack already sharded by whole experts (expert parallelism): its counts, which
+    #: the plan records as they are (a fixed load the dense roles are balanced around)
+    fixed: tuple[int, ...] = ()
 
 
 @dataclass
@@ -143,8 +146,21 @@ def _is_dtensor(p: Any) -> bool:
     return isinstance(p, DTensor)
 
 
+def _row_sharded_counts(p: Any, world_size: int) -> tuple[int, ...]:
+    """The whole experts per rank of a stack already sharded by rows (``Shard(0)`` on a 1-D mesh
+    of ``world_size`` ranks: torchtitan's expert parallelism with ``efsdp == 1``), in
+    ``torch.chunk``'s layout; ``()`` for any other DTensor."""
+    from torch.distributed.tensor import Shard
+
+    mesh = p.device_mesh
+    if mesh.ndim != 1 or mesh.size() != world_size or tuple(p.placements) != (Shard(0),):
+        return ()
+    return tuple(b - a for a, b in (even_rows(p.shape[0], world_size, r) for r in range(world_size)))
+
+
 def _collect(
-    model: nn.Module, block_fqns: list[str], matrix_filter: Callable[..., bool] | None, rule: MatrixRule
+    model: nn.Module, block_fqns: list[str], matrix_filter: Callable[..., bool] | None, rule: MatrixRule,
+    world_size: int,
 ) -> list[_Spec]:
     modules = dict(model.named_modules())
     head_rows = head_rows_of(model)
@@ -170,12 +186,17 @@ def _collect(
                        f"matrix_rule=MatrixRule(expert_stacks=({fqn!r},))" if p.ndim == 3 else "")
                 )
             kind = ParamKind("matrix") if is_matrix else ParamKind("elementwise")
+        fixed: tuple[int, ...] = ()
         if kind.kind == "experts" and _is_dtensor(p):
-            raise ValueError(
-                f"plan_owners: expert stack {fqn!r} is a DTensor (tensor- or expert-parallel); "
-                "experts are owned whole per data-parallel rank from plain parameters: plan the model "
-                "before distributing its experts, or pass matrix_rule=MatrixRule(experts=False)"
-            )
+            fixed = _row_sharded_counts(p, world_size)
+            if not fixed:
+                raise ValueError(
+                    f"plan_owners: expert stack {fqn!r} is a DTensor with placements {tuple(p.placements)} on "
+                    f"a mesh of shape {tuple(p.device_mesh.shape)}; experts are owned whole per data-parallel "
+                    "rank: plan the model before distributing its experts, shard them by whole experts "
+                    f"(Shard(0) on a 1-D mesh of the {world_size} shard ranks, as torchtitan's expert "
+                    "parallelism with efsdp=1), or pass matrix_rule=MatrixRule(experts=False)"
+                )
         info = ParamInfo(
             fqn=fqn,
             shape=tuple(p.shape),
@@ -184,7 +205,7 @@ def _collect(
             is_matrix=kind.kind == "matrix",
             requires_grad=p.requires_grad,
         )
-        specs.append(_Spec(fqn, block, info, type(module), tp=_is_dtensor(p), kind=kind))
+        specs.append(_Spec(fqn, block, info, type(module), tp=_is_dtensor(p) and not fixed, kind=kind, fixed=fixed))
     if not specs:
         raise ValueError("plan_owners: the model has no parameters")
     return specs
@@ -303,7 +324,7 @@ def plan_owners(
     rule = check_rule(matrix_rule, "plan_owners")
     cost_name, cost_fn = resolve_cost(cost, optimizer, precondition_frequency)
     block_fqns = _block_fqns(model, blocks, block_types)
-    specs = _collect(model, block_fqns, matrix_filter, rule)
+    specs = _collect(model, block_fqns, matrix_filter, rule, W)
     if tp > 1 and any(s.kind.kind == "experts" for s in specs):
         name = next(s.fqn for s in specs if s.kind.kind == "experts")
         raise ValueError(
@@ -345,12 +366,13 @@ def plan_owners(
         # Canzona's rule: ZeRO-1 buckets keep every tensor atomic, which is what replicate runs at
         # any W; "even" (embedding/head sharded, as in the Fig. 3c benchmark) stays on request.
         elementwise = "owned"
-    roles, even = _build_roles(specs, W, elementwise, cost_fn)
-    params = [make(s, "even", None) for s in even]
+    fixed = [s for s in specs if s.fixed]
+    roles, even = _build_roles([s for s in specs if not s.fixed], W, elementwise, cost_fn)
+    params = [make(s, "even", None) for s in even] + [make(s, "experts", None, s.fixed) for s in fixed]
     if policy in BUCKET_POLICIES:
         # Buckets hold the owned parameters in registration order; evenly sharded element-wise
         # tensors sit in ordinary equal-chunk ZeRO-1 buckets and need no cut points.
-        even_fqns = {s.fqn for s in even}
+        even_fqns = {s.fqn for s in even + fixed}
         seq = [s for s in specs if s.fqn not in even_fqns]
         owners, meta = partition_buckets(
             [s.fqn for s in seq],
@@ -368,7 +390,7 @@ def plan_owners(
             else:
                 params.append(make(s, "matrix" if s.info.is_matrix else "tail", owners[s.fqn]))
     else:
-        owners = _assign(roles, even, W, policy, cost_fn)
+        owners = _assign(roles, even + fixed, W, policy, cost_fn)  # fixed stacks load ranks as chunks do
         stacks: dict[str, _Spec] = {}
         for role in roles:
             if role.placement == "experts":
@@ -474,7 +496,7 @@ def _even_loads(even: list[_Spec], W: int, cost_fn: Callable[[ParamInfo], float]
     per_block: dict[str, list[float]] = {}
     for s in even:
         n = s.info.shape[0]
-        c = cost_fn(s.info)
+        c = _stack_cost(s, cost_fn) if s.kind.kind == "experts" else cost_fn(s.info)
         blk = per_block.setdefault(s.block, [0.0] * W)
         for r in range(W):
             a, b = even_rows(n, W, r)
