@@ -47,7 +47,7 @@ class ExpertStack:
 
     Example::
 
-        info = matrixfsdp.expert_stack_of(model.layers[0].mlp.experts.down_proj)
+        info = matrixfsdp.placement.expert_stack_of(model.layers[0].mlp.experts.down_proj)
         first, stop = info.local_experts          # this rank's experts [first, stop)
     """
 
