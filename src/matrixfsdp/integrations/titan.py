@@ -480,9 +480,10 @@ class MatrixOptimizersContainer(OptimizersContainer):
                         if expert_rows(p) is not None and expert_stack_of(p) is None]
                 if lost:  # it would go to AdamW silently
                     raise RuntimeError(
-                        f"{API}.MatrixOptimizersContainer: expert stacks {lost} lost their layout "
-                        "metadata (replaced outside matrixfsdp after parallelize); build the "
-                        "optimizer from the model as parallelize_matrixfsdp left it")
+                        f"{API}.MatrixOptimizersContainer: expert stacks {lost} lost their expert-stack "
+                        "metadata after parallelize_matrixfsdp (a parameter swap outside matrixfsdp), "
+                        "so they would be stepped element-wise by AdamW; build the optimizer from the "
+                        "model as parallelize_matrixfsdp (and torch's to_empty/to) left it")
                 is_matrix = [planned_kind(p) in ("matrix", "experts") if sharded
                              else kinds[n].kind in ("matrix", "experts") for n, p in zip(g["param_names"], g["params"])]
                 for want, algo in ((True, "auto"), (False, "adamw")):
