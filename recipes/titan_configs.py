@@ -206,5 +206,8 @@ def _cpu_config(flavor: str, layers: Any, dim: int, seq_len: int) -> Any:
     config.lr_scheduler.warmup_steps = 10
     config.metrics.log_freq = 10
     config.comm.trace_buf_size = 0
+    # torchtitan's default debug.seed=None seeds every rank from rank 0's generator state, which
+    # differs between runs here (torch.initial_seed() is not fixed): runs would not be comparable
+    config.debug.seed = 0
     return with_matrixfsdp(config, optimizer="Muon", lr=0.02, adamw_lr=3e-3,
                            optimizer_kwargs={"ns_dtype": torch.float32})

@@ -391,7 +391,7 @@ class SyntheticTokens(BaseDataLoader):
 # ------------------------------------------------------------------------------------------------
 def tiny_qwen3_config(*, steps: int, global_batch: int = 4, seq_len: int = 32, dump_folder: str,
                       world_size: int | None = None, vocab_size: int = 256, dim: int = 64,
-                      n_layers: int = 2, seed: int = 0) -> Any:
+                      n_layers: int = 2, seed: int = 0, num_experts: int = 0) -> Any:
     """torchtitan's ``qwen3_debugmodel()`` made tiny and CPU-runnable; returns a ``Trainer.Config``.
 
     Changes from the stock debug config (everything else stays as titan sets it):
@@ -412,12 +412,18 @@ def tiny_qwen3_config(*, steps: int, global_batch: int = 4, seq_len: int = 32, d
     * LR schedule constant (``warmup_steps=0``, ``decay_ratio=0.0``); AdamW lr 8e-4 as stock;
     * ``debug.seed=seed``, ``debug.deterministic=True``; ``metrics.log_freq=1``; ``comm.trace_buf_size=0``.
 
+    ``num_experts > 0``: Qwen3-MoE layers instead of the dense FFN (torchtitan's
+    ``_build_qwen3_moe_layers``: ``num_experts`` ``GroupedExperts`` of hidden ``dim // 2``, top-2
+    softmax router, the "standard" token dispatcher, which is local at EP=1 and torchtitan's
+    all-to-all under ``parallelism.expert_parallel_degree > 1``).
+
     ``world_size`` defaults to the initialized process group's size (else 1).
     """
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.qwen3 import _EMBEDDING_SKIP_INIT, _LINEAR_INIT, _build_qwen3_layers, _qwen3_norm
+    from torchtitan.models.qwen3 import (_EMBEDDING_SKIP_INIT, _LINEAR_INIT, _build_qwen3_layers,
+                                         _build_qwen3_moe_layers, _qwen3_norm)
     from torchtitan.models.qwen3.config_registry import qwen3_debugmodel
     from torchtitan.models.qwen3.model import Qwen3Model
 
@@ -428,6 +434,14 @@ def tiny_qwen3_config(*, steps: int, global_batch: int = 4, seq_len: int = 32, d
 
     config = qwen3_debugmodel()
     head_dim, n_heads, n_kv_heads = 16, 4, 2
+    common = dict(fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                  head_dim=head_dim, attn_backend="flex",
+                  rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=max(64, seq_len), theta=1000000.0))
+    if num_experts:
+        layers = _build_qwen3_moe_layers(moe_hidden_dim=dim // 2, num_experts=num_experts, top_k=2,
+                                         moe_comm_backend="standard", **common)
+    else:
+        layers = _build_qwen3_layers(hidden_dim=2 * dim, **common)
     model = Qwen3Model.Config(  # mirrors models/qwen3/__init__.py _debugmodel, smaller
         vocab_size=vocab_size,
         dim=dim,
@@ -436,15 +450,12 @@ def tiny_qwen3_config(*, steps: int, global_batch: int = 4, seq_len: int = 32, d
         tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim,
                                         param_init=_EMBEDDING_SKIP_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=_LINEAR_INIT),
-        layers=_build_qwen3_layers(
-            fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
-            head_dim=head_dim, hidden_dim=2 * dim, attn_backend="flex",
-            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=max(64, seq_len), theta=1000000.0),
-        ),
+        layers=layers,
     )
     for layer in model.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    config.model_spec = dataclasses.replace(config.model_spec, flavor="tiny_cpu", model=model)
+    config.model_spec = dataclasses.replace(config.model_spec, flavor="tiny_cpu_moe" if num_experts else "tiny_cpu",
+                                            model=model)
 
     config.dump_folder = dump_folder
     config.hf_assets_path = ""

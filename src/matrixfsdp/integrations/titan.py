@@ -94,7 +94,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import optim as _optim
 from ..placement.clip import clip_grad_norm_ as _mfsdp_clip
-from ..placement.experts import adopt_expert_stack, expert_stack_of
+from ..placement.experts import adopt_expert_stack, expert_rows, expert_stack_of
 from ..placement.owned_tensor import owned_of, set_full_
 from ..placement.stepping import planned_kind
 from ..planner.owners import plan_owners
@@ -476,6 +476,14 @@ class MatrixOptimizersContainer(OptimizersContainer):
             for g, pat in zip(groups[name], patterns[name]):
                 sharded = any(isinstance(m, MatrixFSDPModule) for m in model.modules())
                 kinds = DEFAULT_RULE.kinds(model) if not sharded else {}
+                lost = [n for n, p in zip(g["param_names"], g["params"])
+                        if expert_rows(p) is not None and expert_stack_of(p) is None]
+                if lost:  # it would go to AdamW silently
+                    raise RuntimeError(
+                        f"{API}.MatrixOptimizersContainer: expert stacks {lost} lost their expert-stack "
+                        "metadata after parallelize_matrixfsdp (a parameter swap outside matrixfsdp), "
+                        "so they would be stepped element-wise by AdamW; build the optimizer from the "
+                        "model as parallelize_matrixfsdp (and torch's to_empty/to) left it")
                 is_matrix = [planned_kind(p) in ("matrix", "experts") if sharded
                              else kinds[n].kind in ("matrix", "experts") for n, p in zip(g["param_names"], g["params"])]
                 for want, algo in ((True, "auto"), (False, "adamw")):

@@ -111,6 +111,8 @@ class ExpertDTensor(DTensor):
             )
         out = super().__torch_dispatch__(func, types, args, kwargs)
         ids = {id(a._local_tensor): a for a in mine}
+        # the stack itself in new storage (see [Note: expert stack metadata survives torch's swaps])
+        stack = expert_stack_of(mine[0]) if len(mine) == 1 and func._schema.name in _SAME_STACK else None
 
         def rewrap(x: Any) -> Any:
             if not isinstance(x, DTensor):
@@ -119,7 +121,10 @@ class ExpertDTensor(DTensor):
             if same is not None and same._spec == x._spec:
                 return same
             if any(pl.is_shard() for pl in x.placements):  # rows as the inputs': same layout
-                return _as_expert(x, rows)
+                new = _as_expert(x, rows)
+                if stack is not None and tuple(x.shape) == tuple(mine[0].shape):
+                    setattr(new, _ATTR, stack)
+                return new
             return x  # a reduction (Partial/Replicate): no rows of its own
 
         return tree_map(rewrap, out)
@@ -191,6 +196,18 @@ class ExpertDTensor(DTensor):
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
         return self._local_tensor
 
+
+# [Note: expert stack metadata survives torch's swaps]
+# torch's ``nn.Module.to_empty`` / ``.to()`` / ``_apply`` replace a DTensor parameter by
+# ``torch.utils.swap_tensors(param, nn.Parameter(fn(param)))``: the parameter object then holds
+# the attributes of the tensor dispatch built (``empty_like``/``_to_copy``, then ``detach``). The
+# row layout (``_rows``) is re-attached to every same-layout output anyway; the
+# :class:`ExpertStack` (what routes a parameter to the matrix rule, ``expert_stack_of``) is
+# re-attached only to these ops' outputs -- the same stack, or a copy of it in new storage -- so
+# a stack outside ``fully_shard``'s care (torchtitan's expert-parallel stacks re-described by
+# :func:`adopt_expert_stack`, which the Trainer's ``model.to_empty`` swaps) keeps it, while
+# optimizer state (``zeros_like``) and results of arithmetic never claim to be a stack.
+_SAME_STACK = frozenset({"aten::empty_like", "aten::_to_copy", "aten::clone", "aten::detach", "aten::alias"})
 
 _ROW_LOCAL = frozenset({
     "aten::detach", "aten::alias", "aten::clone", "aten::copy_", "aten::_to_copy", "aten::zeros_like",
