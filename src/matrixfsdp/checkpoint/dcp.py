@@ -72,6 +72,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from .._fully_shard import drop_stale_state, materialized_modules
 from ..comm.agree import agree, encode_error, is_distributed
 from ..optim._base import MatrixOptimizer
+from ..placement.experts import expert_rows, wrap_expert_tensor
 from ..placement.owned_tensor import local_tensor, owned_of, wrap_dtensor
 from ..placement.owner import keeps_state
 from ..placement.tp_host import tp_host_of
@@ -233,6 +234,9 @@ def _read_failure(e: CheckpointException, api: str, path: str) -> str:
 
 def _fresh_like(v: Any) -> Any:
     """A new, uninitialized tensor with ``v``'s layout (never aliasing ``v``)."""
+    rows = expert_rows(v)
+    if rows is not None:  # an expert stack: its rows are the plan's, which DCP asks the class for
+        return wrap_expert_tensor(torch.empty_like(v._local_tensor), v.device_mesh, rows, tuple(v.shape))
     if isinstance(v, DTensor):
         return DTensor(torch.empty_like(v._local_tensor), v._spec, requires_grad=False)
     if isinstance(v, torch.Tensor):
@@ -343,6 +347,9 @@ def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: Tenso
         if not keeps_state(p):
             return None  # matrixfsdp.replicate: the owner keeps (and loads) this state
         return torch.empty(shape, dtype=dtype, device=p.device)
+    counts = expert_rows(p)
+    if counts is not None:
+        return _expert_state_template(api, p, fqn, name, shape, dtype, counts)
     host = tp_host_of(p) if hosted_whole else None
     if host is not None:  # a TP-hosted matrix: its host keeps the whole state (placement/tp_host.py)
         if not keeps_state(p):
@@ -376,6 +383,29 @@ def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: Tenso
         )
     buf = torch.empty(local.shape, dtype=dtype, device=local.device)
     return wrap_dtensor(buf, p.device_mesh, p.placements, shape)
+
+
+def _expert_state_template(api: str, p: torch.Tensor, fqn: str, name: str, shape: tuple[int, ...],
+                           dtype: torch.dtype, counts: tuple[int, ...]) -> Any:
+    """A buffer for state ``name`` of expert stack ``p``: this rank's experts' rows of the saved
+    ``[E * f, ...]`` state (``f`` rows per expert), as the optimizer presents it
+    ([Note: optimizer state in state dicts]); ``None`` on a rank holding none of its experts."""
+    local = local_tensor(p)
+    n = local.shape[0]
+    if n == 0:
+        return None  # the ranks holding its experts keep (and load) its state
+    if len(shape) == 0:
+        return torch.empty((), dtype=dtype, device=local.device)  # an AdamW-routed stack's counter
+    E = sum(counts)
+    if shape[0] % E:
+        raise ValueError(
+            f"{api}: optimizer state {name!r} of expert stack {fqn!r} has shape {shape} in the "
+            f"checkpoint, which is not a whole number of rows for each of the stack's {E} experts "
+            f"(global shape {tuple(p.shape)}): a checkpoint of another expert count"
+        )
+    f = shape[0] // E
+    buf = torch.empty((n * f, *shape[1:]), dtype=dtype, device=local.device)
+    return wrap_expert_tensor(buf, p.device_mesh, tuple(c * f for c in counts), shape)
 
 
 def _flat_keys(prefix: str, obj: Any) -> dict[str, Any]:
@@ -561,6 +591,7 @@ def load(
     groups_tpl: list[dict[str, Any]] = []
     state_tpl: dict[str, dict[str, Any]] = {}
     saved_state_fqns: set[str] = set()
+    kept_elsewhere: dict[str, dict[str, Any]] = {}  # state this rank does not keep, by fqn
     try:
         if hparams not in ("checkpoint", "optimizer"):
             raise ValueError(f"{api}: hparams must be 'checkpoint' or 'optimizer', got {hparams!r}")
@@ -638,6 +669,8 @@ def load(
                     if buf is not None:
                         _check_tensor(api, key, tmeta, buf, path)
                         state_tpl.setdefault(fqn, {})[name] = buf
+                    elif hosted_whole and (owned_of(params[fqn]) is not None or expert_rows(params[fqn]) is not None):
+                        kept_elsewhere.setdefault(fqn, {})[name] = None
             unclaimed = sorted(set(state_keys) - claimed)
             if unclaimed and strict:
                 raise ValueError(
@@ -709,7 +742,12 @@ def load(
 
     # ---- apply (cannot fail on validated input)
     if optimizer is not None:
-        optimizer.load_state_dict({"state": sd[OPTIM_KEY]["state"], "param_groups": sd[OPTIM_KEY]["param_groups"]})
+        # A matrixfsdp optimizer learns which state is kept on other ranks (an owned parameter's
+        # owner, the ranks holding a stack's experts) from entries it then drops, as after a
+        # step: its state_dict() presents their keys on every rank (optim/state_dict.py), so the
+        # ranks' keys match, which torch's full state dict needs (it gathers key by key).
+        state = {**{f: st for f, st in kept_elsewhere.items()}, **sd[OPTIM_KEY]["state"]}
+        optimizer.load_state_dict({"state": state, "param_groups": sd[OPTIM_KEY]["param_groups"]})
     live = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for k, v in model_tpl.items():

@@ -638,6 +638,10 @@ class MatrixOptimizer(Optimizer):
                 # shard's (the initializers read only shape, dtype and device)
                 param = param.new_empty(tuple(p.shape))
             if p.grad is None or param.numel() == 0:
+                if p.grad is not None and expert_splits_of(p):
+                    # as a step would: its state is on the ranks holding its experts, whose keys
+                    # this rank presents (optim/state_dict.py) so DCP templates match across ranks
+                    self._remote_state.add(id(p))
                 continue
             splits = self._expert_splits(group, p) if route != "adamw" else 0
             if splits:

@@ -21,7 +21,19 @@ parameter as a DTensor (:func:`present_state`), and ``load_state_dict`` accepts 
 * a parameter whose local tensor is empty (an owned one on a non-owner) gets an empty state
   entry, so ``set_optimizer_state_dict(strict=True)`` finds nothing missing;
 * scalars of evenly sharded parameters (the 0-dim ``step`` counters) stay plain tensors: every
-  rank with a non-empty shard has the same value and DCP's de-duplication writes it once.
+  rank with a non-empty shard has the same value and DCP's de-duplication writes it once;
+* **expert stack** (``expert_rows(p)`` is set, [Note: expert stack representation] in
+  ``placement/experts.py``): the state of this rank's ``n`` experts has ``n * f`` rows (``f =
+  splits`` per-matrix rows per expert under the matrix rule, [Note: expert optimizer state] in
+  ``optim/_experts.py``; ``f = 1`` for element-wise state) and becomes an ``ExpertDTensor`` of
+  global shape ``[E * f, ...]`` whose rows per shard rank are ``counts * f``: DCP writes each
+  rank's rows at the offset of its first expert and reads them back into any other expert
+  assignment (other counts, a plain stack in one process). A rank holding none of the stack's
+  experts keeps no state for it; once the stack has a gradient it presents the same keys as
+  zero-row ``ExpertDTensor``s (shapes from the optimizer's state schema), as non-owners do for
+  owned parameters. Loading takes ``ExpertDTensor``s of the stack's rows or plain tensors of the
+  local stacked shape; a state of another layout (another expert count or ``splits``) is refused
+  naming the shapes.
 
 The DTensors alias the live state tensors (no copy): ``dcp.save`` reads them, ``dcp.load`` writes
 into them in place. Loading then reshards like any FSDP2 state: the saved chunk(s) of a tensor are
@@ -43,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from ..placement.experts import expert_rows, wrap_expert_tensor
 from ..placement.owned_tensor import empty_local, local_tensor, owned_of, wrap_dtensor
 from ..placement.owner import owner_of, tp_mesh_of
 from ..placement.stepping import stepping_of  # owner and TP host, asked once (placement/stepping.py)
@@ -74,6 +87,9 @@ def _as_dtensor(opt_name: str, key: str, p: Tensor, value: Any) -> Any:
         # counters too: every other rank presents the same keys on the host's mesh (_remote_entry),
         # so a full state dict gathers each from the host alone
         return wrap_dtensor(value, host_mesh, (Replicate(),), tuple(value.shape))
+    counts = expert_rows(p)
+    if counts is not None and value.ndim > 0:
+        return _expert_state(opt_name, key, p, counts, value)
     if value.ndim == 0 and info is None:
         return value  # an even parameter's step counter: the same on every rank with a shard
     if info is not None:
@@ -94,6 +110,19 @@ def _as_dtensor(opt_name: str, key: str, p: Tensor, value: Any) -> Any:
             )
         mesh, placements, shape = p.device_mesh, tuple(p.placements), tuple(p.shape)  # type: ignore[attr-defined]
     return wrap_dtensor(value, mesh, placements, shape)
+
+
+def _expert_state(opt_name: str, key: str, p: Tensor, counts: tuple[int, ...], value: Tensor) -> Any:
+    """State ``value`` of this rank's experts of stack ``p`` as an ExpertDTensor (see the Note)."""
+    n = local_tensor(p).shape[0]
+    f = value.shape[0] // n if n else 0
+    if f == 0 or value.shape[0] != n * f:  # pragma: no cover - the optimizer stacks state per expert
+        raise RuntimeError(
+            f"{opt_name}.state_dict: state {key!r} of an expert stack with {n} local experts has shape "
+            f"{tuple(value.shape)}, not a whole number of rows per expert"
+        )
+    return wrap_expert_tensor(value, p.device_mesh, tuple(c * f for c in counts),  # type: ignore[attr-defined]
+                              (sum(counts) * f, *value.shape[1:]))
 
 
 def _param_list(opt: torch.optim.Optimizer) -> list[Tensor]:
@@ -138,8 +167,11 @@ def present_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
             # a TP-hosted matrix: the ranks of its TP group other than the host (and, under
             # fully_shard + TP, every other row) present the host's keys
             hosted_elsewhere = st.host_mesh is not None and not st.keeps_state
-            remote_entry = id(p) in remote and (
-                hosted_elsewhere or (info is not None and local_tensor(p).numel() == 0))
+            no_rows = local_tensor(p).numel() == 0
+            if expert_rows(p) is not None:  # a stack with none of its experts here
+                state[idx] = _expert_remote_entry(opt, p) if id(p) in remote and no_rows else {}
+                continue
+            remote_entry = id(p) in remote and (hosted_elsewhere or (info is not None and no_rows))
             state[idx] = _remote_entry(opt, p, info) if remote_entry else {}
     return {**sd, "state": dict(sorted(state.items()))}
 
@@ -158,6 +190,34 @@ def _remote_entry(opt: "MatrixOptimizer", p: Tensor, info: Any) -> dict[str, Any
             v = wrap_dtensor(empty_local(shape, v.dtype, local.device), mesh, (Replicate(),), shape)
         out[k] = v
     return out
+
+
+def _expert_remote_entry(opt: "MatrixOptimizer", p: Tensor) -> dict[str, Any]:
+    """The keys of the state the ranks holding experts of stack ``p`` keep, as zero-row
+    ExpertDTensors of the global shapes (the schema runs on ``meta`` with ``p``'s global shape,
+    so its rows are already ``E * f``). 0-dim values (an AdamW-routed stack's step counter) stay
+    out, as an empty even shard keeps none: DCP de-duplicates plain values across ranks and might
+    otherwise write this rank's made-up one."""
+    counts = expert_rows(p)
+    assert counts is not None
+    E = sum(counts)
+    local = local_tensor(p)
+    out: dict[str, Any] = {}
+    for k, v in _schema(opt, p).items():
+        if isinstance(v, Tensor):
+            if v.ndim == 0:
+                continue
+            f = v.shape[0] // E
+            v = wrap_expert_tensor(empty_local(tuple(v.shape), v.dtype, local.device), p.device_mesh,  # type: ignore[attr-defined]
+                                   tuple(c * f for c in counts), tuple(v.shape))
+        out[k] = v
+    return out
+
+
+def _schema(opt: "MatrixOptimizer", p: Tensor) -> dict[str, Any]:
+    """The optimizer's state schema of ``p`` (keys and global shapes, on ``meta``)."""
+    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+    return opt._state_schema(p, group)
 
 
 def _replica_entry(opt: "MatrixOptimizer", p: Tensor, info: Any, st: dict[str, Any] | None) -> dict[str, Any]:
@@ -198,6 +258,15 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
                 state[key] = {k: local_tensor(v) if isinstance(v, Tensor) else v for k, v in st.items()
                               if not (k in placeholders and isinstance(v, Tensor) and not bool(torch.any(v)))}
             continue
+        if expert_rows(p) is not None:
+            if local_tensor(p).shape[0] == 0:
+                # no expert of the stack here: no state (an entry, even empty, would stop
+                # present_state from presenting the keys the ranks holding its experts have)
+                if st:
+                    opt._remote_state.add(id(p))
+                continue
+            state[key] = _accept_expert_state(opt, key, p, st, placeholders)
+            continue
         is_dt = DTensor is not None and isinstance(p, DTensor)
         info = owned_of(p)
         if st_p.hosted and not st_p.keeps_state:
@@ -225,6 +294,56 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
             out[k] = v
         state[key] = out
     return {**sd, "state": state}
+
+
+def _accept_expert_state(opt: "MatrixOptimizer", key: Any, p: Tensor, st: dict[str, Any],
+                         placeholders: dict[str, str]) -> dict[str, Any]:
+    """This rank's rows of the state of expert stack ``p`` (see the Note): ExpertDTensors with the
+    stack's rows per shard rank, or plain tensors of the local stacked shape; any other layout (a
+    state dict of another expert count or another ``splits``) raises a ValueError naming the
+    parameter, the shapes and the fix (on a rank holding experts of the stack)."""
+    name = type(opt).__name__
+    counts = expert_rows(p)
+    assert counts is not None
+    n = local_tensor(p).shape[0]
+    E = sum(counts)
+    schema = _schema(opt, p)
+    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+    # rows per expert of state the schema does not list: the matrix rule's splits, or 1 (AdamW)
+    f_route = opt._expert_splits(group, p) if opt._route(group, p) != "adamw" else 1
+    out: dict[str, Any] = {}
+    for k, v in st.items():
+        if isinstance(v, Tensor) and v.ndim > 0:
+            want = schema.get(k)
+            glob = (tuple(want.shape) if isinstance(want, Tensor) and want.ndim > 0
+                    else (E * f_route, *v.shape[1:]))
+            f = glob[0] // E
+            mine = (n * f, *glob[1:])
+            rows = tuple(c * f for c in counts)
+            fix = ("the state dict was saved for another expert layout (another number of experts, or "
+                   "another number of matrices per expert); load a checkpoint of this model with "
+                   "torch.distributed.checkpoint (get_state_dict + dcp.load + set_state_dict), which "
+                   "reshards experts, or start the optimizer afresh")
+            if DTensor is not None and isinstance(v, DTensor):
+                if tuple(v.shape) != glob or expert_rows(v) != rows or v.device_mesh != p.device_mesh:
+                    raise ValueError(
+                        f"{name}.load_state_dict: state {k!r} of expert stack {key!r} (global shape "
+                        f"{tuple(p.shape)}, experts per shard rank {counts}) is a DTensor of global shape "
+                        f"{tuple(v.shape)} with rows per shard rank {expert_rows(v)}, but this optimizer "
+                        f"keeps it as {glob} with rows {rows} ({f} per expert); {fix}"
+                    )
+                v = local_tensor(v)
+            elif tuple(v.shape) != mine:
+                raise ValueError(
+                    f"{name}.load_state_dict: state {k!r} of expert stack {key!r} has shape "
+                    f"{tuple(v.shape)}, but this optimizer keeps it as {mine} on this rank, which holds "
+                    f"{n} of its experts (global shape {tuple(p.shape)}; state {glob} in all, {f} per "
+                    f"expert); {fix}"
+                )
+        if k in placeholders and isinstance(v, Tensor) and not bool(torch.any(v)):
+            continue
+        out[k] = v
+    return out
 
 
 def _check_local(name: str, key: Any, k: str, p: Tensor, v: Any, host_mesh: Any) -> Tensor:
