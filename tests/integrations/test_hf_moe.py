@@ -410,33 +410,8 @@ def trainer_resume_check(out: str) -> dict:
     }
 
 
-# Saving a checkpoint with the optimizer fails at the first save_steps: optim/state_dict.py
-# (_as_dtensor) presents optimizer state of a DTensor parameter either as an owned tensor or with
-# the parameter's own shape and placements; it has no case for an expert stack, whose Muon momentum
-# is one row per matrix ([counts[r] * splits, out / splits, in]: (6, 32, 64) for 3 fused experts)
-# and whose rows follow the plan's counts, not torch.chunk's. With the fused gate_up stacks that is
-# "RuntimeError: Muon.state_dict: state "state[12]['momentum_buffer']" of a DTensor parameter with
-# placements (Shard(dim=0),) has shape (6, 32, 64), not the local shard's shape (3, 64, 64)"; with
-# MatrixRule(fused=()) the state is presented as a plain Shard(0) DTensor (chunk rows (3, 2) for a
-# stack whose counts are (2, 3)) and the save writes chunks that load then fails to read ("start (2)
-# + length (1) exceeds dimension size (2)"). The state should be an ExpertDTensor of rows
-# counts * splits, as [Note: expert stack representation] says.
-class ExpertStateNotCheckpointable(Exception):
-    """The known failure above, and only it (anything else fails the test)."""
-
-
-@pytest.mark.xfail(strict=True, raises=ExpertStateNotCheckpointable,
-                   reason="optim/state_dict.py presents no expert-stack optimizer state: DCP save of Muon's "
-                          "momentum of a fused gate_up stack raises (shape (6, 32, 64) vs local (3, 64, 64))")
 def test_trainer_moe_resume_is_exact(tmp_path):
-    from _harness import DistributedTestError
-
-    try:
-        res = get_pool(TW).run(trainer_resume_check, str(tmp_path), timeout=400)
-    except DistributedTestError as e:
-        if "Muon.state_dict: state" in str(e) and "has shape (6, 32, 64), not the local shard's shape" in str(e):
-            raise ExpertStateNotCheckpointable(str(e)) from e
-        raise
+    res = get_pool(TW).run(trainer_resume_check, str(tmp_path), timeout=400)
     for r in res:
         print(f"uninterrupted {r['full']} resumed {r['resumed']} weight diff {r['weight_diff']:.1e}")
         assert r["steps"] == (STEPS, STEPS)
