@@ -63,6 +63,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from .balance import three_term_bound as _three_term_bound
 from .micro_groups import MicroGroup
 
 __all__ = [
@@ -225,17 +226,6 @@ def _imbalance(values: list[float]) -> float:
     return max(values) / avg if avg > 0 else 1.0
 
 
-def _three_term_bound(roles: list[float], world_size: int) -> float:
-    """max(average, largest role, W-th + (W+1)-th largest role): with W+1 roles on W ranks, two of
-    the W+1 largest share a rank. ``roles`` sorted descending."""
-    bound = sum(roles) / world_size
-    if roles:
-        bound = max(bound, roles[0])
-    if len(roles) > world_size:
-        bound = max(bound, roles[world_size - 1] + roles[world_size])
-    return bound
-
-
 def _l2_bins(asc: list[float], prefix: list[float], cap: float) -> int:
     """Martello-Toth L2 lower bound on the bins of capacity ``cap`` that items ``asc`` need."""
     n = len(asc)
@@ -272,6 +262,10 @@ def _best_bin_load(sizes: list[tuple[float, int]], cap: float, limit: int = 50_0
                 if y > cap:
                     break
                 new.add(y)
+            # the set only grows, so stopping here concludes as the check below would; without it
+            # thousands of alike expert roles make this loop run for seconds before giving up
+            if len(new) > limit:
+                return None
         sums = new
         if len(sums) > limit:
             return None
@@ -518,7 +512,8 @@ class OwnerPlan:
     def _bound(self, attr: str) -> float:
         roles = _role_loads(self.params, attr)
         W = self.world_size
-        base = [sum(getattr(p, attr) * p.share(r, W) for p in self.params if p.owner is None) for r in range(W)]
+        even = [p for p in self.params if p.placement == "even"]
+        base = [sum(getattr(p, attr) * p.share(r, W) for p in even) for r in range(W)]
         return _tight_lower_bound(list(roles.values()), base, W)
 
     @property
@@ -693,13 +688,20 @@ def _freeze(v: Any) -> Any:
 
 def _role_key(p: ParamPlan) -> tuple[str, int | None] | str:
     # A matrix is a role of its own; the owned tail of a block is one role; even shards are not
-    # roles (they are divisible load).
+    # roles (they are divisible load); each expert of a stack is a role (see _role_loads).
     return p.fqn if p.placement == "matrix" else (p.block, p.owner)
 
 
 def _role_loads(params: Iterable[ParamPlan], attr: str) -> dict[Any, float]:
     out: dict[Any, float] = {}
     for p in params:
+        if p.placement == "experts":
+            # every expert is atomic wherever it lands: a bound taking the plan's own expert
+            # counts as fixed load would hold for those counts only, not for the best placement
+            E = p.shape[0]
+            for e in range(E):
+                out[(p.fqn, e)] = getattr(p, attr) / E
+            continue
         if p.owner is None:
             continue
         k = _role_key(p)
