@@ -548,6 +548,35 @@ class OwnerPlan:
         """Worst ``gamma / gamma_lower_bound`` over blocks (1.0 = every block at its bound)."""
         return max((b.gamma / b.gamma_lower_bound for b in self.block_stats), default=1.0)
 
+    # ----------------------------------------------------------------------------- experts
+    @property
+    def has_experts(self) -> bool:
+        """Whether the plan holds expert stacks (``"experts"`` placement)."""
+        return any(p.placement == "experts" for p in self.params)
+
+    @functools.cached_property
+    def expert_matrices(self) -> tuple[int, ...]:
+        """Expert matrices (experts x ``splits``, every stack) each shard rank holds."""
+        from .experts import expert_matrices_per_rank
+
+        return expert_matrices_per_rank(self.params, self.world_size)
+
+    @property
+    def expert_imbalance(self) -> float:
+        """max/avg of :attr:`expert_matrices` (1.0 without experts)."""
+        return _imbalance([float(n) for n in self.expert_matrices]) if self.has_experts else 1.0
+
+    @functools.cached_property
+    def expert_baselines(self) -> dict[str, Any]:
+        """``{"round_robin": ExpertBaseline, "chunked": ExpertBaseline}``: this plan's dense
+        weights re-planned around experts placed round-robin or in ``torch.chunk`` homes (see
+        [Note: expert baselines] in ``experts.py``); empty without experts."""
+        from .experts import BASELINES, expert_baseline
+
+        if not self.has_experts:
+            return {}
+        return {name: expert_baseline(self.params, self.world_size, name) for name in BASELINES}
+
     @property
     def tp_stats(self) -> tuple[tuple[int, float, float], ...]:
         """Per owner rank ``(groups, sum of makespans, sum of bounds)`` of its micro-groups
@@ -575,7 +604,24 @@ class OwnerPlan:
             "max_gamma_ratio": self.max_gamma_ratio,
             "digest": self.digest,
             **(self._tp_summary() if self.tp > 1 else {}),
+            **(self._expert_summary() if self.has_experts else {}),
         }
+
+    def _expert_summary(self) -> dict[str, Any]:
+        counts = self.expert_matrices
+        out: dict[str, Any] = {
+            "expert_stacks": sum(p.placement == "experts" for p in self.params),
+            "expert_matrices": sum(counts),
+            "expert_matrices_min": min(counts),
+            "expert_matrices_max": max(counts),
+            "expert_imbalance": self.expert_imbalance,
+        }
+        for name, b in self.expert_baselines.items():
+            out[f"expert_imbalance_{name}"] = b.expert_imbalance
+            out[f"cost_imbalance_{name}"] = b.cost_imbalance
+            out[f"bytes_imbalance_{name}"] = b.bytes_imbalance
+            out[f"max_gamma_ratio_{name}"] = b.max_gamma_ratio
+        return out
 
     def _tp_summary(self) -> dict[str, Any]:
         stats = self.tp_stats
