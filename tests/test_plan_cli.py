@@ -159,7 +159,7 @@ def test_moe_preset_reports_experts_against_the_baselines(capsys):
     out = capsys.readouterr().out
     assert out.startswith("# qwen3-30b-a3b: 30.53B parameters (3.35B active) in bfloat16, planned in ")
     assert "experts: 96 stacks, 18432 expert matrices, " in out
-    assert "this plan (each expert a role)" in out and "round-robin (expert e on rank e mod W)" in out
+    assert "this plan (balanced)" in out and "round-robin (expert e on rank e mod W)" in out
     assert "chunked (torch.chunk homes, as EP)" in out
     assert "  rank  owned  experts   param bytes   +state bytes        cost  owns" in out
     lines = out.splitlines()
