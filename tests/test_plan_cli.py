@@ -152,3 +152,42 @@ def test_tp_report_lists_micro_groups(capsys):
     assert sum(len(gs) for gs in plan.micro_groups) > len(rows)
     assert main(["--model", "qwen3-0.6b", "--world", "2", "--tp", "0"]) == 2
     assert "plan_owners: tp must be an int >= 1, got tp=0" in capsys.readouterr().err
+
+
+def test_moe_preset_reports_experts_against_the_baselines(capsys):
+    assert main(["--model", "qwen3-30b-a3b", "--world", "8", "--no-blocks"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# qwen3-30b-a3b: 30.53B parameters (3.35B active) in bfloat16, planned in ")
+    assert "experts: 96 stacks, 18432 expert matrices, " in out
+    assert "this plan (balanced)" in out and "round-robin (expert e on rank e mod W)" in out
+    assert "chunked (torch.chunk homes, as EP)" in out
+    assert "  rank  owned  experts   param bytes   +state bytes        cost  owns" in out
+    lines = out.splitlines()
+    head = lines.index("  rank  owned  experts   param bytes   +state bytes        cost  owns")
+    rows = [line.split() for line in lines[head + 1:head + 9]]
+    assert [int(r[0]) for r in rows] == list(range(8)) and sum(int(r[2]) for r in rows) == 18432
+    assert max(len(line) for line in out.splitlines()) <= 120
+
+
+def test_deepseek_v3_at_1024_ranks_and_hsdp(capsys):
+    """At W > E both baselines leave W - E ranks without experts: expert imbalance W / E = 4."""
+    assert main(["--model", "deepseek-v3", "--world", "1024", "--no-ranks", "--no-blocks"]) == 0
+    out = capsys.readouterr().out
+    assert "(37.55B active)" in out and "experts: 174 stacks, 44544 expert matrices" in out  # 58 MoE layers x 3
+    rr = next(line for line in out.splitlines() if "round-robin" in line).split()
+    assert rr[-4] == "4.000"  # expert matrices max/avg
+    assert main(["--model", "qwen3-30b-a3b", "--world", "64", "--replicas", "8", "--no-ranks", "--no-blocks"]) == 0
+    out = capsys.readouterr().out
+    assert "replicas=8 x world_size=8" in out and "experts: 96 stacks" in out
+
+
+def test_tiny_moe_json_carries_the_expert_counts(capsys):
+    assert main(["--model", "tiny-moe", "--world", "3", "--json"]) == 0
+    plan = OwnerPlan.from_json(capsys.readouterr().out)
+    stacks = [p for p in plan.params if p.placement == "experts"]
+    assert len(stacks) == 8 and all(sum(p.experts) == 8 and len(p.experts) == 3 for p in stacks)
+    assert {p.fqn.rpartition(".")[2]: p.splits for p in stacks} == {"gate_up_proj": 2, "down_proj": 1}
+    from matrixfsdp.plan import build_parser
+
+    text = build_parser().format_help()
+    assert "qwen3-30b-a3b" in text and "deepseek-v3" in text and "tiny-moe-mla" in text

@@ -4,6 +4,7 @@
     python -m matrixfsdp.plan --hf-config path/to/config.json --world 64 --json > plan.json
     python -m matrixfsdp.plan --model qwen3-8b --world 64 --replicas 8 --replica-step auto   # HSDP 8 x 8
     python -m matrixfsdp.plan --model qwen3-32b --world 1 --tp 8   # TP micro-groups (planning only)
+    python -m matrixfsdp.plan --model qwen3-30b-a3b --world 64   # experts, against two baselines
 
 No process group, no weights: the model is built on the ``meta`` device.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .models.decoder import PRESETS, Decoder, DecoderLayer, config_from_hf
+from .models.moe import MOE_PRESETS, MoEDecoder, MoEDecoderLayer
 from .planner.owners import ELEMENTWISE, POLICIES, plan_owners
 from .planner.owner_plan import REPLICA_STEPS
 from .planner.cost import COST_MODELS, OPTIMIZERS
@@ -36,8 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default="qwen3-32b", choices=sorted(PRESETS, key=natural_key),
-                     help="built-in preset (Qwen3 shapes from the published Hugging Face configs)")
+    src.add_argument("--model", default="qwen3-32b", choices=sorted({**PRESETS, **MOE_PRESETS}, key=natural_key),
+                     help="built-in preset (shapes from the published Hugging Face configs: dense Qwen3, and "
+                          "the mixture-of-experts qwen3-30b-a3b and deepseek-v3, whose report adds experts per "
+                          "rank against round-robin and chunked expert placements)")
     src.add_argument("--hf-config", metavar="PATH",
                      help="a Llama/Qwen-style Hugging Face config.json, or the model folder holding it")
     p.add_argument("--world", type=int, required=True, help="data-parallel world size (ranks)")
@@ -96,15 +100,16 @@ def _run(args: argparse.Namespace) -> int:
         hf = Path(args.hf_config)
         if hf.is_dir():
             hf = hf / "config.json"
-    cfg = config_from_hf(hf) if hf else PRESETS[args.model]
+    moe = hf is None and args.model in MOE_PRESETS
+    cfg = config_from_hf(hf) if hf else MOE_PRESETS[args.model] if moe else PRESETS[args.model]
     dtype_name = args.dtype if args.dtype != "auto" else ((_hf_dtype(hf) if hf else None) or "bfloat16")
     with torch.device("meta"):
-        model = Decoder(cfg).to(_DTYPES[dtype_name])
+        model = (MoEDecoder(cfg) if moe else Decoder(cfg)).to(_DTYPES[dtype_name])
     t0 = time.perf_counter()
     plan = plan_owners(
         model,
         (args.replicas, args.world // args.replicas) if args.replicas > 1 else args.world,
-        block_types=(DecoderLayer,),
+        block_types=(MoEDecoderLayer,) if moe else (DecoderLayer,),
         policy=args.policy,
         cost=args.cost,
         optimizer=args.optimizer,
@@ -120,7 +125,8 @@ def _run(args: argparse.Namespace) -> int:
         print(plan.to_json(indent=1))
         return 0
     name = str(hf) if hf else args.model
-    print(f"# {name}: {cfg.num_params / 1e9:.2f}B parameters in {dtype_name}, planned in {ms:.1f} ms")
+    active = f" ({cfg.num_active_params / 1e9:.2f}B active)" if moe else ""
+    print(f"# {name}: {cfg.num_params / 1e9:.2f}B parameters{active} in {dtype_name}, planned in {ms:.1f} ms")
     print(plan.report(per_rank=not args.no_ranks, per_block=not args.no_blocks))
     return 0
 

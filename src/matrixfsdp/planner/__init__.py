@@ -4,7 +4,8 @@ Pure, deterministic Python: no process group, no tensors beyond shapes. ``record
 frozen plan dataclasses and their digest, ``planner`` the global balance-aware assignment,
 ``cost`` the per-optimizer cost model, ``buckets`` Canzona's alpha-balanced partition,
 ``micro_groups`` the TP micro-groups (Canzona Algorithm 2), ``rules`` the matrix rule shared with
-the optimizers and ``report`` the human-readable report. The command line,
+the optimizers and ``report`` the human-readable report; ``balance`` is the ``balanced`` policy's
+assignment and ``experts`` the expert placement figures and baselines of the report. The command line,
 ``python -m matrixfsdp.plan``, is :mod:`matrixfsdp.plan`.
 """
 

@@ -63,6 +63,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from .balance import three_term_bound as _three_term_bound
 from .micro_groups import MicroGroup
 
 __all__ = [
@@ -225,17 +226,6 @@ def _imbalance(values: list[float]) -> float:
     return max(values) / avg if avg > 0 else 1.0
 
 
-def _three_term_bound(roles: list[float], world_size: int) -> float:
-    """max(average, largest role, W-th + (W+1)-th largest role): with W+1 roles on W ranks, two of
-    the W+1 largest share a rank. ``roles`` sorted descending."""
-    bound = sum(roles) / world_size
-    if roles:
-        bound = max(bound, roles[0])
-    if len(roles) > world_size:
-        bound = max(bound, roles[world_size - 1] + roles[world_size])
-    return bound
-
-
 def _l2_bins(asc: list[float], prefix: list[float], cap: float) -> int:
     """Martello-Toth L2 lower bound on the bins of capacity ``cap`` that items ``asc`` need."""
     n = len(asc)
@@ -272,6 +262,10 @@ def _best_bin_load(sizes: list[tuple[float, int]], cap: float, limit: int = 50_0
                 if y > cap:
                     break
                 new.add(y)
+            # the set only grows, so stopping here concludes as the check below would; without it
+            # thousands of alike expert roles make this loop run for seconds before giving up
+            if len(new) > limit:
+                return None
         sums = new
         if len(sums) > limit:
             return None
@@ -518,7 +512,8 @@ class OwnerPlan:
     def _bound(self, attr: str) -> float:
         roles = _role_loads(self.params, attr)
         W = self.world_size
-        base = [sum(getattr(p, attr) * p.share(r, W) for p in self.params if p.owner is None) for r in range(W)]
+        even = [p for p in self.params if p.placement == "even"]
+        base = [sum(getattr(p, attr) * p.share(r, W) for p in even) for r in range(W)]
         return _tight_lower_bound(list(roles.values()), base, W)
 
     @property
@@ -553,6 +548,35 @@ class OwnerPlan:
         """Worst ``gamma / gamma_lower_bound`` over blocks (1.0 = every block at its bound)."""
         return max((b.gamma / b.gamma_lower_bound for b in self.block_stats), default=1.0)
 
+    # ----------------------------------------------------------------------------- experts
+    @property
+    def has_experts(self) -> bool:
+        """Whether the plan holds expert stacks (``"experts"`` placement)."""
+        return any(p.placement == "experts" for p in self.params)
+
+    @functools.cached_property
+    def expert_matrices(self) -> tuple[int, ...]:
+        """Expert matrices (experts x ``splits``, every stack) each shard rank holds."""
+        from .experts import expert_matrices_per_rank
+
+        return expert_matrices_per_rank(self.params, self.world_size)
+
+    @property
+    def expert_imbalance(self) -> float:
+        """max/avg of :attr:`expert_matrices` (1.0 without experts)."""
+        return _imbalance([float(n) for n in self.expert_matrices]) if self.has_experts else 1.0
+
+    @functools.cached_property
+    def expert_baselines(self) -> dict[str, Any]:
+        """``{"round_robin": ExpertBaseline, "chunked": ExpertBaseline}``: this plan's dense
+        weights re-planned around experts placed round-robin or in ``torch.chunk`` homes (see
+        [Note: expert baselines] in ``experts.py``); empty without experts."""
+        from .experts import BASELINES, expert_baseline
+
+        if not self.has_experts:
+            return {}
+        return {name: expert_baseline(self.params, self.world_size, name) for name in BASELINES}
+
     @property
     def tp_stats(self) -> tuple[tuple[int, float, float], ...]:
         """Per owner rank ``(groups, sum of makespans, sum of bounds)`` of its micro-groups
@@ -580,7 +604,24 @@ class OwnerPlan:
             "max_gamma_ratio": self.max_gamma_ratio,
             "digest": self.digest,
             **(self._tp_summary() if self.tp > 1 else {}),
+            **(self._expert_summary() if self.has_experts else {}),
         }
+
+    def _expert_summary(self) -> dict[str, Any]:
+        counts = self.expert_matrices
+        out: dict[str, Any] = {
+            "expert_stacks": sum(p.placement == "experts" for p in self.params),
+            "expert_matrices": sum(counts),
+            "expert_matrices_min": min(counts),
+            "expert_matrices_max": max(counts),
+            "expert_imbalance": self.expert_imbalance,
+        }
+        for name, b in self.expert_baselines.items():
+            out[f"expert_imbalance_{name}"] = b.expert_imbalance
+            out[f"cost_imbalance_{name}"] = b.cost_imbalance
+            out[f"bytes_imbalance_{name}"] = b.bytes_imbalance
+            out[f"max_gamma_ratio_{name}"] = b.max_gamma_ratio
+        return out
 
     def _tp_summary(self) -> dict[str, Any]:
         stats = self.tp_stats
@@ -693,13 +734,20 @@ def _freeze(v: Any) -> Any:
 
 def _role_key(p: ParamPlan) -> tuple[str, int | None] | str:
     # A matrix is a role of its own; the owned tail of a block is one role; even shards are not
-    # roles (they are divisible load).
+    # roles (they are divisible load); each expert of a stack is a role (see _role_loads).
     return p.fqn if p.placement == "matrix" else (p.block, p.owner)
 
 
 def _role_loads(params: Iterable[ParamPlan], attr: str) -> dict[Any, float]:
     out: dict[Any, float] = {}
     for p in params:
+        if p.placement == "experts":
+            # every expert is atomic wherever it lands: a bound taking the plan's own expert
+            # counts as fixed load would hold for those counts only, not for the best placement
+            E = p.shape[0]
+            for e in range(E):
+                out[(p.fqn, e)] = getattr(p, attr) / E
+            continue
         if p.owner is None:
             continue
         k = _role_key(p)

@@ -64,6 +64,8 @@ def format_plan(plan: "OwnerPlan", *, per_rank: bool = True, per_block: bool = T
         "    gamma_B: a block's most loaded owner's bytes / (block bytes / W), i.e. its collective's "
         "slowdown vs even",
     ]
+    if plan.has_experts:
+        lines += _format_experts(plan, s)
     if plan.replicas > 1:
         cost, state = plan.replica_stats
         n_split = sum(p.step_replica is not None for p in plan.params)
@@ -78,11 +80,13 @@ def format_plan(plan: "OwnerPlan", *, per_rank: bool = True, per_block: bool = T
     if plan.tp > 1:
         lines += _format_micro_groups(plan)
     if per_rank:
-        lines += ["", "  rank  owned   param bytes   +state bytes        cost  owns"]
+        # the experts column only for plans that have experts: dense reports stay as they were
+        experts = plan.expert_matrices if plan.has_experts else None
+        lines += ["", "  rank  owned" + ("  experts" if experts else "") + "   param bytes   +state bytes        cost  owns"]
         for st in plan.rank_stats:
             owned = sorted((p.fqn for p in plan.owned_by(st.rank)), key=natural_key)
-            row = (f"  {st.rank:4d}  {st.num_owned:5d}  {human_bytes(st.nbytes):>12}  "
-                   f"{human_bytes(st.nbytes + st.state_nbytes):>13}  {st.cost:10.3e}  ")
+            row = (f"  {st.rank:4d}  {st.num_owned:5d}  " + (f"{experts[st.rank]:7d}  " if experts else "")
+                   + f"{human_bytes(st.nbytes):>12}  {human_bytes(st.nbytes + st.state_nbytes):>13}  {st.cost:10.3e}  ")
             lines.append(row + _fit(owned, max(20, WIDTH - len(row))))
     if per_block and plan.block_stats:
         w = max(36, *(len(b.fqn) for b in plan.block_stats))
@@ -93,6 +97,30 @@ def format_plan(plan: "OwnerPlan", *, per_rank: bool = True, per_block: bool = T
                 f"{b.gamma / b.gamma_lower_bound:6.3f}"
             )
     return "\n".join(lines)
+
+
+_BASELINE_LABELS = {
+    "round_robin": "round-robin (expert e on rank e mod W)",
+    "chunked": "chunked (torch.chunk homes, as EP)",
+}
+
+
+def _format_experts(plan: "OwnerPlan", s: dict) -> list[str]:
+    """The experts section: expert matrices per rank, the plan against the two baselines (``s``:
+    the plan's summary, passed in because its lower bounds take seconds on large MoE plans)."""
+    rows = [(f"this plan ({plan.policy})", s["expert_imbalance"], s["cost_imbalance"], s["bytes_imbalance"],
+             s["max_gamma_ratio"])]
+    rows += [(_BASELINE_LABELS[name], s[f"expert_imbalance_{name}"], s[f"cost_imbalance_{name}"],
+              s[f"bytes_imbalance_{name}"], s[f"max_gamma_ratio_{name}"]) for name in plan.expert_baselines]
+    lines = [
+        "",
+        f"  experts: {s['expert_stacks']} stacks, {s['expert_matrices']} expert matrices, "
+        f"{s['expert_matrices_min']}-{s['expert_matrices_max']} per shard rank",
+        "  expert placement (max/avg)               expert mats      cost     bytes   worst gamma_B / bound",
+    ]
+    lines += [f"    {label:<38} {e:11.3f}  {c:8.3f}  {b:8.3f}  {g:8.3f}" for label, e, c, b, g in rows]
+    lines.append("    baselines: the same dense weights re-planned (balanced) around the baseline's experts")
+    return lines
 
 
 def _format_micro_groups(plan: "OwnerPlan") -> list[str]:
