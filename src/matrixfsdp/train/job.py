@@ -45,6 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..models.decoder import Decoder, DecoderConfig, DecoderLayer
+from ..models.moe import MoEConfig, MoEDecoder, MoEDecoderLayer
 from ..placement.owned_tensor import local_tensor
 from .data import VOCAB_SIZE, Corpus, heldout_windows, load_corpus, local_batch
 
@@ -62,11 +63,15 @@ def _cfg(hidden: int, inter: int, layers: int, heads: int, kv: int) -> DecoderCo
                          head_dim=hidden // heads, tie_word_embeddings=False)
 
 
-#: Byte-level Qwen3-style decoders (q/k RMSNorm, GQA, SwiGLU) sized for CPUs.
-MODEL_SIZES: dict[str, DecoderConfig] = {
+#: Byte-level Qwen3-style decoders (q/k RMSNorm, GQA, SwiGLU) sized for CPUs, and a Qwen3-MoE-style
+#: mixture of experts (8 experts of hidden 96, top-2, fused gate_up_proj: docs/experts.md).
+MODEL_SIZES: dict[str, DecoderConfig | MoEConfig] = {
     "nano": _cfg(64, 192, 2, 4, 2),       # 0.13M parameters: tests and smoke runs
     "small": _cfg(128, 384, 4, 4, 2),     # 0.8M: the default, ~1 minute per run on 2 cores
     "base": _cfg(256, 768, 6, 8, 4),      # 4.6M: minutes per run on a laptop
+    "tiny-moe": MoEConfig(vocab_size=VOCAB_SIZE, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                          moe_intermediate_size=96, fused=True),  # 1.45M, 0.56M active per token
 }
 
 #: Matrix learning rate (and the AdamW rate of the other parameters) per ``--optimizer``.
@@ -182,8 +187,9 @@ class _Run:
     counter: Any  # matrixfsdp CommCounter or None
 
 
-def _build_model(cfg: TrainConfig) -> Decoder:
-    model = Decoder(MODEL_SIZES[cfg.model])
+def _build_model(cfg: TrainConfig) -> Decoder | MoEDecoder:
+    shape = MODEL_SIZES[cfg.model]
+    model = MoEDecoder(shape) if isinstance(shape, MoEConfig) else Decoder(shape)
     model.reset_parameters(seed=cfg.seed)  # every rank draws the same full tensors
     return model
 
@@ -222,7 +228,7 @@ def _build_matrixfsdp(cfg: TrainConfig) -> _Run:
 
     model = _build_model(cfg)
     mesh = _mesh(cfg)
-    plan = matrixfsdp.plan_owners(model, mesh, block_types=(DecoderLayer,), optimizer=cfg.optimizer,
+    plan = matrixfsdp.plan_owners(model, mesh, block_types=(DecoderLayer, MoEDecoderLayer), optimizer=cfg.optimizer,
                                   replica_step=cfg.replica_step)
     for layer in model.model.layers:
         matrixfsdp.fully_shard(layer, mesh=mesh, plan=plan, collectives=cfg.collectives)
