@@ -477,6 +477,10 @@ def _piece(p: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor] | None:
         return None
     if any(pl.is_partial() for pl in p.placements):
         raise RuntimeError("gather_full_state: Partial placement")
+    rows = getattr(p, "_rows", None)  # matrixfsdp's expert stacks: rows per shard rank from the plan's counts
+    if rows is not None:
+        s = mesh.get_local_rank(mesh.ndim - 1)
+        return (sum(rows[:s]),) + (0,) * (p.dim() - 1), loc.to("cpu", copy=True)
     _, offset = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)
     return tuple(int(o) for o in offset), loc.to("cpu", copy=True)
 

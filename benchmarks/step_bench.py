@@ -81,6 +81,21 @@ every one-matrix group on TP rank 0 of its owner row, so ``tp_unfused`` also los
 
     python benchmarks/step_bench.py --tp 2 --world 4 --out benchmarks/results/tp/tp_step_cpu_dp2_tp2
 
+``--model moe`` (issue 26): every row trains the MoE decoder of ``tests/_moe.py`` (expert stacks
+``w1/w3 [E, F, D]``, ``w2 [E, D, F]``, router ``gate``, a shared expert; ``--experts`` (16),
+``--moe-ffn`` F (256), ``--top-k`` (2); hidden 128, 4 layers, 4 heads unless overridden) with Muon on
+every expert matrix. Default rows (``MOE_DEFAULT_IMPLS``, ``baselines/moe.py``): ``moe_ddp`` (DDP,
+each expert matrix a 2-D view stepped alone: ratio and parity reference), ``moe_owners``
+(``plan_owners`` + ``fully_shard`` + ``Muon(model)``: whole experts per rank, local batched step),
+``moe_distmuon`` (stock FSDP2, DistMuon's owner scheme with each expert stack all-to-all'd whole to
+an owner and back), ``moe_gather_muon`` (stock FSDP2, every stack's update all-gathered, every rank
+steps every expert); ``moe_tt_distmuon`` (torchtitan's DistMuon as shipped: ``Owned()`` 2-D
+matrices, ``Shard(0)`` compute on stacks) on request. After the measured steps each rank's local
+``moe_owners`` step is timed alone (``--alone-reps``), for the step's balance limit; the report adds
+the step, total and optimizer-state ratios against DDP and the issue's goals:
+
+    python benchmarks/step_bench.py --world 4 --model moe --out benchmarks/results/moe/moe_step_cpu_w4
+
 ``--render X.jsonl`` (alone) rewrites ``X.md`` from the rows of an earlier run, keeping its command line.
 
 Memory: per rank, the sum of local tensor bytes (parameters, gradients, optimizer state and
@@ -126,6 +141,11 @@ TP_DEFAULT_IMPLS = ("tp_redundant", "tp_microgroups", "tp_sequential", "tp_unfus
 #: --tp T --world dp*T (dp > 1): the same rows plus tp_unfused with LPT-balanced hosts
 TP_DP_DEFAULT_IMPLS = (*TP_DEFAULT_IMPLS, "tp_unfused_lpt")
 TP_REFERENCE = "tp_redundant"  #: --tp: ratio and parity reference
+#: --model moe (issue 26): the MoE decoder of tests/_moe.py; ratios and parity against moe_ddp
+MOE_DEFAULT_IMPLS = ("moe_ddp", "moe_owners", "moe_distmuon", "moe_gather_muon")
+MOE_REFERENCE = "moe_ddp"
+#: 2-D tensors on AdamW in either model (left out of the parity's "Muon matrices" column)
+ADAMW_2D_NAMES = ("model.embed_tokens.weight", "lm_head.weight", "embed.weight")
 MB = 1 << 20
 
 
@@ -279,6 +299,10 @@ def run_one(name: str, cfg: BenchConfig, ctx: Context, args: argparse.Namespace,
                     parity_full = bc.gather_full_state(impl.named_parameters())
         comm_snap = counter.snapshot()
         cpu_used, mach1 = bc.proc_cpu_ticks() - cpu0, bc.machine_cpu_ticks()
+        alone = None
+        if args.alone_reps > 0 and hasattr(impl, "time_alone"):  # after the measured steps, untimed by them
+            with counter.in_phase("other"):
+                alone = impl.time_alone(batch_for_step(cfg, n_steps, rank, world, device), args.alone_reps)
         mem["opt_state"] = bc.local_nbytes(t for o in impl.optimizers() for t in bc.optimizer_state_tensors(o))
         mem["opt_scratch"] = bc.local_nbytes(impl.scratch_tensors())
         if cuda:  # allocator's view, next to the tensor-byte sums above
@@ -297,10 +321,12 @@ def run_one(name: str, cfg: BenchConfig, ctx: Context, args: argparse.Namespace,
 
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, {"times": per_rank_times, "cpu": per_rank_cpu, "comm": comm_snap, "mem": mem,
-                                      "loss": losses, "cpu_ticks": cpu_used,
+                                      "loss": losses, "cpu_ticks": cpu_used, "alone": alone,
                                       "nic": nic if ifname else None})
     row["notes"] = impl.notes
     row["status"] = "ok"
+    if getattr(impl, "rank_cost", None) is not None:  # the owner plan's step cost (FLOPs) per rank
+        row["plan_cost_per_rank"] = list(impl.rank_cost)
     impl.teardown()
     del impl
     gc.collect()
@@ -337,6 +363,8 @@ def run_one(name: str, cfg: BenchConfig, ctx: Context, args: argparse.Namespace,
                         "ops": {op: [x / steps for x in vals] for op, vals in v["ops"].items()}}
         comm.append(c)
     row["comm_per_rank"] = comm
+    if gathered[0].get("alone") is not None:  # each rank's local step alone (the others in a barrier)
+        row["alone_step_s_per_rank"] = [g["alone"] for g in gathered]
     row["mem_per_rank"] = [g["mem"] for g in gathered]
     if gathered[0].get("nic") is not None:  # measured on the rank's own veth (--netns)
         row["nic_per_rank"] = [{ph: [v[0] / steps, v[1] / steps] for ph, v in g["nic"].items()} for g in gathered]
@@ -350,7 +378,8 @@ def run_one(name: str, cfg: BenchConfig, ctx: Context, args: argparse.Namespace,
         ref = ref_state.get("ref")
         if ref is not None:
             d, worst, nans = bc.max_abs_diff(parity_full, ref)
-            mats = {k: v for k, v in parity_full.items() if v.ndim == 2 and k not in ("model.embed_tokens.weight", "lm_head.weight")}
+            # Muon tensors: 2-D matrices and 3-D expert stacks (--model moe)
+            mats = {k: v for k, v in parity_full.items() if v.ndim in (2, 3) and k not in ADAMW_2D_NAMES}
             dm, _, _ = bc.max_abs_diff(mats, ref)
             row["parity"] = {"steps": args.parity_steps, "max_abs_diff": d, "worst_param": worst,
                              "max_abs_diff_muon_matrices": dm, "nan_count": nans,
@@ -589,7 +618,19 @@ def markdown(result: dict[str, Any], command: str) -> str:
              + (f"{backend} on one GPU per rank ({env.get('gpu')}, {env.get('gpu_memory_gib')} GiB; CUDA "
                 f"{env.get('cuda')}, NCCL {env.get('nccl')}); " if on_cuda else "")
              + f"whole run {meta['run_s']} s.  ")
-    L.append(f"Model: matrixfsdp.Decoder vocab {cfg['vocab_size']}, hidden {cfg['hidden_size']}, MLP "
+    if cfg.get("model") == "moe":
+        L.append(f"Model: the MoE decoder of tests/_moe.py (issue 26), vocab {cfg['vocab_size']}, dim "
+                 f"{cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads; per layer "
+                 f"{cfg['experts']} experts (stacks {'gate_up_proj [E, 2F, D], down_proj' if cfg.get('moe_fused') else 'w1/w3 [E, F, D], w2'}"
+                 f" [E, D, F], F = {cfg['moe_ffn']}), top-{cfg['top_k']} router `gate`, "
+                 f"{'a shared expert (dense MLP, hidden F)' if cfg.get('moe_shared') else 'no shared expert'}; fp32; "
+                 f"Muon on every 2-D weight but the embedding and the head (attention, router, shared expert) and on "
+                 f"every expert matrix; global batch {cfg['global_batch']} x {cfg['seq_len']} tokens (split over ranks). "
+                 f"Muon lr {cfg['lr']} wd {cfg['weight_decay']} momentum {cfg['momentum']} nesterov {cfg['nesterov']} "
+                 f"ns_steps {cfg['ns_steps']} NS dtype {cfg['ns_dtype']}; AdamW (embedding, head, norms) lr "
+                 f"{cfg['adamw_lr']} betas {tuple(cfg['adamw_betas'])} wd {cfg['adamw_weight_decay']}.  ")
+    else:
+        L.append(f"Model: matrixfsdp.Decoder vocab {cfg['vocab_size']}, hidden {cfg['hidden_size']}, MLP "
              f"{cfg['intermediate_size']}, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads / "
              f"{cfg['num_key_value_heads']} KV x {cfg['head_dim']}, fp32; global batch {cfg['global_batch']} x "
              f"{cfg['seq_len']} tokens (split over ranks). Muon lr {cfg['lr']} wd {cfg['weight_decay']} momentum "
@@ -708,6 +749,8 @@ def markdown(result: dict[str, Any], command: str) -> str:
         L.extend(_hsdp_section(meta, ok, ok_names, stats, ratio_stats, REF))
     if meta.get("tp"):
         L.extend(_tp_section(meta, ok, ok_names, stats, ratio_stats, REF))
+    if cfg.get("model") == "moe":
+        L.extend(_moe_section(meta, ok, ok_names, stats, ratio_stats, REF, is_clean))
     ratio_matrix("### Total-time ratios, row / column (same repeat; median over repeats)", "total_s")
     balanced = [n for n in ok_names if any("step_balance" in r for r in ok if r["impl"] == n)]
     if balanced and PARITY_REF in ok_names:
@@ -904,6 +947,95 @@ def _hsdp_section(meta: dict[str, Any], ok: list[dict[str, Any]], ok_names: list
     return L
 
 
+def _moe_section(meta: dict[str, Any], ok: list[dict[str, Any]], ok_names: list[str], stats: Any,
+                 ratio_stats: Any, ref: str, is_clean: Any) -> list[str]:
+    """Issue 26's MoE rows: step, total and optimizer state per rank against DDP; the owners step
+    against its balance limit; the goals (step <= 1.10x the limit, total below every other row)."""
+    OWN = "moe_owners"
+    W, cpus = meta["world"], meta["env"]["cpus"]
+    L = ["## MoE rows (issue 26)", "",
+         f"Ratios against `{ref}` in the same repeat (median (min-max) over clean repeats); optimizer state: "
+         "`optimizer.state` tensors per rank after the last step (max over ranks); step calls and wire: the "
+         "optimizer step's collectives per rank per step (max over ranks).", "",
+         f"| implementation | step s | step / {ref} | total s | total / {ref} | optimizer state MB per rank | "
+         f"state / {ref} | step calls | step wire MB |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def cell(x: dict[str, Any] | None, nd: int = 3) -> str:
+        if x is None:
+            return "n/a"
+        return f"{x['median']:.{nd}f} ({x['min']:.{nd}f}-{x['max']:.{nd}f})" + ("†" if x.get("dirty") else "")
+
+    def state_mb(n: str) -> float:
+        r = next(r for r in ok if r["impl"] == n)
+        return max(x.get("opt_state", 0) for x in r["mem_per_rank"]) / MB
+
+    one = {"median": 1.0, "min": 1.0, "max": 1.0}
+    for n in ok_names:
+        r = next(r for r in ok if r["impl"] == n)
+        cpr = r["comm_per_rank"]
+        st = ratio_stats(n, "step_s", ref) if n != ref else one
+        tot = ratio_stats(n, "total_s", ref) if n != ref else one
+        sr = state_mb(n) / state_mb(ref) if ref in ok_names and state_mb(ref) else float("nan")
+        L.append(f"| {n} | {cell(stats(n, 'step_s'), 4)} | {cell(st, 2)} | {cell(stats(n, 'total_s'), 4)} | "
+                 f"{cell(tot, 2)} | {state_mb(n):.2f} | {sr:.3f} | {max(c['step']['calls'] for c in cpr):g} | "
+                 f"{max(c['step']['wire'] for c in cpr) / MB:.2f} |")
+    L.append("")
+    if OWN not in ok_names:
+        return L
+    # the balance limit: each rank's local step timed alone (the others in a barrier), 1 thread
+    rows = [r for r in ok if r["impl"] == OWN and r.get("alone_step_s_per_rank")]
+    clean = [r for r in rows if is_clean(r)] or rows
+    step = stats(OWN, "step_s")
+    limit = None
+    if clean:
+        per_rank = [statistics.median(r["alone_step_s_per_rank"][k] for r in clean) for k in range(W)]
+        largest, total = max(per_rank), sum(per_rank)
+        limit = max(largest, total / min(cpus, W))
+        L.append(f"**`{OWN}` against its balance limit.** Method: after each repeat's measured steps every rank's "
+                 "local optimizer step is timed alone (ranks in turn, the others waiting in a barrier; one "
+                 f"forward/backward first, median of {meta['args'].get('alone_reps')} steps after a warm-up, "
+                 f"{meta['threads_per_rank']} intra-op thread(s) as in the run): per rank "
+                 + ", ".join(f"{x * 1e3:.1f}" for x in per_rank) + " ms (median over "
+                 f"{len(clean)} repeat(s)); the most loaded rank's {largest * 1e3:.1f} ms. The {W} ranks share "
+                 f"{cpus} cores, so no schedule finishes the step before max(largest rank, sum over ranks / "
+                 f"{min(cpus, W)} cores) = max({largest * 1e3:.1f}, {total / min(cpus, W) * 1e3:.1f}) = "
+                 f"**{limit * 1e3:.1f} ms**, the balance limit on this machine (on one core per rank it is the "
+                 f"largest rank's time). Measured step {step['median'] * 1e3:.1f} ms = "
+                 f"**{step['median'] / limit:.2f}x** the limit.")
+        cpu = stats(OWN, "cpu_step_s", clean_only=False)
+        if cpu:
+            L.append(f"The step's CPU seconds summed over the ranks ({cpu['median'] * 1e3:.1f} ms, median over all "
+                     f"repeats) are {cpu['median'] / total:.2f}x the per-rank alone times summed ({total * 1e3:.1f} "
+                     "ms): the work itself is the same in the run; the rest of the gap is waiting and contention.")
+        cost = next((r.get("plan_cost_per_rank") for r in rows if r.get("plan_cost_per_rank")), None)
+        if cost:
+            mean = sum(cost) / len(cost)
+            L.append(f"The plan's cost model (Newton-Schulz FLOPs per rank: "
+                     + ", ".join(f"{c / 1e9:.2f}G" for c in cost) + f"; max/mean {max(cost) / mean:.3f}) against "
+                     f"the timed per-rank steps (max/mean {largest / (total / W):.3f}).")
+        L.append("")
+    L.append("Goals:")
+    L.append("")
+    if limit is not None:
+        ratio = step["median"] / limit
+        L.append(f"- `{OWN}` step <= 1.10x its balance limit: {step['median'] * 1e3:.1f} ms / {limit * 1e3:.1f} ms "
+                 f"= {ratio:.2f}: **{'met' if ratio <= 1.10 else 'not met'}**")
+    else:
+        L.append(f"- `{OWN}` step <= 1.10x its balance limit: not measured (--alone-reps 0)")
+    others = [n for n in ok_names if n != OWN]
+    cmp = []
+    for o in others:
+        s_ = ratio_stats(OWN, "total_s", o)
+        if s_ is not None:
+            cmp.append((o, s_))
+    met = bool(cmp) and all(s_["median"] < 1 for _, s_ in cmp)
+    L.append(f"- `{OWN}` total (fwd+bwd+step) below every other row's: **{'met' if met else 'not met'}** ("
+             + "; ".join(f"{OWN} / {o} = {cell(s_, 2)}" for o, s_ in cmp) + ")")
+    L.append("")
+    return L
+
+
 def _tp_section(meta: dict[str, Any], ok: list[dict[str, Any]], ok_names: list[str], stats: Any,
                 ratio_stats: Any, ref: str) -> list[str]:
     """Issue 18's targets: step >= 2x faster than the redundant baseline, fused faster than
@@ -1012,7 +1144,7 @@ def driver_main(args: argparse.Namespace) -> int:
     argv = [sys.executable, os.path.abspath(__file__), "--_worker", "--_result", result_path,
             "--impls", ",".join(impls)]
     for k in ("repeats", "warmup", "steps", "parity_steps", "threads", "pg_timeout", "max_foreign", "retries",
-              "quiet_wait", "retry_budget", "hidden", "layers",
+              "quiet_wait", "retry_budget", "alone_reps", "model", "experts", "moe_ffn", "top_k", "hidden", "layers",
               "intermediate", "seq", "global_batch", "heads", "kv_heads", "vocab"):
         v = getattr(args, k)
         if v is not None:
@@ -1053,10 +1185,16 @@ def _impl_list(args: argparse.Namespace) -> list[str]:
     default = HSDP_DEFAULT_IMPLS if args.mesh else DEFAULT_IMPLS
     if args.tp:
         default = TP_DP_DEFAULT_IMPLS if _world_hint(args) > args.tp else TP_DEFAULT_IMPLS
+    if args.model == "moe":
+        default = MOE_DEFAULT_IMPLS
     names = [s.strip() for s in (args.impls or args.impl or ",".join(default)).split(",") if s.strip()]
     bad = [n for n in names if n not in IMPLS]
     if bad:
         raise SystemExit(f"unknown implementation(s) {bad}; choose from {list(IMPLS)}")
+    wrong = [n for n in names if n.startswith("moe_") != (args.model == "moe")]
+    if wrong:
+        raise SystemExit(f"implementation(s) {wrong} train the other model: the moe_* rows need --model moe and "
+                         "the others the default --model decoder")
     return names
 
 
@@ -1064,6 +1202,11 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     kw: dict[str, Any] = {"ns_dtype": args.ns_dtype}
     if args.tp:  # heads divisible by every TP degree run here (2, 4, 8)
         kw.update(num_attention_heads=8, num_key_value_heads=4)
+    if args.model == "moe":  # --model moe defaults (one owners step ~0.1 s on this CPU at W=4)
+        kw.update(model="moe", hidden_size=128, num_hidden_layers=4, num_attention_heads=4)
+        for a, f in (("experts", "experts"), ("moe_ffn", "moe_ffn"), ("top_k", "top_k")):
+            if getattr(args, a) is not None:
+                kw[f] = getattr(args, a)
     for a, f in (("hidden", "hidden_size"), ("layers", "num_hidden_layers"), ("intermediate", "intermediate_size"),
                  ("seq", "seq_len"), ("global_batch", "global_batch"), ("heads", "num_attention_heads"),
                  ("kv_heads", "num_key_value_heads"), ("vocab", "vocab_size")):
@@ -1130,6 +1273,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default) or the in-progress private matrixfsdp._fully_shard (development only)")
     for a in ("hidden", "layers", "intermediate", "seq", "global-batch", "heads", "kv-heads", "vocab"):
         p.add_argument(f"--{a}", type=int, default=None, help="model/data override")
+    p.add_argument("--model", default="decoder", choices=("decoder", "moe"),
+                   help="decoder: matrixfsdp.Decoder (default); moe: the MoE decoder of tests/_moe.py (issue 26: "
+                        f"rows {','.join(MOE_DEFAULT_IMPLS)}; defaults hidden 128, 4 layers, 4 heads)")
+    p.add_argument("--experts", type=int, default=None, help="--model moe: experts per layer (default 16)")
+    p.add_argument("--moe-ffn", type=int, default=None, help="--model moe: expert hidden size (default 256)")
+    p.add_argument("--top-k", type=int, default=None, help="--model moe: experts per token (default 2)")
+    p.add_argument("--alone-reps", type=int, default=5,
+                   help="rows that can (moe_owners): after the measured steps, each rank's local optimizer step "
+                        "timed alone, the others waiting in a barrier (median of this many; 0: off)")
     p.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_result", default=None, help=argparse.SUPPRESS)
@@ -1145,9 +1297,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.world = args.tp
     if args.tp and args.world and args.world % args.tp:
         p.error(f"--tp {args.tp} --world {args.world}: the world must be dp * T")
-    default_ref = HSDP_REFERENCE if args.mesh else TP_REFERENCE if args.tp else REFERENCE
+    if args.model == "moe" and (args.mesh or args.tp):
+        p.error("--model moe runs on the flat data-parallel mesh (no --mesh, no --tp)")
+    default_ref = (HSDP_REFERENCE if args.mesh else TP_REFERENCE if args.tp else MOE_REFERENCE if args.model == "moe"
+                   else REFERENCE)
     args.reference = args.reference or default_ref
-    args.parity_ref = args.parity_ref or (HSDP_PARITY_REF if args.mesh else TP_REFERENCE if args.tp else REFERENCE)
+    args.parity_ref = args.parity_ref or (HSDP_PARITY_REF if args.mesh else TP_REFERENCE if args.tp
+                                          else MOE_REFERENCE if args.model == "moe" else REFERENCE)
     if args.warmup < 2 or args.steps < 5:
         print("step_bench: note: the protocol asks for >= 2 warm-up and >= 5 measured steps", file=sys.stderr)
     return args

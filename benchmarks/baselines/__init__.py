@@ -31,7 +31,8 @@ only its NS dtype is patched (:func:`patch_torchtitan_ns_dtype`), and the row's 
 Modules: ``core`` (config, context, model and data, routing, the :class:`Impl` protocol, step
 cost), ``ddp``, ``fsdp2``, ``gather_muon``, ``distmuon`` (torchtitan), ``zero1_owner``,
 ``zero_redundancy``, ``fully_shard`` and ``replicate`` (matrixfsdp), ``hsdp`` (issue 17), ``tp``
-(the TP harness) with ``tp_redundant``, ``tp_shard_local``, ``tp_microgroups`` (issue 18).
+(the TP harness) with ``tp_redundant``, ``tp_shard_local``, ``tp_microgroups`` (issue 18), ``moe``
+(``step_bench.py --model moe``: the MoE decoder of ``tests/_moe.py`` with expert stacks, issue 26).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from .fsdp2 import FSDP2AdamW
 from .fully_shard import MatrixFSDP, mfsdp_impl
 from .gather_muon import FSDP2GatherMuon
 from .hsdp import SingleMuon, hsdp_impl
+from .moe import MOE_IMPLS
 from .replicate import replicate_impl
 from .tp_microgroups import TPMicroGroups, TPUnfusedLPT, tp_hosted
 from .tp_redundant import TPRedundant
@@ -92,5 +94,5 @@ IMPLS: dict[str, type[Impl]] = {
                         replicate_impl("replicate_a0.5", "alpha_balanced", 0.5),
                         replicate_impl("replicate_a1", "alpha_balanced", 1.0),
                         replicate_impl("replicate_naive", "naive_static", 0.0),
-                        ZeroRedundancyMuon, *HSDP_IMPLS, *TP_IMPLS)
+                        ZeroRedundancyMuon, *HSDP_IMPLS, *TP_IMPLS, *MOE_IMPLS)
 }

@@ -49,6 +49,14 @@ class BenchConfig:
     adamw_betas: tuple[float, float] = (0.9, 0.95)
     adamw_eps: float = 1e-8
     adamw_weight_decay: float = 0.0
+    # --model moe (issue 26): tests/_moe.py's MoE decoder (baselines/moe.py); hidden_size,
+    # num_hidden_layers, num_attention_heads and vocab_size above size it too
+    model: str = "decoder"
+    experts: int = 16
+    moe_ffn: int = 256  # expert (and shared expert) hidden size
+    top_k: int = 2
+    moe_shared: bool = True
+    moe_fused: bool = False  # Hugging Face's gate_up_proj [E, 2F, D] instead of w1/w3
 
     def model_config(self) -> DecoderConfig:
         return DecoderConfig(

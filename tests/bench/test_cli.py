@@ -235,3 +235,54 @@ def test_step_bench_tp_world_must_be_multiple(capsys):
     assert (args.tp, args.world, args.reference, args.parity_ref) == (2, 4, "tp_redundant", "tp_redundant")
     assert step_bench._impl_list(args) == [*step_bench.TP_DEFAULT_IMPLS, "tp_unfused_lpt"]
     assert step_bench._impl_list(step_bench.parse_args(["--tp", "2"])) == list(step_bench.TP_DEFAULT_IMPLS)  # dp=1
+
+
+def test_step_bench_moe_rows_run_and_match_ddp(tmp_path):
+    """step_bench --model moe (issue 26) on a tiny MoE: every row runs and matches moe_ddp (each
+    expert matrix a 2-D parameter), moe_owners makes no collective in its step and has its
+    per-rank alone times, and the report states the goals."""
+    out = tmp_path / "moe"
+    _bench("step_bench.py", "--world", "2", "--model", "moe", "--impls",
+           "moe_ddp,moe_owners,moe_distmuon,moe_gather_muon,moe_tt_distmuon", "--repeats", "1", "--warmup", "2",
+           "--steps", "1", "--parity-steps", "2", "--retries", "0", "--max-foreign", "1.0", "--quiet-wait", "0",
+           "--alone-reps", "1", "--hidden", "32", "--moe-ffn", "24", "--experts", "5", "--layers", "2",
+           "--vocab", "128", "--seq", "16", "--out", str(out))
+    rows = {r["impl"]: r for r in map(json.loads, (tmp_path / "moe.jsonl").read_text().splitlines()) if "impl" in r}
+    assert set(rows) == {"moe_ddp", "moe_owners", "moe_distmuon", "moe_gather_muon", "moe_tt_distmuon"}
+    assert all(r["status"] == "ok" for r in rows.values()), {n: r.get("reason") for n, r in rows.items()}
+    for name, r in rows.items():
+        assert r["parity"]["max_abs_diff_muon_matrices"] <= 1e-6, (name, r["parity"])
+        assert r["parity"]["nan_count"] == 0, name
+    assert all(c["step"]["calls"] == 0 for c in rows["moe_owners"]["comm_per_rank"])
+    assert len(rows["moe_owners"]["alone_step_s_per_rank"]) == 2
+    md = (tmp_path / "moe.md").read_text()
+    assert "## MoE rows (issue 26)" in md and "step <= 1.10x its balance limit" in md
+    assert "total (fwd+bwd+step) below every other row's" in md
+
+
+def test_step_bench_moe_refuses_decoder_rows(capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import step_bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert step_bench._impl_list(step_bench.parse_args(["--model", "moe"])) == list(step_bench.MOE_DEFAULT_IMPLS)
+    with pytest.raises(SystemExit, match="need --model moe"):
+        step_bench._impl_list(step_bench.parse_args(["--impls", "moe_owners"]))
+    with pytest.raises(SystemExit, match="train the other model"):
+        step_bench._impl_list(step_bench.parse_args(["--model", "moe", "--impls", "ddp_muon"]))
+
+
+def test_expert_ns_bench_rows_and_parity(tmp_path):
+    out = tmp_path / "ens"
+    _bench("expert_ns_bench.py", "--experts", "3", "--dims", "24,16", "--reps", "1", "--warmup", "1",
+           "--quiet-wait", "0", "--retries", "0", "--out", str(out))
+    rows = [json.loads(line) for line in (tmp_path / "ens.jsonl").read_text().splitlines()][1:]
+    assert [(r["stack"], r["ns_dtype"]) for r in rows] == [
+        (s, d) for s in ("w1", "w2", "gate_up_proj") for d in ("float32", "bfloat16")]
+    assert [r["matrices"] for r in rows] == [3, 3, 3, 3, 6, 6]
+    assert all(r["batched_ms"] > 0 and r["loop_ms"] > 0 for r in rows)
+    assert all(r["max_abs_diff"] < 1e-3 for r in rows), rows
+    md = (tmp_path / "ens.md").read_text()
+    assert md.startswith(f"<!-- produced by: python benchmarks/expert_ns_bench.py --experts 3 --dims 24,16")
+    assert "batched >= 1.5x the per-expert loop" in md
