@@ -109,7 +109,7 @@ def measure(E: int, name: str, rows: int, cols: int, splits: int, ns_dtype: torc
     routes = [(grp["algorithm"], grp.get("experts")) for grp in batched.param_groups]
     assert routes == [("muon", splits)], routes  # the expert route, `splits` matrices per expert
     r = rows // splits
-    # diagnostic: the same expert step with Newton-Schulz chunks of `chunk` matrices (NS_CHUNK_BYTES)
+    # diagnostic: the same expert step with Newton-Schulz chunks of `chunk` matrices (both byte bounds lowered)
     model_c = Experts(name, stack.clone())
     p_c = model_c.get_parameter(name)
     chunked = Muon(model_c, ns_dtype=ns_dtype, **HP)
@@ -127,13 +127,14 @@ def measure(E: int, name: str, rows: int, cols: int, splits: int, ns_dtype: torc
 
     def step_chunked() -> float:
         p_c.grad = grad
-        default, _experts.NS_CHUNK_BYTES = _experts.NS_CHUNK_BYTES, chunk * per
+        saved = _experts.NS_CHUNK_BYTES, _experts.NS_CHUNK_BYTES_CPU
+        _experts.NS_CHUNK_BYTES = _experts.NS_CHUNK_BYTES_CPU = chunk * per
         try:
             t0 = time.perf_counter()
             chunked.step()
             return time.perf_counter() - t0
         finally:
-            _experts.NS_CHUNK_BYTES = default
+            _experts.NS_CHUNK_BYTES, _experts.NS_CHUNK_BYTES_CPU = saved
 
     def step_loop() -> float:
         for m, gm in zip(mats, mat_grads):
@@ -188,15 +189,16 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], command: str) -> 
          f"{meta['threads']} intra-op thread(s) (one step_bench rank's).  ",
          "One optimizer step of `matrixfsdp.optim.Muon` on a rank's expert stack, two ways: **batched** = "
          "`Muon(model)` on the stack (the expert route: element-wise ops once over the stack, Newton-Schulz "
-         "with `bmm`/`baddbmm` in chunks of <= 64 MiB); **loop** = every expert matrix its own 2-D parameter, "
+         "with `bmm`/`baddbmm` in chunks of <= 64 MiB on accelerators, <= 1 MiB on the CPU, where a batch gains "
+         "only while it stays in a core's cache: a chunk of one matrix is the 2-D iteration); **loop** = every expert matrix its own 2-D parameter, "
          "stepped one after another by the per-matrix rule (`torch.optim.Muon`'s op sequence). Muon lr 0.02, "
          "wd 0.01, momentum 0.95, Nesterov, 5 Newton-Schulz steps in the given dtype; parameters, gradients "
          "and momentum float32. Times: medians over "
          f"{meta['reps']} steps of each, interleaved, after {meta['warmup']} warm-up steps of each; speedup = "
          "loop / batched, the median of the per-pair ratios. Parity after all steps: matrices whose batched "
          "result `torch.equal`s the loop's, and the largest absolute difference. Diagnostic (not the shipped "
-         f"setting): the same batched step with `NS_CHUNK_BYTES` lowered so that each Newton-Schulz batch holds "
-         f"{meta['chunk']} matrices (the shipped 64 MiB bound holds the whole stack here), measured in the same "
+         f"setting): the same batched step with the chunk bounds set so that each Newton-Schulz batch holds "
+         f"{meta['chunk']} matrices, measured in the same "
          "interleaved sequence.", "",
          "| stack (per rank) | matrices | NS dtype | batched ms | loop ms | speedup (loop / batched) | "
          f"bitwise equal | max abs diff | batched, chunks of {meta['chunk']} ms | its speedup | its bitwise equal | "

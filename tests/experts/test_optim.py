@@ -108,8 +108,9 @@ def test_batched_newton_schulz_is_chunked_and_bitwise(monkeypatch):
     chunked.grad = stack.grad.clone()
     opt.step()
     per = (ROWS * COLS * 2 + 2 * COLS * COLS) * 4
-    monkeypatch.setattr(experts, "NS_CHUNK_BYTES", 2 * per)  # chunks of 2 matrices
-    assert [s.stop - s.start for s in experts.ns_chunks(E, ROWS, COLS, torch.float32)] == [2, 2, 1]
+    monkeypatch.setattr(experts, "NS_CHUNK_BYTES_CPU", 2 * per)  # chunks of 2 matrices
+    assert [s.stop - s.start for s in experts.ns_chunks(E, ROWS, COLS, torch.float32, torch.device("cpu"))] == [2, 2, 1]
+    assert [s.stop - s.start for s in experts.ns_chunks(E, ROWS, COLS, torch.float32)] == [5]  # accelerators: 64 MiB
     small.step()
     assert torch.equal(stack, chunked)
 

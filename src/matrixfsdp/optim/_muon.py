@@ -278,8 +278,11 @@ class Muon(MatrixOptimizer):
         mats.mul_(1 - lr * group["weight_decay"])
         ratio = lr_ratio(group["adjust_lr_fn"], mats.shape[1:])
         ns_args = (group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
-        for chunk in ns_chunks(mats.shape[0], mats.shape[1], mats.shape[2], group["ns_dtype"]):
-            ortho = batched_newtonschulz(update[chunk], *ns_args)
+        for chunk in ns_chunks(mats.shape[0], mats.shape[1], mats.shape[2], group["ns_dtype"], mats.device):
+            if chunk.stop - chunk.start == 1:  # one matrix: the 2-D iteration (mm, bitwise the rule's)
+                ortho = zeropower_via_newtonschulz(update[chunk.start], *ns_args).unsqueeze(0)
+            else:
+                ortho = batched_newtonschulz(update[chunk], *ns_args)
             if capturable:  # no lr-dependent Python number reaches a kernel
                 mats[chunk].addcmul_(ortho, lr * -ratio)
             else:
