@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -198,10 +198,10 @@ class DecoderLayer(nn.Module):
 
 
 class _Body(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: Any, layer: Callable[[Any, int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -215,10 +215,13 @@ class Decoder(nn.Module):
         logits = model(torch.randint(0, cfg.vocab_size, (2, 16)))
     """
 
+    #: projections writing into the residual stream (their init is scaled by ``1/sqrt(2 L)``)
+    _RESIDUAL: tuple[str, ...] = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = _Body(cfg)
+        self.model = _Body(cfg, self._layer)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -236,19 +239,21 @@ class Decoder(nn.Module):
         from ..placement.owned_tensor import set_full_
 
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        residual = {f"model.layers.{i}.{n}.weight" for i in range(self.cfg.num_hidden_layers)
-                    for n in ("self_attn.o_proj", "mlp.down_proj")}
         scale = 1.0 / math.sqrt(2 * self.cfg.num_hidden_layers)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 full = torch.ones(p.shape, dtype=p.dtype)
-            elif p.ndim >= 2:
+            elif p.ndim >= 2:  # matrices and expert stacks
                 full = (torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype)
-                if name in residual:  # residual projections scaled down, as GPT-2/Llama inits do
-                    full.mul_(scale)
+                if name.startswith("model.layers.") and name.endswith(self._RESIDUAL):
+                    full.mul_(scale)  # residual projections scaled down, as GPT-2/Llama inits do
             else:
                 full = torch.zeros(p.shape, dtype=p.dtype)
             set_full_(p, full)
+
+    @staticmethod
+    def _layer(cfg: Any, index: int) -> nn.Module:
+        return DecoderLayer(cfg)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(tokens)

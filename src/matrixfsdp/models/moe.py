@@ -27,12 +27,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .decoder import MLP, Attention, DecoderConfig, RMSNorm, _rope
+from .decoder import MLP, Attention, Decoder, DecoderConfig, RMSNorm, _rope
 
 __all__ = ["MoEConfig", "MoEDecoder", "MoEDecoderLayer", "MOE_PRESETS", "TopKRouter", "GroupedExperts",
            "FusedGateUpExperts", "SparseMoE", "LatentAttention"]
@@ -321,15 +322,7 @@ class MoEDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class _Body(nn.Module):
-    def __init__(self, cfg: MoEConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(MoEDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class MoEDecoder(nn.Module):
+class MoEDecoder(Decoder):
     """A causal mixture-of-experts LM: ``MoEDecoder(cfg)(tokens [B, T]) -> logits [B, T, vocab]``.
 
     Parameter names as Hugging Face's (``model.layers.N.mlp.experts.gate_up_proj`` ...). Build it
@@ -344,41 +337,12 @@ class MoEDecoder(nn.Module):
         plan = plan_owners(big, 64, block_types=(MoEDecoderLayer,))
     """
 
-    def __init__(self, cfg: MoEConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.model = _Body(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        if not any(p.is_meta for p in self.parameters()):
-            self.reset_parameters()
+    _RESIDUAL = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "mlp.experts.down_proj", "mlp.experts.w2",
+                 "mlp.shared_experts.down_proj.weight")
 
-    @torch.no_grad()
-    def reset_parameters(self, seed: int | None = None) -> None:
-        """Deterministic init, as :meth:`Decoder.reset_parameters`: normal(0, 0.02) matrices and
-        expert stacks (residual outputs scaled by ``1/sqrt(2 L)``), ones for norms. Works on sharded
-        models (every rank draws the full tensors and keeps its segment, experts included)."""
-        from ..placement.owned_tensor import set_full_
+    def __init__(self, cfg: MoEConfig) -> None:  # type: ignore[override]
+        super().__init__(cfg)  # type: ignore[arg-type]
 
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        # the projections that write into the residual stream
-        residual = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "mlp.experts.down_proj", "mlp.experts.w2",
-                    "mlp.shared_experts.down_proj.weight")
-        scale = 1.0 / math.sqrt(2 * self.cfg.num_hidden_layers)
-        for name, p in self.named_parameters():
-            if name.endswith(("norm.weight", "layernorm.weight")):
-                full = torch.ones(p.shape, dtype=p.dtype)
-            elif p.ndim >= 2:
-                full = (torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype)
-                if name.startswith("model.layers.") and name.endswith(residual):
-                    full.mul_(scale)
-            else:
-                full = torch.zeros(p.shape, dtype=p.dtype)
-            set_full_(p, full)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.model.embed_tokens(tokens)
-        for layer in self.model.layers:
-            h = layer(h)
-        return self.lm_head(self.model.norm(h))
+    @staticmethod
+    def _layer(cfg: Any, index: int) -> nn.Module:
+        return MoEDecoderLayer(cfg, index)
