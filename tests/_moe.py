@@ -30,36 +30,17 @@ class MoEConfig:
     fused: bool = False  # Hugging Face's gate_up_proj [E, 2F, D] instead of w1/w3
 
 
-class Experts(nn.Module):
-    def __init__(self, cfg: MoEConfig) -> None:
-        super().__init__()
-        E, Fh, D = cfg.experts, cfg.ffn, cfg.dim
-        self.fused = cfg.fused
-        if cfg.fused:
-            self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * Fh, D) / D ** 0.5)
-            self.down_proj = nn.Parameter(torch.randn(E, D, Fh) / Fh ** 0.5)
-        else:
-            self.w1 = nn.Parameter(torch.randn(E, Fh, D) / D ** 0.5)
-            self.w2 = nn.Parameter(torch.randn(E, D, Fh) / Fh ** 0.5)
-            self.w3 = nn.Parameter(torch.randn(E, Fh, D) / D ** 0.5)
+def Experts(cfg: MoEConfig) -> nn.Module:
+    """The expert stacks of ``cfg``'s layout (the shipped model's classes), initialized as a test
+    model: normal, scaled by the fan-in."""
+    from matrixfsdp.models.moe import FusedGateUpExperts, GroupedExperts
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, self.down_proj[e])
-        return F.linear(F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]), self.w2[e])
-
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in range(self.num_experts):
-            rows, slot = (idx == e).nonzero(as_tuple=True)
-            if rows.numel():
-                out = out.index_add(0, rows, self.expert(e, x[rows]) * weights[rows, slot, None])
-        return out
-
-    @property
-    def num_experts(self) -> int:
-        return (self.gate_up_proj if self.fused else self.w1).shape[0]
+    cls = FusedGateUpExperts if cfg.fused else GroupedExperts
+    experts = cls(cfg.experts, cfg.dim, cfg.ffn)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    return experts
 
 
 class MoE(nn.Module):
