@@ -488,6 +488,42 @@ def tiny_qwen3_config(*, steps: int, global_batch: int = 4, seq_len: int = 32, d
     return config
 
 
+def tiny_deepseek_v3_config(*, steps: int, global_batch: int = 4, seq_len: int = 32, dump_folder: str,
+                            world_size: int | None = None, num_experts: int = 4, seed: int = 0) -> Any:
+    """torchtitan's DeepSeek-V3 made tiny: 2 layers (the first dense), dim 64, MLA attention
+    (kv_lora_rank 32, SDPA inner attention), ``num_experts`` routed ``GroupedExperts`` of hidden 32,
+    top-2, one shared expert; everything else as :func:`tiny_qwen3_config` (data, precision,
+    schedule, seed)."""
+    from torchtitan.models.common import Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.nn_modules import RMSNorm
+    from torchtitan.models.common.rope import ComplexRoPE
+    import torchtitan.models.deepseek_v3 as dsv3
+    from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+
+    config = tiny_qwen3_config(steps=steps, global_batch=global_batch, seq_len=seq_len, dump_folder=dump_folder,
+                               world_size=world_size, seed=seed)
+    dim, vocab, rope_dim = 64, 256, 16
+    layers = dsv3._build_dsv3_layers(
+        n_layers=2, n_dense_layers=1, dim=dim, n_heads=4, q_lora_rank=0, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=rope_dim, v_head_dim=16, mscale=0.70,
+        dense_hidden_dim=128, moe_hidden_dim=32, num_experts=num_experts, num_shared_experts=1,
+        router_top_k=2, router_score_func="softmax", attn_backend="flex", moe_comm_backend="standard",
+        non_blocking_capacity_factor=None, rope=ComplexRoPE.Config(dim=rope_dim, max_seq_len=max(64, seq_len),
+                                                                    theta=10000.0))
+    model = DeepSeekV3Model.Config(
+        vocab_size=vocab, dim=dim,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=dsv3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=dsv3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=dsv3._output_linear_init(dim)),
+        layers=layers, mtp_layers=[])
+    for layer in model.layers:  # FlexAttention compiles with inductor: SDPA on CPU
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    spec = dsv3.model_registry("debugmodel")
+    config.model_spec = dataclasses.replace(spec, flavor="tiny_cpu_dsv3", model=model)
+    return config
+
+
 # ------------------------------------------------------------------------------------------------
 # Running
 # ------------------------------------------------------------------------------------------------

@@ -51,17 +51,17 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(x), abs(y)) for x, y in zip(a, b))
 
 
-def _config(steps: int, dump_folder: str, ep: int):
+def _config(steps: int, dump_folder: str, ep: int, model: str = "qwen3"):
     import torch
     import torch.distributed as dist
 
-    from _titan_cpu import tiny_qwen3_config
+    from _titan_cpu import tiny_deepseek_v3_config, tiny_qwen3_config
 
     import matrixfsdp.titan as mt
 
     W = dist.get_world_size()
-    cfg = tiny_qwen3_config(steps=steps, global_batch=GLOBAL_BATCH, world_size=W, num_experts=EXPERTS,
-                            dump_folder=dump_folder)
+    build = tiny_qwen3_config if model == "qwen3" else tiny_deepseek_v3_config
+    cfg = build(steps=steps, global_batch=GLOBAL_BATCH, world_size=W, num_experts=EXPERTS, dump_folder=dump_folder)
     cfg.parallelism.expert_parallel_degree = ep
     return mt.with_matrixfsdp(cfg, optimizer="Muon", lr=0.02, adamw_lr=8e-4,
                               optimizer_kwargs={"ns_dtype": torch.float32})
@@ -117,7 +117,7 @@ def _inspect(trainer) -> dict:
 
 
 def _train(steps: int, folder: str, ep: int, *, save: str | None = None, load_from: str | None = None,
-           load_step: int | None = None, inspect: bool = True) -> dict:
+           load_step: int | None = None, inspect: bool = True, model: str = "qwen3") -> dict:
     """Pool worker: the tiny Qwen3-MoE via with_matrixfsdp at ``expert_parallel_degree=ep``.
     ``save``: torchtitan's CheckpointManager saves every 2 steps into that folder (under
     ``folder``); ``load_step``: resume from that step of ``load_from`` (saving there again)."""
@@ -129,7 +129,8 @@ def _train(steps: int, folder: str, ep: int, *, save: str | None = None, load_fr
 
     clip_before = titan_dist_utils.clip_grad_norm_
     W = dist.get_world_size()
-    cfg = _config(steps, os.path.join(folder, f"w{W}-ep{ep}" if save is None and load_from is None else ""), ep)
+    cfg = _config(steps, os.path.join(folder, f"{model}-w{W}-ep{ep}" if save is None and load_from is None else ""),
+                  ep, model)
     if save is not None or load_from is not None:
         cfg.checkpoint = CheckpointManager.Config(
             enable=True, folder=load_from or save, interval=2, last_save_model_only=False,
@@ -350,3 +351,30 @@ def test_adopted_expert_stack_survives_to_empty_and_to():
         assert r["to_float64"][0] == "experts" and str(r["to_float64"][1]) == "torch.float64", r
         assert r["to_float64"][2] == ExpertStack(counts=(2, 2)), r
         assert r["zeros_like"] == ((2, 2), None) and r["mul"] is None, r
+
+
+def test_titan_deepseek_v3_matches_one_process(tmp_path):
+    """torchtitan's DeepSeek-V3 (MLA attention, a dense first layer, 4 routed experts and a shared
+    expert) converted by with_matrixfsdp: W=2 with EP=1 and EP=2 against W=1, the routed stacks
+    whole experts per rank and stepped by Muon, the shared expert's 2-D matrices owned, no
+    collective in the optimizers' step."""
+    folder = str(tmp_path)
+    ref = get_pool(1).run(_train, STEPS, folder, 1, model="deepseek_v3", timeout=180)[0]
+    assert ref["losses"][-1] < ref["losses"][0], ref["losses"]
+    for W, ep in ((2, 1), (2, 2)):
+        res = get_pool(W).run(_train, STEPS, folder, ep, model="deepseek_v3", timeout=180)
+        for r in res:
+            info = r["inspected"]
+            assert len(info["stacks"]) == 3, info["stacks"]  # w1, w2, w3 of the one MoE layer
+            for fqn, st in info["stacks"].items():
+                assert sum(st["counts"]) == EXPERTS and st["rows_match"], (fqn, st)
+                assert info["routes"][fqn] == ("Muon", "auto", "muon"), (fqn, info["routes"][fqn])
+            shared = [f for f in info["kinds"] if ".shared_experts." in f]
+            assert shared and all(info["kinds"][f] == "matrix" for f in shared), {f: info["kinds"][f] for f in shared}
+            assert info["step_comm"][0] == info["step_comm"][1]
+            assert info["step_spy"]["python"] == [] and info["step_spy"]["dispatcher"] == []
+        got = res[0]
+        print(f"deepseek_v3 W={W} ep={ep}: losses rel {_rel(got['losses'], ref['losses']):.2g}, "
+              f"grad norms rel {_rel(got['grad_norms'], ref['grad_norms']):.2g}")
+        assert _close(got["losses"], ref["losses"], RTOL), (W, ep, got["losses"], ref["losses"])
+        assert _close(got["grad_norms"], ref["grad_norms"], GRAD_RTOL), (W, ep, got["grad_norms"], ref["grad_norms"])
