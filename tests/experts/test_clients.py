@@ -31,12 +31,43 @@ def foreach_over_expert_stacks() -> float:
     return max((full_tensor(g) - b * 0.5).abs().max().item() for g, b in zip(grads, before))
 
 
-@pytest.mark.xfail(strict=True, raises=Exception, reason=(
-    "ExpertDTensor.__torch_dispatch__ checks every DTensor of a call against the first expert "
-    "stack's rows, so a foreach op over stacks planned with different counts (w1 (3, 2), w2 (2, 3) "
-    "at W=2, E=5) raises 'mixes an expert stack ... with a DTensor of another row layout', although "
-    "a foreach op is element-wise per list index; the check (and the rewrap of outputs, which gives "
-    "every output the first stack's rows) would have to be per index"))
 def test_foreach_over_stacks_of_other_counts():
     res = get_pool(2).run(foreach_over_expert_stacks, timeout=120)
     assert res == [0.0, 0.0]
+
+
+def foreach_out_of_place_and_scalars() -> list:
+    """An out-of-place foreach op over stacks of other counts gives each result its own stack's
+    rows; a 0-dim replicated DTensor (a broadcast scalar) mixes with a stack; a stack with a plain
+    row-sharded DTensor of another layout is refused."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from matrixfsdp import fully_shard, plan_owners
+    from matrixfsdp.placement.experts import expert_rows
+
+    W = dist.get_world_size()
+    cfg = MoEConfig(experts=5)
+    model = MoEModel(cfg)
+    mesh = init_device_mesh("cpu", (W,))
+    plan = plan_owners(model, mesh, block_types=type(model.blocks[0]))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, plan=plan)
+    fully_shard(model, mesh=mesh, plan=plan)
+    stacks = list(model.blocks[0].mlp.experts.parameters())
+    outs = torch._foreach_add(stacks, 1.0)
+    same = [expert_rows(o) == expert_rows(p) for o, p in zip(outs, stacks)]
+    coef = distribute_tensor(torch.tensor(0.5), mesh, [Replicate()])
+    scaled = stacks[0].detach() * coef
+    other = distribute_tensor(torch.zeros(stacks[0].shape), mesh, [Shard(0)])
+    try:
+        stacks[0].detach() + other
+        refused = "no error"
+    except ValueError as e:
+        refused = str(e)
+    return [same, expert_rows(scaled) == expert_rows(stacks[0]), refused]
+
+
+def test_foreach_out_of_place_and_scalars():
+    for same, scaled, refused in get_pool(2).run(foreach_out_of_place_and_scalars, timeout=120):
+        assert all(same) and scaled
+        assert "mixes an expert stack (rows" in refused and "with a DTensor of another row layout" in refused, refused

@@ -92,42 +92,40 @@ class ExpertDTensor(DTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        flat = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, DTensor)]
-        mine = [a for a in flat if isinstance(a, ExpertDTensor)]
-        rows = mine[0]._rows
-        for a in flat:
-            if expert_rows(a) != rows or tuple(a.shape)[:1] != tuple(mine[0].shape)[:1]:
-                raise ValueError(
-                    f"matrixfsdp: {func._schema.name} mixes an expert stack (rows {rows} per shard rank) "
-                    f"with a DTensor of another row layout ({expert_rows(a)}); expert stacks support "
-                    "element-wise ops with tensors of their own layout (their gradients, optimizer "
-                    "state); for anything else take p.full_tensor() or p.to_local()"
-                )
+        name = func._schema.name
+        # A foreach op is element-wise per list position: each position is checked (and its
+        # result laid out) on its own, so stacks of different counts can share one call.
+        groups = _positions(args, kwargs) if name.startswith("aten::_foreach_") else None
+        layouts = [_layout_of(name, g) for g in (groups if groups is not None
+                                                  else [tree_flatten((args, kwargs or {}))[0]])]
+        mine = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, ExpertDTensor)]
         if not _row_local(func):
             raise ValueError(
-                f"matrixfsdp: {func._schema.name} is not defined on an expert stack (rows {rows} per shard "
+                f"matrixfsdp: {name} is not defined on an expert stack (rows {mine[0]._rows} per shard "
                 "rank, not torch.chunk's): only element-wise ops, copies and sums/norms run on its local "
                 "experts; take p.full_tensor() for the whole stack or p.to_local() for this rank's experts"
             )
         out = super().__torch_dispatch__(func, types, args, kwargs)
         ids = {id(a._local_tensor): a for a in mine}
         # the stack itself in new storage (see [Note: expert stack metadata survives torch's swaps])
-        stack = expert_stack_of(mine[0]) if len(mine) == 1 and func._schema.name in _SAME_STACK else None
+        stack = expert_stack_of(mine[0]) if len(mine) == 1 and name in _SAME_STACK else None
 
-        def rewrap(x: Any) -> Any:
+        def rewrap(x: Any, layout: tuple[tuple[int, ...], int] | None) -> Any:
             if not isinstance(x, DTensor):
                 return x
             same = ids.get(id(x._local_tensor))
             if same is not None and same._spec == x._spec:
                 return same
-            if any(pl.is_shard() for pl in x.placements):  # rows as the inputs': same layout
-                new = _as_expert(x, rows)
+            if layout is not None and any(pl.is_shard() for pl in x.placements):  # the inputs' rows
+                new = _as_expert(x, layout[0])
                 if stack is not None and tuple(x.shape) == tuple(mine[0].shape):
                     setattr(new, _ATTR, stack)
                 return new
             return x  # a reduction (Partial/Replicate): no rows of its own
 
-        return tree_map(rewrap, out)
+        if groups is not None and isinstance(out, (list, tuple)) and len(out) == len(layouts):
+            return type(out)(rewrap(x, lay) for x, lay in zip(out, layouts))
+        return tree_map(lambda x: rewrap(x, layouts[0]), out)
 
     def _shard_group(self) -> Any:
         mesh = self._spec.mesh
@@ -222,6 +220,37 @@ def _row_local(func: Any) -> bool:
     DTensor's chunk rule would otherwise re-lay out): element-wise, copies, sums and norms."""
     name = func._schema.name
     return (torch.Tag.pointwise in func.tags or name.startswith("aten::_foreach_") or name in _ROW_LOCAL)
+
+
+def _positions(args: Any, kwargs: Any) -> list[list[Any]]:
+    """The operands of a foreach op at each list position (scalars and lone tensors join every one)."""
+    operands = list(args) + list((kwargs or {}).values())
+    lists = [a for a in operands if isinstance(a, (list, tuple))]
+    n = max((len(a) for a in lists), default=0)
+    shared = [a for a in operands if not isinstance(a, (list, tuple))]
+    return [[a[i] for a in lists if i < len(a)] + shared for i in range(n)]
+
+
+def _layout_of(name: str, operands: list[Any]) -> tuple[tuple[int, ...], int] | None:
+    """The one row layout ``(rows, dim-0 size)`` of the expert stacks among ``operands`` (one
+    element-wise application), or ``None`` without any; any other row-sharded DTensor raises (a
+    0-dim or replicated one, a broadcast scalar, is fine)."""
+    dts = [a for a in operands if isinstance(a, DTensor)]
+    experts = [a for a in dts if isinstance(a, ExpertDTensor)]
+    if not experts:
+        return None
+    layout = (experts[0]._rows, experts[0].shape[0])
+    for a in dts:
+        if not any(pl.is_shard() for pl in a.placements):
+            continue
+        if expert_rows(a) != layout[0] or a.shape[0] != layout[1]:
+            raise ValueError(
+                f"matrixfsdp: {name} mixes an expert stack (rows {layout[0]} per shard rank) with a DTensor "
+                f"of another row layout ({expert_rows(a) or tuple(a.placements)}); expert stacks support "
+                "element-wise ops with tensors of their own layout (their gradients, optimizer state) and "
+                "scalars; for anything else take p.full_tensor() or p.to_local()"
+            )
+    return layout
 
 
 def _as_expert(x: DTensor, rows: tuple[int, ...]) -> ExpertDTensor:
