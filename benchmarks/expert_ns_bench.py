@@ -6,7 +6,7 @@
 A rank that holds ``E`` whole experts of a stack steps them with ``matrixfsdp.optim.Muon``'s
 expert step (``Muon(model)`` on a module named ``*Experts*``: momentum and weight decay once over
 the stack, Newton-Schulz batched with ``bmm``/``baddbmm``; see [Note: expert optimizer state] in
-``optim/_experts.py``). The alternative is what a user without stacks writes: every expert matrix
+``optim/_expert_step.py``). The alternative is what a user without stacks writes: every expert matrix
 its own 2-D parameter, stepped one by one (``Muon`` on ``E * splits`` parameters, the per-matrix
 2-D rule, ``torch.optim.Muon``'s op sequence). For each stack shape (default: ``[E, 512, 256]``,
 ``[E, 256, 512]`` and the fused ``gate_up_proj [E, 1024, 256]``, two ``[512, 256]`` matrices per
@@ -53,7 +53,7 @@ try:
 except ImportError:  # a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(HERE, "..", "src"))
 from matrixfsdp.optim import Muon  # noqa: E402
-from matrixfsdp.optim import _experts  # noqa: E402
+from matrixfsdp.optim import _expert_step as _experts  # noqa: E402
 
 
 

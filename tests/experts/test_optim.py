@@ -1,5 +1,5 @@
 """The matrix rules on expert stacks, one process: each expert matrix stepped exactly as a 2-D
-parameter of its own (see [Note: expert optimizer state] in optim/_experts.py).
+parameter of its own (see [Note: expert optimizer state] in optim/_expert_step.py).
 
 The reference is what a user writes without stacks: every expert matrix (gate and up apart for a
 fused stack) its own 2-D ``nn.Parameter``, stepped by ``matrixfsdp.optim`` on 2-D parameters
@@ -98,7 +98,7 @@ def test_stack_against_torch_muon_bf16():
 
 def test_batched_newton_schulz_is_chunked_and_bitwise(monkeypatch):
     """Chunks of bounded bytes give the same bits as one batch (and as each matrix alone)."""
-    import matrixfsdp.optim._experts as experts
+    import matrixfsdp.optim._expert_step as experts
 
     stack, mats = _stack_and_reference(1)
     chunked = torch.nn.Parameter(stack.detach().clone())

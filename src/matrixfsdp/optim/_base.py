@@ -76,7 +76,7 @@ from torch.optim import Optimizer
 from ..placement.owned_tensor import local_tensor  # one local-tensor helper for the package
 from ..placement.stepping import expert_splits_of, planned_kind, stepping_of  # the one descriptor optimizers ask
 from ._adamw import adamw_foreach, adamw_foreach_capturable, adamw_step, lr_tensor, new_step_counter
-from ._experts import init_stacked, loop_step, matrices, route_name
+from ._expert_step import init_stacked, loop_step, matrices, route_name
 from .rule import UpdateRule
 
 __all__ = ["MatrixOptimizer", "local_tensor", "wide_dtype", "is_real", "lr_tensor", "ADAMW_DEFAULTS", "STEP_FLAGS"]
@@ -317,7 +317,7 @@ class MatrixOptimizer(Optimizer):
 
     def _check_stack(self, p: Tensor, splits: int, index: int, group: dict[str, Any]) -> None:
         """An expert stack under the matrix rule: 3-D, rows dividing by ``splits``, whole experts
-        here (see [Note: expert optimizer state] in ``optim/_experts.py``)."""
+        here (see [Note: expert optimizer state] in ``optim/_expert_step.py``)."""
         if p.ndim != 3 or p.shape[1] % splits:
             self._fail(f"param group {index} steps a parameter of shape {tuple(p.shape)} as an expert stack "
                        f"with {splits} matrices per expert, which needs a 3-D [E, out, in] stack whose out "
@@ -546,7 +546,7 @@ class MatrixOptimizer(Optimizer):
     def _experts_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any],
                       splits: int) -> None:
         """Step the expert stack ``param`` (``[n, out, in]``, local) as its ``n * splits`` matrices
-        (see [Note: expert optimizer state] in ``optim/_experts.py``): one at a time through
+        (see [Note: expert optimizer state] in ``optim/_expert_step.py``): one at a time through
         ``_matrix_step`` on views of the stacked state; Muon overrides it with a batched step."""
         mats = matrices(param, splits)
         if not state:

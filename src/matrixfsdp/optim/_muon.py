@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ._base import ADAMW_DEFAULTS, MatrixOptimizer, is_real, lr_tensor
-from ._experts import matrices, ns_chunks
+from ._expert_step import matrices, ns_chunks
 
 __all__ = ["Muon"]
 
@@ -262,7 +262,7 @@ class Muon(MatrixOptimizer):
     def _experts_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any],
                       splits: int) -> None:
         """The rule on each matrix of an expert stack (see [Note: expert optimizer state] in
-        ``optim/_experts.py``): the per-matrix op sequence with every element-wise op run once over
+        ``optim/_expert_step.py``): the per-matrix op sequence with every element-wise op run once over
         the stack and Newton-Schulz batched (``bmm``/``baddbmm``) in chunks of bounded bytes. Where
         the backend's batched GEMM equals its GEMM (float32 on this CPU) it is bitwise the rule on
         each matrix alone, i.e. ``E * splits`` separate 2-D parameters."""

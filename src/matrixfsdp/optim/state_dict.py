@@ -25,7 +25,7 @@ parameter as a DTensor (:func:`present_state`), and ``load_state_dict`` accepts 
 * **expert stack** (``expert_rows(p)`` is set, [Note: expert stack representation] in
   ``placement/experts.py``): the state of this rank's ``n`` experts has ``n * f`` rows (``f =
   splits`` per-matrix rows per expert under the matrix rule, [Note: expert optimizer state] in
-  ``optim/_experts.py``; ``f = 1`` for element-wise state) and becomes an ``ExpertDTensor`` of
+  ``optim/_expert_step.py``; ``f = 1`` for element-wise state) and becomes an ``ExpertDTensor`` of
   global shape ``[E * f, ...]`` whose rows per shard rank are ``counts * f``: DCP writes each
   rank's rows at the offset of its first expert and reads them back into any other expert
   assignment (other counts, a plain stack in one process). A rank holding none of the stack's

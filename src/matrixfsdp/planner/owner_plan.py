@@ -557,7 +557,7 @@ class OwnerPlan:
     @functools.cached_property
     def expert_matrices(self) -> tuple[int, ...]:
         """Expert matrices (experts x ``splits``, every stack) each shard rank holds."""
-        from .experts import expert_matrices_per_rank
+        from .expert_baselines import expert_matrices_per_rank
 
         return expert_matrices_per_rank(self.params, self.world_size)
 
@@ -571,7 +571,7 @@ class OwnerPlan:
         """``{"round_robin": ExpertBaseline, "chunked": ExpertBaseline}``: this plan's dense
         weights re-planned around experts placed round-robin or in ``torch.chunk`` homes (see
         [Note: expert baselines] in ``experts.py``); empty without experts."""
-        from .experts import BASELINES, expert_baseline
+        from .expert_baselines import BASELINES, expert_baseline
 
         if not self.has_experts:
             return {}

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from matrixfsdp import MatrixRule, OwnerPlan, plan_owners
 from matrixfsdp.models.decoder import PRESETS, Decoder, DecoderLayer
 from matrixfsdp.models.moe import MOE_PRESETS, MoEDecoder, MoEDecoderLayer
-from matrixfsdp.planner.experts import (BASELINES, chunked_counts, expert_baseline, expert_matrices_per_rank,
+from matrixfsdp.planner.expert_baselines import (BASELINES, chunked_counts, expert_baseline, expert_matrices_per_rank,
                                         round_robin_counts)
 
 
