@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+                                                     set_model_state_dict, set_optimizer_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -516,3 +517,56 @@ def test_hf_save_pretrained_expert_stacks(tmp_path):
     got = load_file(str(tmp_path / "sharded" / "model.safetensors"))
     want = load_file(str(tmp_path / "plain" / "model.safetensors"))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+# ==================================================================================== full state dicts in
+def w_full_state_load(kind: str) -> dict:
+    """torch's full-state-dict loaders into expert stacks ([Note: torch's full state-dict loaders
+    and expert stacks] in placement/experts.py): a plain model's trained weights and optimizer state,
+    loaded by set_model_state_dict / set_optimizer_state_dict with full_state_dict=True and rank 0's
+    dict broadcast (other ranks pass {}), equal the plain run's bitwise, then one more step alike
+    (without broadcast_from_rank0 torch's loader refuses owned tensors, as documented)."""
+    W = dist.get_world_size()
+
+    def train_plain(model, opt, steps):  # the whole batch on every rank: the sharded run's mean loss
+        per = BATCH // W
+        for step in steps:
+            x, y = moe_batch(model.cfg, step, BATCH)
+            (sum(model.loss(x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]) for r in range(W)) / W).backward()
+            opt.step()
+            opt.zero_grad()
+
+    ref, ref_opt, _ = build(kind)
+    train_plain(ref, ref_opt, range(SAVE_AT))
+    out = {}
+    for bcast in (True,):
+        model, opt, counts = build(kind, W)
+        train(model, opt, [0])  # state exists (loading replaces it)
+        msd = ref.state_dict() if (dist.get_rank() == 0 or not bcast) else {}
+        osd = get_optimizer_state_dict(ref, ref_opt, options=FULL) if (dist.get_rank() == 0 or not bcast) else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=bcast)
+        set_model_state_dict(model, msd, options=options)
+        set_optimizer_state_dict(model, opt, osd, options=options)
+        params = full_params(model)
+        diff_p = [f for f, t in full_params(ref).items() if not torch.equal(t, params[f])]
+        diff_s = same_state(full_state(ref, ref_opt), full_state(model, opt))
+        r2, o2 = copy.deepcopy(ref), None
+        o2 = Muon(r2, ns_dtype=torch.float32)
+        o2.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+        train_plain(r2, o2, [SAVE_AT])
+        train(model, opt, [SAVE_AT])
+        diffs = {f: (full_params(r2)[f] - t).abs().max().item() for f, t in full_params(model).items()}
+        step = max(diffs.values())
+        if step > TOL:
+            print(sorted(diffs.items(), key=lambda kv: -kv[1])[:5])
+        out[bcast] = (diff_p, diff_s, step, counts)
+    return out
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_full_state_dict_loads_into_expert_stacks(kind):
+    for r in get_pool(3).run(w_full_state_load, kind, timeout=300):
+        for bcast, (diff_p, diff_s, step, counts) in r.items():
+            assert not diff_p and not diff_s, (bcast, diff_p, diff_s)
+            assert step <= TOL, (bcast, step)
+            assert any(len({c for c in cnt}) > 1 for cnt, _ in counts.values())  # not torch.chunk's rows

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ._compat import called_from
 from .owner import coordinates
 
 __all__ = ["ExpertStack", "ExpertDTensor", "expert_stack_of", "make_expert_param", "wrap_expert_tensor",
@@ -93,6 +94,11 @@ class ExpertDTensor(DTensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func._schema.name
+        if name == "aten::copy_" and _replicated_full(args):  # a whole value into a stack: its rows
+            dst, src = args[0], args[1]
+            first = dst._first_row()
+            dst._local_tensor.copy_(src._local_tensor[first:first + dst._local_tensor.shape[0]])
+            return dst
         # A foreach op is element-wise per list position: each position is checked (and its
         # result laid out) on its own, so stacks of different counts can share one call.
         groups = _positions(args, kwargs) if name.startswith("aten::_foreach_") else None
@@ -126,6 +132,31 @@ class ExpertDTensor(DTensor):
         if groups is not None and isinstance(out, (list, tuple)) and len(out) == len(layouts):
             return type(out)(rewrap(x, lay) for x, lay in zip(out, layouts))
         return tree_map(lambda x: rewrap(x, layouts[0]), out)
+
+    # [Note: torch's full state-dict loaders and expert stacks] torch 2.13's loaders cut a full
+    # tensor by torch.chunk rows (compute_local_shape_and_global_offset of the placements), which
+    # are not a stack's rows: a copy of the wrong rows, a shape error on some ranks while the
+    # others wait in the next broadcast. Read from `_distribute_tensors` alone (the
+    # broadcast_from_rank0=True path; placement/_compat.py, version-gated), a stack says it is
+    # replicated -- torch then slices the whole tensor -- and its `to_local()` is a sink that keeps
+    # this rank's rows of it. Without broadcast_from_rank0 the loaders refuse owned tensors anyway
+    # ([Note: torch's full state-dict loaders and owned tensors]); a replicated whole value copied
+    # into a stack (`copy_`) is read by rows (see __torch_dispatch__).
+    @property
+    def placements(self) -> tuple[Any, ...]:  # type: ignore[override]
+        if called_from("_distribute_tensors"):
+            return tuple(Replicate() for _ in self._spec.placements)
+        return self._spec.placements
+
+    def to_local(self, *, grad_placements: Any = None) -> torch.Tensor:  # type: ignore[override]
+        if called_from("_distribute_tensors"):
+            first, n = self._first_row(), self._local_tensor.shape[0]
+            return _RowSink(self._local_tensor, first, n)  # type: ignore[return-value]
+        return super().to_local(grad_placements=grad_placements)
+
+    def _first_row(self) -> int:
+        _, s = coordinates(self._spec.mesh)
+        return sum(self._rows[:s]) if s is not None else 0
 
     def _shard_group(self) -> Any:
         mesh = self._spec.mesh
@@ -220,6 +251,34 @@ def _row_local(func: Any) -> bool:
     DTensor's chunk rule would otherwise re-lay out): element-wise, copies, sums and norms."""
     name = func._schema.name
     return (torch.Tag.pointwise in func.tags or name.startswith("aten::_foreach_") or name in _ROW_LOCAL)
+
+
+def _replicated_full(args: Any) -> bool:
+    """``copy_(stack, src)`` with ``src`` the whole value, replicated (a state dict's full tensor
+    distributed by torch's loader, or a user's ``distribute_tensor(full, mesh, [Replicate()])``)."""
+    return (len(args) >= 2 and isinstance(args[0], ExpertDTensor) and isinstance(args[1], DTensor)
+            and not isinstance(args[1], ExpertDTensor) and all(pl.is_replicate() for pl in args[1]._spec.placements)
+            and tuple(args[1].shape) == tuple(args[0].shape))
+
+
+class _RowSink(torch.Tensor):
+    """What an expert stack's ``to_local()`` gives torch's ``_distribute_tensors``: ``copy_(full)``
+    writes this rank's rows of ``full`` into the stack's local tensor (see [Note: torch's full
+    state-dict loaders and expert stacks])."""
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, first: int, n: int) -> "_RowSink":
+        out = torch.Tensor._make_subclass(cls, local.new_empty(0), False)
+        out._target, out._first, out._n = local, first, n
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.copy_ and isinstance(args[0], _RowSink):
+            sink, src = args[0], args[1]
+            sink._target.copy_(src[sink._first:sink._first + sink._n])
+            return sink
+        raise ValueError(f"matrixfsdp: an expert stack's row sink takes copy_ of the whole tensor only, got {func}")
 
 
 def _positions(args: Any, kwargs: Any) -> list[list[Any]]:
