@@ -338,7 +338,9 @@ class MatrixOptimizer(Optimizer):
         planned = expert_splits_of(p)
         if planned:
             return planned
-        return group.get("experts") or 0 if p.ndim == 3 and planned_kind(p) is None else 0
+        if p.ndim == 3 and planned_kind(p) is None:  # a plain stack: its group says
+            return group.get("experts") or 0
+        return 0
 
     # ----------------------------------------------------------------------------- routing
     def _route(self, group: dict[str, Any], p: Tensor) -> str:
