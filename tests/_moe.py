@@ -112,3 +112,15 @@ def expert_matrices(name: str, stack: torch.Tensor, splits: int) -> dict[str, to
     E, rows, _ = stack.shape
     r = rows // splits
     return {f"{name}[{e}].{k}": stack[e, k * r:(k + 1) * r] for e in range(E) for k in range(splits)}
+
+
+def shard(model: MoEModel, mesh, **plan_kw):
+    """Plan ``model`` on ``mesh`` (its blocks as blocks) and shard it with matrixfsdp.fully_shard,
+    blocks first, then the root; returns the plan."""
+    from matrixfsdp import fully_shard, plan_owners
+
+    plan = plan_owners(model, mesh, block_types=type(model.blocks[0]), **plan_kw)
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, plan=plan)
+    fully_shard(model, mesh=mesh, plan=plan)
+    return plan

@@ -8,22 +8,19 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from _harness import get_pool
-from _moe import MoEConfig, MoEModel, moe_batch
+from _moe import MoEConfig, MoEModel, moe_batch, shard
 
 
 def foreach_over_expert_stacks() -> float:
     """``torch._foreach_mul_`` over the gradients of one experts module's stacks (w1, w2, w3: each
     an expert stack of the same E, but planned with other counts per rank)."""
-    from matrixfsdp import fully_shard, full_tensor, plan_owners
+    from matrixfsdp import full_tensor
 
     W = dist.get_world_size()
     cfg = MoEConfig(experts=5)
     model = MoEModel(cfg)
     mesh = init_device_mesh("cpu", (W,))
-    plan = plan_owners(model, mesh, block_types=type(model.blocks[0]))
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh, plan=plan)
-    fully_shard(model, mesh=mesh, plan=plan)
+    shard(model, mesh)
     model.loss(*moe_batch(cfg, 0, 4)).backward()
     grads = [p.grad for p in model.blocks[0].mlp.experts.parameters()]
     before = [full_tensor(g).clone() for g in grads]
@@ -42,17 +39,13 @@ def foreach_out_of_place_and_scalars() -> list:
     row-sharded DTensor of another layout is refused."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from matrixfsdp import fully_shard, plan_owners
     from matrixfsdp.placement.experts import expert_rows
 
     W = dist.get_world_size()
     cfg = MoEConfig(experts=5)
     model = MoEModel(cfg)
     mesh = init_device_mesh("cpu", (W,))
-    plan = plan_owners(model, mesh, block_types=type(model.blocks[0]))
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh, plan=plan)
-    fully_shard(model, mesh=mesh, plan=plan)
+    shard(model, mesh)
     stacks = list(model.blocks[0].mlp.experts.parameters())
     outs = torch._foreach_add(stacks, 1.0)
     same = [expert_rows(o) == expert_rows(p) for o, p in zip(outs, stacks)]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from _harness import get_pool
-from _moe import MoEConfig, MoEModel, moe_batch
+from _moe import MoEConfig, MoEModel, moe_batch, shard
 
 TOL = 1e-6
 BATCH = 12
@@ -234,17 +234,13 @@ def _replicate_with_owner_plan() -> str:
 def torch_adamw_on_experts() -> float:
     """A torch optimizer (AdamW, foreach) on a sharded MoE model: element-wise ops on expert stacks
     run on each rank's experts, as on any Shard(0) shard; the result equals the plain run's."""
-    from matrixfsdp import fully_shard, plan_owners
 
     rank, W = dist.get_rank(), dist.get_world_size()
     cfg = MoEConfig(experts=5)
     model = MoEModel(cfg)
     ref = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (W,))
-    plan = plan_owners(model, mesh, block_types=type(model.blocks[0]))
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh, plan=plan)
-    fully_shard(model, mesh=mesh, plan=plan)
+    shard(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     per = BATCH // W
