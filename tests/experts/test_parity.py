@@ -234,7 +234,6 @@ def _replicate_with_owner_plan() -> str:
 def torch_adamw_on_experts() -> float:
     """A torch optimizer (AdamW, foreach) on a sharded MoE model: element-wise ops on expert stacks
     run on each rank's experts, as on any Shard(0) shard; the result equals the plain run's."""
-
     rank, W = dist.get_rank(), dist.get_world_size()
     cfg = MoEConfig(experts=5)
     model = MoEModel(cfg)
