@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from typing import Any, Callable, Iterator, NoReturn
 
@@ -192,8 +193,6 @@ def _stacks_owned(plan: OwnerPlan) -> OwnerPlan:
     bucket policies do, [Note: expert placement]) is owned by that rank here, its experts stepped
     there as independent matrices; a plan that spreads a stack's experts over ranks (the owner
     policies) is refused with the plan that fits."""
-    import dataclasses
-
     out = []
     for p in plan.params:
         if p.placement == "experts":

@@ -298,8 +298,9 @@ class MatrixOptimizer(Optimizer):
         for p in group["params"]:
             if torch.is_complex(p):
                 self._fail(f"complex parameters are not supported, got dtype={p.dtype}", where)
-            if self._route(group, p) != "adamw":
-                splits = self._expert_splits(group, p)
+            route = self._route(group, p)
+            if route != "adamw":
+                splits = self._expert_splits(group, p, route)
                 if splits:
                     self._check_stack(p, splits, index, group)
                     continue
@@ -332,9 +333,12 @@ class MatrixOptimizer(Optimizer):
                        f"{type(self).__name__}'s capturable step does not take yet; use capturable=False "
                        "for the group of expert stacks", "")
 
-    def _expert_splits(self, group: dict[str, Any], p: Tensor) -> int:
+    def _expert_splits(self, group: dict[str, Any], p: Tensor, route: str | None = None) -> int:
         """Matrices per expert if ``p`` is stepped as an expert stack under ``group``'s matrix rule
-        (the plan's, else the group's ``experts``), else 0."""
+        (the plan's, else the group's ``experts``), else 0 (AdamW-routed included; ``route``:
+        ``p``'s, when the caller has it)."""
+        if (route or self._route(group, p)) == "adamw":
+            return 0
         planned = expert_splits_of(p)
         if planned:
             return planned
@@ -456,7 +460,7 @@ class MatrixOptimizer(Optimizer):
             grad = local_tensor(p.grad)
             if grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            splits = self._expert_splits(group, p) if route != "adamw" else 0
+            splits = self._expert_splits(group, p, route)
             if splits:
                 self._experts_step(param, grad, self.state[p], group, splits)
                 continue
@@ -489,7 +493,7 @@ class MatrixOptimizer(Optimizer):
                 if expert_splits_of(p):
                     self._remote_state.add(id(p))  # an expert stack with no expert here
                 continue  # an empty even shard
-            splits = self._expert_splits(group, p) if self._route(group, p) != "adamw" else 0
+            splits = self._expert_splits(group, p)
             if splits:
                 stacks.append((p, param, splits))
                 continue
@@ -645,7 +649,7 @@ class MatrixOptimizer(Optimizer):
                     # this rank presents (optim/state_dict.py) so DCP templates match across ranks
                     self._remote_state.add(id(p))
                 continue
-            splits = self._expert_splits(group, p) if route != "adamw" else 0
+            splits = self._expert_splits(group, p, route)
             if splits:
                 self.state[p].update(self._expert_init_state(matrices(param, splits), group))
                 continue
@@ -664,7 +668,7 @@ class MatrixOptimizer(Optimizer):
         step starts from, allocated like it."""
         base = like if like is not None else torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
         route = self._route(group, p)
-        splits = self._expert_splits(group, p) if route != "adamw" else 0
+        splits = self._expert_splits(group, p, route)
         if splits:
             schema = self._expert_init_state(matrices(base, splits), group)
         else:
@@ -737,7 +741,7 @@ class MatrixOptimizer(Optimizer):
         """Each parameter's rule, as state dicts record it (an expert stack's with its layout)."""
         def label(g: dict[str, Any], p: Tensor) -> str:
             route = self._route(g, p)
-            splits = self._expert_splits(g, p) if route != "adamw" else 0
+            splits = self._expert_splits(g, p, route)
             return route_name(route, splits) if splits else route
 
         return [[label(g, p) for p in g["params"]] for g in self.param_groups]

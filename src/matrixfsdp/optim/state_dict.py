@@ -168,8 +168,9 @@ def present_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
             # fully_shard + TP, every other row) present the host's keys
             hosted_elsewhere = st.host_mesh is not None and not st.keeps_state
             no_rows = local_tensor(p).numel() == 0
-            if expert_rows(p) is not None:  # a stack with none of its experts here
-                state[idx] = _expert_remote_entry(opt, p) if id(p) in remote and no_rows else {}
+            counts = expert_rows(p)
+            if counts is not None:  # a stack with none of its experts here
+                state[idx] = _expert_remote_entry(opt, p, counts) if id(p) in remote and no_rows else {}
                 continue
             remote_entry = id(p) in remote and (hosted_elsewhere or (info is not None and no_rows))
             state[idx] = _remote_entry(opt, p, info) if remote_entry else {}
@@ -178,8 +179,7 @@ def present_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
 
 def _remote_entry(opt: "MatrixOptimizer", p: Tensor, info: Any) -> dict[str, Any]:
     """The keys and global shapes of the owner's state of ``p``, as empty owned DTensors."""
-    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
-    schema = opt._state_schema(p, group)
+    schema = _schema(opt, p)
     host_mesh = stepping_of(p).host_mesh
     mesh = host_mesh if host_mesh is not None else info.owner_mesh
     local = local_tensor(p)
@@ -192,14 +192,12 @@ def _remote_entry(opt: "MatrixOptimizer", p: Tensor, info: Any) -> dict[str, Any
     return out
 
 
-def _expert_remote_entry(opt: "MatrixOptimizer", p: Tensor) -> dict[str, Any]:
+def _expert_remote_entry(opt: "MatrixOptimizer", p: Tensor, counts: tuple[int, ...]) -> dict[str, Any]:
     """The keys of the state the ranks holding experts of stack ``p`` keep, as zero-row
     ExpertDTensors of the global shapes (the schema runs on ``meta`` with ``p``'s global shape,
     so its rows are already ``E * f``). 0-dim values (an AdamW-routed stack's step counter) stay
     out, as an empty even shard keeps none: DCP de-duplicates plain values across ranks and might
     otherwise write this rank's made-up one."""
-    counts = expert_rows(p)
-    assert counts is not None
     E = sum(counts)
     local = local_tensor(p)
     out: dict[str, Any] = {}
@@ -214,10 +212,14 @@ def _expert_remote_entry(opt: "MatrixOptimizer", p: Tensor) -> dict[str, Any]:
     return out
 
 
+def _group_of(opt: "MatrixOptimizer", p: Tensor) -> dict[str, Any]:
+    """The param group holding ``p``."""
+    return next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+
+
 def _schema(opt: "MatrixOptimizer", p: Tensor) -> dict[str, Any]:
     """The optimizer's state schema of ``p`` (keys and global shapes, on ``meta``)."""
-    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
-    return opt._state_schema(p, group)
+    return opt._state_schema(p, _group_of(opt, p))
 
 
 def _replica_entry(opt: "MatrixOptimizer", p: Tensor, info: Any, st: dict[str, Any] | None) -> dict[str, Any]:
@@ -229,8 +231,7 @@ def _replica_entry(opt: "MatrixOptimizer", p: Tensor, info: Any, st: dict[str, A
     if not info.is_local:
         return _remote_entry(opt, p, info)
     if not st:
-        group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
-        st = opt._state_schema(p, group, like=p.detach())
+        st = opt._state_schema(p, _group_of(opt, p), like=p.detach())
     mesh = info.owner_mesh
     return {k: wrap_dtensor(v, mesh, (Replicate(),), tuple(v.shape)) if isinstance(v, Tensor) else v
             for k, v in st.items()}
@@ -258,14 +259,15 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
                 state[key] = {k: local_tensor(v) if isinstance(v, Tensor) else v for k, v in st.items()
                               if not (k in placeholders and isinstance(v, Tensor) and not bool(torch.any(v)))}
             continue
-        if expert_rows(p) is not None:
+        counts = expert_rows(p)
+        if counts is not None:
             if local_tensor(p).shape[0] == 0:
                 # no expert of the stack here: no state (an entry, even empty, would stop
                 # present_state from presenting the keys the ranks holding its experts have)
                 if st:
                     opt._remote_state.add(id(p))
                 continue
-            state[key] = _accept_expert_state(opt, key, p, st, placeholders)
+            state[key] = _accept_expert_state(opt, key, p, counts, st, placeholders)
             continue
         is_dt = DTensor is not None and isinstance(p, DTensor)
         info = owned_of(p)
@@ -296,21 +298,19 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
     return {**sd, "state": state}
 
 
-def _accept_expert_state(opt: "MatrixOptimizer", key: Any, p: Tensor, st: dict[str, Any],
-                         placeholders: dict[str, str]) -> dict[str, Any]:
+def _accept_expert_state(opt: "MatrixOptimizer", key: Any, p: Tensor, counts: tuple[int, ...],
+                         st: dict[str, Any], placeholders: dict[str, str]) -> dict[str, Any]:
     """This rank's rows of the state of expert stack ``p`` (see the Note): ExpertDTensors with the
     stack's rows per shard rank, or plain tensors of the local stacked shape; any other layout (a
     state dict of another expert count or another ``splits``) raises a ValueError naming the
     parameter, the shapes and the fix (on a rank holding experts of the stack)."""
     name = type(opt).__name__
-    counts = expert_rows(p)
-    assert counts is not None
     n = local_tensor(p).shape[0]
     E = sum(counts)
-    schema = _schema(opt, p)
-    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+    group = _group_of(opt, p)
+    schema = opt._state_schema(p, group)
     # rows per expert of state the schema does not list: the matrix rule's splits, or 1 (AdamW)
-    f_route = opt._expert_splits(group, p) if opt._route(group, p) != "adamw" else 1
+    f_route = opt._expert_splits(group, p) or 1
     out: dict[str, Any] = {}
     for k, v in st.items():
         if isinstance(v, Tensor) and v.ndim > 0:

@@ -101,10 +101,10 @@ class ExpertDTensor(DTensor):
             return dst
         # A foreach op is element-wise per list position: each position is checked (and its
         # result laid out) on its own, so stacks of different counts can share one call.
+        flat = tree_flatten((args, kwargs or {}))[0]
         groups = _positions(args, kwargs) if name.startswith("aten::_foreach_") else None
-        layouts = [_layout_of(name, g) for g in (groups if groups is not None
-                                                  else [tree_flatten((args, kwargs or {}))[0]])]
-        mine = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, ExpertDTensor)]
+        layouts = [_layout_of(name, g) for g in (groups if groups is not None else [flat])]
+        mine = [a for a in flat if isinstance(a, ExpertDTensor)]
         if not _row_local(func):
             raise ValueError(
                 f"matrixfsdp: {name} is not defined on an expert stack (rows {mine[0]._rows} per shard "
@@ -169,8 +169,7 @@ class ExpertDTensor(DTensor):
         local = self._local_tensor.detach()
         row = int(torch.Size(self.shape[1:]).numel())
         out = torch.empty(tuple(self.shape), dtype=local.dtype, device=local.device)
-        _, s = coordinates(self._spec.mesh)
-        first = sum(self._rows[:s])
+        first = self._first_row()
         out[first:first + local.shape[0]].copy_(local)
         splits = [n * row for n in self._rows]
         collectives_for(self._shard_group()).all_gather_inplace(out.view(-1), splits, async_op=False).wait()
@@ -193,10 +192,9 @@ class ExpertDTensor(DTensor):
 
     # ---- torch.distributed.checkpoint (see [Note: expert stack representation])
     def _chunk(self) -> tuple[torch.Size, torch.Size]:
-        _, s = coordinates(self._spec.mesh)
-        first = sum(self._rows[:s]) if s is not None else 0
-        n = self._rows[s] if s is not None else 0
-        return torch.Size((n, *self.shape[1:])), torch.Size((first, *([0] * (self.ndim - 1))))
+        """This rank's rows as DCP's chunk: ``(sizes, offsets)``."""
+        n = self._local_tensor.shape[0]
+        return torch.Size((n, *self.shape[1:])), torch.Size((self._first_row(), *([0] * (self.ndim - 1))))
 
     def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties

@@ -44,7 +44,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._compat import called_from
-from .owner import (Owned, coordinates, is_owned, owned_of, owner_meshes, owner_of, owner_source, owner_tp_meshes, set_owner,
+from .owner import (Owned, is_owned, owned_of, owner_meshes, owner_of, owner_source, owner_tp_meshes, set_owner,
                     tp_mesh_of)
 
 __all__ = [
@@ -351,12 +351,10 @@ def set_full_(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     if info is not None and tp is None:
         local.copy_(full)
         return param
-    from .experts import expert_rows
+    from .experts import ExpertDTensor
 
-    rows = expert_rows(param)
-    if rows is not None:  # an expert stack: this rank's experts, by the plan's counts
-        _, s = coordinates(param.device_mesh)
-        first = sum(rows[:s])
+    if isinstance(param, ExpertDTensor):  # an expert stack: this rank's experts, by the plan's counts
+        first = param._first_row()
         local.copy_(full[first:first + local.shape[0]])
         return param
     # an evenly sharded parameter: its rows; a TP-sharded owned one (FSDP2 + TP): on the owner's
