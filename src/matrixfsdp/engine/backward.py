@@ -22,10 +22,10 @@ for the collectives already issued and drops their partial results.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, TypeVar
 
 import torch
+import torch._dynamo  # noqa: F401  (dynamo_disable)
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -36,19 +36,13 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 def dynamo_disable(fn: _F) -> _F:
     """``fn`` run outside dynamo, as FSDP2 wraps its hooks (``_fsdp_common._dynamo_disable``):
-    under ``torch.compile`` of a model the front-ends' module forward hooks, backward hooks,
-    post-accumulate-grad hooks and final callbacks (host bookkeeping, collectives) run eagerly
-    behind a graph break instead of being traced. ``torch._dynamo`` is imported at the first call
-    (``import matrixfsdp`` does not load it)."""
-    disabled: list[Callable[..., Any]] = []
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not disabled:
-            disabled.append(torch._dynamo.disable(fn, recursive=True, reason="skipping matrixfsdp hooks"))
-        return disabled[0](*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
+    under ``torch.compile`` of a model or of its blocks the front-ends' module forward hooks,
+    backward hooks, post-accumulate-grad hooks and final callbacks (host bookkeeping,
+    collectives) run eagerly instead of being traced. Disabled at definition, not at the first
+    call: a wrapper frame of ours (outside torch's files, which dynamo skips) would itself be
+    traced, and under ``fullgraph=True`` (torchtitan's ``block.compile``) its call of a disabled
+    function is an error instead of a graph break."""
+    return torch._dynamo.disable(fn, recursive=True, reason="skipping matrixfsdp hooks")  # type: ignore[return-value]
 
 
 def in_backward() -> bool:
