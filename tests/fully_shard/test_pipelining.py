@@ -1,0 +1,205 @@
+"""fully_shard under torch's pipelining schedules: PP=2 x DP=2 on 4 gloo processes.
+
+Each pipeline stage is a model part (a deep copy of the whole model with the other stages' layers
+deleted, as torchtitan splits models, so its parameter names are the whole model's). Owners are
+planned per stage over that stage's data-parallel mesh (``mesh["dp"]`` of a ``("pp", "dp")``
+mesh): the digest exchange and every collective of ``fully_shard``'s initialization run in that
+group only, so the two stages, whose plans differ, never meet. The schedules drive each microbatch
+through a plain ``torch.autograd.backward`` (our modules are not torch ``FSDPModule``s, so
+``stage.py`` calls none of FSDP2's controls on them): every microbatch's backward reduces its
+gradients to their owners, which accumulate them, and ``scale_grads`` divides the owned gradients
+by the microbatch count. The reference is the whole model, unsharded, in one process, on the
+whole global batch. The optimizer step makes no collective.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import matrixfsdp
+from _harness import get_pool
+from fully_shard.test_features import collective_spy
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+H = 16
+N_LAYERS = 4
+GLOBAL_BATCH = 8
+MICROBATCHES = 4  # per data-parallel rank: microbatches of GLOBAL_BATCH / DP / MICROBATCHES rows
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, h: int):
+        super().__init__()
+        self.up = nn.Linear(h, 2 * h)
+        self.down = nn.Linear(2 * h, h)
+        self.norm = nn.LayerNorm(h)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    """``layers`` (a ModuleDict, as torchtitan's decoders) then ``head``; a stage keeps some layers
+    and, on the last stage, the head."""
+
+    def __init__(self, h: int = H, n_layers: int = N_LAYERS, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleDict({str(i): MLPBlock(h) for i in range(n_layers)})
+        self.head = nn.Linear(h, h)
+
+    def forward(self, x):
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.head(x) if self.head is not None else x
+
+
+def split(model: Net, stage: int, n_stages: int) -> Net:
+    """Stage ``stage`` of ``n_stages`` (``N_LAYERS / n_stages`` consecutive layers each)."""
+    part = copy.deepcopy(model)
+    per = len(model.layers) // n_stages
+    keep = {str(i) for i in range(stage * per, (stage + 1) * per)}
+    for name in list(part.layers.keys()):
+        if name not in keep:
+            del part.layers[name]
+    if stage != n_stages - 1:
+        part.head = None
+    return part
+
+
+def _mse(out, tgt):
+    return nn.functional.mse_loss(out, tgt)
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(GLOBAL_BATCH, H, generator=g), torch.randn(GLOBAL_BATCH, H, generator=g)
+
+
+def _opt(model):
+    return matrixfsdp.optim.Muon(model, lr=0.02, ns_dtype=torch.float32, adamw_lr=1e-2)
+
+
+def _stage_indices(schedule: str, pp_rank: int, pp: int) -> list[int]:
+    if schedule == "interleaved":  # torch's loop style: rank r holds stages r, r + pp
+        return [pp_rank, pp_rank + pp]
+    return [pp_rank]
+
+
+def _schedule(name: str, stages: list, n_mb: int):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    if name == "interleaved":
+        return ScheduleInterleaved1F1B(stages, n_microbatches=n_mb, loss_fn=_mse)
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+    return cls(stages[0], n_microbatches=n_mb, loss_fn=_mse)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    v = (a.float() - b.float()).abs().max().item() / max(b.abs().max().item(), 1e-12)
+    return math.inf if math.isnan(v) else v
+
+
+def pp_parity(schedule: str, steps: int = 3, pp: int = 2) -> dict:
+    """Pool worker (W = pp * dp ranks): the pipelined, owner-sharded run against the whole model."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from matrixfsdp._fully_shard import comm_counter
+
+    W = dist.get_world_size()
+    dp = W // pp
+    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    pp_rank, d = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    whole = Net()
+    ref = copy.deepcopy(whole)
+    idx = _stage_indices(schedule, pp_rank, pp)
+    n_stages = pp * len(idx)
+    parts, stages, plans = [], [], []
+    for s in idx:
+        part = split(whole, s, n_stages)
+        plan = matrixfsdp.plan_owners(part, mesh["dp"], block_types=(MLPBlock,))
+        for layer in part.layers.values():
+            matrixfsdp.fully_shard(layer, mesh=mesh["dp"], plan=plan)
+        matrixfsdp.fully_shard(part, mesh=mesh["dp"], plan=plan)
+        parts.append(part)
+        plans.append(plan.digest)
+        stages.append(PipelineStage(part, s, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
+    sched = _schedule(schedule, stages, MICROBATCHES)
+    opts, ref_opt = [_opt(p) for p in parts], _opt(ref)
+    has_first, has_last = 0 in idx, n_stages - 1 in idx
+    out = {"pp": pp_rank, "dp": d, "digests": plans, "losses": [], "ref_losses": [], "grad": [],
+           "step_python": [], "step_dispatcher": [], "reduce_calls": [], "owned": 0}
+    counters = [comm_counter(p) for p in parts]
+    n = GLOBAL_BATCH // dp
+    for step in range(steps):
+        x, y = _batch(step)
+        xl, yl = x[d * n:(d + 1) * n], y[d * n:(d + 1) * n]
+        for c in counters:
+            c.reset()
+        losses: list = []
+        kw = {"target": yl, "losses": losses} if has_last else {}
+        if has_first:
+            sched.step(xl, **kw)
+        else:
+            sched.step(**kw)
+        out["reduce_calls"].append([dict(c.calls) for c in counters])
+        if has_last:
+            out["losses"].append(torch.stack(losses).mean().item())
+        ref_loss = _mse(ref(x), y)
+        ref_loss.backward()
+        out["ref_losses"].append(ref_loss.item())
+        refp = dict(ref.named_parameters())
+        worst = 0.0
+        for part in parts:
+            for f, p in part.named_parameters():
+                g = matrixfsdp.full_tensor(p.grad) if p.grad is not None else None
+                if g is None:
+                    worst = math.inf
+                    continue
+                worst = max(worst, _rel(g, refp[f].grad))
+        out["grad"].append(worst)
+        with collective_spy() as spy:
+            for o in opts:
+                o.step()
+        out["step_python"].append(spy["python"])
+        out["step_dispatcher"].append(spy["dispatcher"])
+        ref_opt.step()
+        for o in opts:
+            o.zero_grad()
+        ref_opt.zero_grad()
+    refp = dict(ref.named_parameters())
+    out["param"] = max(_rel(matrixfsdp.full_tensor(p), refp[f].detach())
+                       for part in parts for f, p in part.named_parameters())
+    out["owned"] = sum(1 for part in parts for p in part.parameters()
+                       if (o := matrixfsdp.owned_of(p)) is not None and o.kind == "matrix")
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_pipelining_parity_and_step_collectives(schedule):
+    res = get_pool(4).run(pp_parity, schedule, timeout=180)
+    for r in res:
+        assert max(r["grad"]) < 1e-5, (r["pp"], r["dp"], r["grad"])
+        assert r["param"] < 1e-5, (r["pp"], r["dp"], r["param"])
+        assert r["owned"] > 0
+        assert all(not s for s in r["step_python"]), r["step_python"]
+        assert all(not s for s in r["step_dispatcher"]), r["step_dispatcher"]
+    # each stage checked its own plan in its own group: the digests agree within a stage
+    by_stage = {}
+    for r in res:
+        by_stage.setdefault(r["pp"], set()).add(tuple(r["digests"]))
+    assert all(len(v) == 1 for v in by_stage.values()), by_stage
+    last = [r for r in res if r["losses"]]
+    assert len(last) == 2
+    for step in range(len(last[0]["losses"])):
+        got = sum(r["losses"][step] for r in last) / len(last)  # mean over the dp ranks
+        ref = last[0]["ref_losses"][step]
+        assert abs(got - ref) <= 1e-5 * abs(ref), (step, got, ref)
