@@ -32,6 +32,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 H = 16
 N_LAYERS = 4
 GLOBAL_BATCH = 8
+MAX_NORM = 0.5  # below the gradients' norm: clipping is active
 MICROBATCHES = 4  # per data-parallel rank: microbatches of GLOBAL_BATCH / DP / MICROBATCHES rows
 
 
@@ -136,7 +137,7 @@ def pp_parity(schedule: str, steps: int = 3, pp: int = 2) -> dict:
     opts, ref_opt = [_opt(p) for p in parts], _opt(ref)
     has_first, has_last = 0 in idx, n_stages - 1 in idx
     out = {"pp": pp_rank, "dp": d, "digests": plans, "losses": [], "ref_losses": [], "grad": [],
-           "step_python": [], "step_dispatcher": [], "reduce_calls": [], "owned": 0}
+           "norm": [], "step_python": [], "step_dispatcher": [], "reduce_calls": [], "owned": 0}
     counters = [comm_counter(p) for p in parts]
     n = GLOBAL_BATCH // dp
     for step in range(steps):
@@ -150,12 +151,17 @@ def pp_parity(schedule: str, steps: int = 3, pp: int = 2) -> dict:
             sched.step(xl, **kw)
         else:
             sched.step(**kw)
-        out["reduce_calls"].append([dict(c.calls) for c in counters])
+        out["reduce_calls"].append([c.calls.get("reduce_scatter", 0) for c in counters])
         if has_last:
             out["losses"].append(torch.stack(losses).mean().item())
         ref_loss = _mse(ref(x), y)
         ref_loss.backward()
         out["ref_losses"].append(ref_loss.item())
+        # clipping spans the stages: one more all-reduce over the pipeline mesh
+        norm = matrixfsdp.clip_grad_norm_([p for part in parts for p in part.parameters()], MAX_NORM,
+                                          pp_mesh=mesh["pp"])
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        out["norm"].append(_rel(norm, ref_norm))
         refp = dict(ref.named_parameters())
         worst = 0.0
         for part in parts:
@@ -178,6 +184,8 @@ def pp_parity(schedule: str, steps: int = 3, pp: int = 2) -> dict:
     refp = dict(ref.named_parameters())
     out["param"] = max(_rel(matrixfsdp.full_tensor(p), refp[f].detach())
                        for part in parts for f, p in part.named_parameters())
+    # one reduction per block with parameters per microbatch (each microbatch's backward reduces)
+    out["expected_reduces"] = [MICROBATCHES * (len(part.layers) + (part.head is not None)) for part in parts]
     out["owned"] = sum(1 for part in parts for p in part.parameters()
                        if (o := matrixfsdp.owned_of(p)) is not None and o.kind == "matrix")
     return out
@@ -190,6 +198,8 @@ def test_pipelining_parity_and_step_collectives(schedule):
         assert max(r["grad"]) < 1e-5, (r["pp"], r["dp"], r["grad"])
         assert r["param"] < 1e-5, (r["pp"], r["dp"], r["param"])
         assert r["owned"] > 0
+        assert max(r["norm"]) < 1e-5, r["norm"]
+        assert all(c == r["expected_reduces"] for c in r["reduce_calls"]), (r["reduce_calls"], r["expected_reduces"])
         assert all(not s for s in r["step_python"]), r["step_python"]
         assert all(not s for s in r["step_dispatcher"]), r["step_dispatcher"]
     # each stage checked its own plan in its own group: the digests agree within a stage

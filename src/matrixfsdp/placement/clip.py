@@ -20,6 +20,10 @@ it), every other sharded gradient (identical in every replica) on replica 0.
 Under ``fully_shard`` + TP (a ``("dp_shard", "tp")`` mesh) it spans the whole 2-D mesh: a
 TP-sharded gradient counts on every rank of its owner's TP row (each holds a different shard),
 every other gradient (identical in every TP column) on TP rank 0.
+
+Under pipeline parallelism (``pp_mesh``) each stage holds other parameters: the stage's partial
+sum (its own data-parallel all-reduce, as above) is summed once more over the pipeline mesh, the
+ranks at the same data-parallel coordinate of every stage (for the max norm: the maximum).
 """
 
 from __future__ import annotations
@@ -110,6 +114,7 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
     *,
     process_group: dist.ProcessGroup | None = None,
+    pp_mesh: DeviceMesh | None = None,
 ) -> torch.Tensor:
     """Clip the gradients of a matrixfsdp model to a global norm of ``max_norm``, in place.
 
@@ -118,7 +123,9 @@ def clip_grad_norm_(
     ``error_if_nonfinite`` raises before touching any gradient). Call on every rank. One
     all-reduce of a scalar over ``process_group`` (default: the data-parallel mesh's group, taken
     from the parameters; the default group otherwise). Gradients that are plain tensors (e.g. of
-    ``ignored_params``) are taken as replicated and counted once.
+    ``ignored_params``) are taken as replicated and counted once. ``pp_mesh``: the pipeline
+    mesh (torchtitan's ``parallel_dims.get_mesh("pp")``) when ``parameters`` are this rank's
+    stages' only; one more all-reduce over it combines the stages.
 
     Example::
 
@@ -135,6 +142,9 @@ def clip_grad_norm_(
         raise ValueError(f"matrixfsdp.clip_grad_norm_: max_norm must be >= 0, got {max_norm=}")
     if norm_type <= 0 or math.isnan(norm_type):
         raise ValueError(f"matrixfsdp.clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type=}")
+    if pp_mesh is not None and (not isinstance(pp_mesh, DeviceMesh) or pp_mesh.ndim != 1):
+        raise TypeError(f"matrixfsdp.clip_grad_norm_: pp_mesh must be a 1-D DeviceMesh (the pipeline "
+                        f"dimension), got {pp_mesh!r}")
     device, group = reduction_device_and_group(every, process_group)
     tp = _tp_mesh(every)
     if tp is not None and process_group is None:  # fully_shard + TP: over the whole (dp, tp) mesh
@@ -157,7 +167,10 @@ def clip_grad_norm_(
         else:
             local = local + g.float().abs().pow(norm_type).sum()
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        dist.all_reduce(local, op=op, group=group)
+        if pp_mesh is not None and pp_mesh.size() > 1:  # the stages hold disjoint parameters
+            dist.all_reduce(local, op=op, group=pp_mesh.get_group())
     total = local if inf else local.pow(1.0 / norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
