@@ -138,20 +138,20 @@ def pp_parity(schedule: str, steps: int = 3, pp: int = 2) -> dict:
     has_first, has_last = 0 in idx, n_stages - 1 in idx
     out = {"pp": pp_rank, "dp": d, "digests": plans, "losses": [], "ref_losses": [], "grad": [],
            "norm": [], "step_python": [], "step_dispatcher": [], "reduce_calls": [], "owned": 0}
-    counters = [comm_counter(p) for p in parts]
+    counter = comm_counter(parts[0])  # one per data-parallel group: every part of this rank counts on it
+    assert all(comm_counter(p) is counter for p in parts)
     n = GLOBAL_BATCH // dp
     for step in range(steps):
         x, y = _batch(step)
         xl, yl = x[d * n:(d + 1) * n], y[d * n:(d + 1) * n]
-        for c in counters:
-            c.reset()
+        counter.reset()
         losses: list = []
         kw = {"target": yl, "losses": losses} if has_last else {}
         if has_first:
             sched.step(xl, **kw)
         else:
             sched.step(**kw)
-        out["reduce_calls"].append([c.calls.get("reduce_scatter", 0) for c in counters])
+        out["reduce_calls"].append(counter.calls.get("reduce_scatter", 0))
         if has_last:
             out["losses"].append(torch.stack(losses).mean().item())
         ref_loss = _mse(ref(x), y)
@@ -185,7 +185,7 @@ def pp_parity(schedule: str, steps: int = 3, pp: int = 2) -> dict:
     out["param"] = max(_rel(matrixfsdp.full_tensor(p), refp[f].detach())
                        for part in parts for f, p in part.named_parameters())
     # one reduction per block with parameters per microbatch (each microbatch's backward reduces)
-    out["expected_reduces"] = [MICROBATCHES * (len(part.layers) + (part.head is not None)) for part in parts]
+    out["expected_reduces"] = sum(MICROBATCHES * (len(part.layers) + (part.head is not None)) for part in parts)
     out["owned"] = sum(1 for part in parts for p in part.parameters()
                        if (o := matrixfsdp.owned_of(p)) is not None and o.kind == "matrix")
     return out

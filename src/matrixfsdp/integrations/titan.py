@@ -94,6 +94,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import optim as _optim
 from ..placement.clip import clip_grad_norm_ as _mfsdp_clip
+from ..placement.owner import FQN_ATTR
 from ..placement.experts import adopt_expert_stack, expert_rows, expert_stack_of
 from ..placement.owned_tensor import owned_of, set_full_
 from ..placement.stepping import planned_kind
@@ -158,8 +159,10 @@ def parallelize_matrixfsdp(
     ep = bool(parallel_dims.ep_enabled)
     if ep:
         _check_ep_config(parallel_dims)
+    if parallel_dims.pp_enabled:
+        _check_pp_config(model, parallel_dims)
     unsupported = [name for name, on in (
-        ("context parallelism", parallel_dims.cp_enabled), ("pipeline parallelism", parallel_dims.pp_enabled),
+        ("context parallelism", parallel_dims.cp_enabled),
         ("CPU offload", bool(getattr(training, "enable_cpu_offload", False))),
         ("torch.compile of the model", bool(compile_config.enable and "model" in compile_config.components)),
     ) if on]
@@ -184,7 +187,7 @@ def parallelize_matrixfsdp(
     if skip_dp:
         return model
     layers = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
-    if not layers:
+    if not layers and not parallel_dims.pp_enabled:  # a pipeline stage may hold none (see _check_pp_config)
         raise ValueError(f"{API}.parallelize_matrixfsdp: the model has no layers")
     # Activation checkpointing wraps each layer; its recomputation runs the *inner* module (the
     # wrapper's hooks do not fire), so the inner module is the block we shard.
@@ -219,6 +222,25 @@ def parallelize_matrixfsdp(
     model.set_gradient_divide_factor(1.0)  # type: ignore[attr-defined]
     _redirect_param_init(model)
     return model
+
+
+def _check_pp_config(model: nn.Module, parallel_dims: Any) -> None:
+    """Pipeline parallelism: torchtitan's ``pipeline_llm`` calls the parallelize_fn once per model
+    part (a stage: a deep copy of the model without the other stages' modules), so owners are
+    planned per stage over that stage's ``"fsdp"`` mesh and each stage checks its own plan digest
+    in its own data-parallel group (no collective of ``fully_shard``'s initialization spans the
+    pipeline). A stage torchtitan gives no decoder layer (only the embedding, or the norm and
+    head; torchtitan's rule is one *effective* layer per stage) is sharded as a root alone; one
+    without any matrix steps everything element-wise. Refused: what would span stages."""
+    where = f"{API}.parallelize_matrixfsdp"
+    if getattr(model, "enable_weight_tying", False):  # torchtitan's own config check refuses it too
+        raise ValueError(f"{where}: tied embeddings (enable_weight_tying=True) with pipeline parallelism "
+                         f"(parallelism.pipeline_parallel_degree={parallel_dims.pp}): the tied weight would "
+                         "live in two stages; set enable_weight_tying=False or pipeline_parallel_degree=1")
+    if parallel_dims.ep_enabled:
+        raise ValueError(f"{where}: expert parallelism (parallelism.expert_parallel_degree={parallel_dims.ep}) "
+                         f"with pipeline parallelism (parallelism.pipeline_parallel_degree={parallel_dims.pp}) "
+                         "is not supported; set one of them to 1")
 
 
 def _check_ep_config(parallel_dims: Any) -> None:
@@ -361,9 +383,18 @@ def _clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, e
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     # expert parallelism included: its stacks are whole experts per rank, each gradient on
     # exactly one rank, which is what matrixfsdp's clip sums
-    if pp_mesh is None and any(owned_of(p) is not None or expert_stack_of(p) is not None for p in params):
-        return _mfsdp_clip(params, max_norm, norm_type, error_if_nonfinite)
+    if any(_is_matrixfsdp(p, pp_mesh is not None) for p in params):
+        return _mfsdp_clip(params, max_norm, norm_type, error_if_nonfinite, pp_mesh=pp_mesh)
     return dist_utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
+
+
+def _is_matrixfsdp(p: torch.Tensor, pipelined: bool) -> bool:
+    """Whether ``p`` is a matrixfsdp parameter. Under pipeline parallelism every stage must
+    choose the same clip (the norm is all-reduced over the pipeline mesh), and a stage without an
+    owned matrix still holds ``fully_shard``'s evenly sharded parameters: those count too."""
+    if owned_of(p) is not None or expert_stack_of(p) is not None:
+        return True
+    return pipelined and getattr(p, FQN_ATTR, None) is not None
 
 
 class _DistUtils:
