@@ -24,6 +24,18 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip insta
 
 from _harness import get_pool  # noqa: E402
 
+
+def _pp_runs() -> bool:
+    import _titan_cpu  # noqa: F401  (stubs triton kernels on CPU-only builds)
+    import matrixfsdp.integrations.titan as mt
+
+    return mt.pp_schedules_take_microbatches()
+
+
+needs_pp_torch = pytest.mark.skipif(
+    not _pp_runs(), reason="torchtitan 0.3's Trainer calls PipelineSchedule.step(arg_mbs=...), which this torch "
+                           "lacks (torch 2.15 has it); parallelize_matrixfsdp refuses PP here (test_pp_refusals)")
+
 STEPS = 3
 GLOBAL_BATCH = 8  # PP: 4 microbatches of 1 row per data-parallel rank
 RTOL = 1e-4
@@ -85,8 +97,13 @@ def _last_stage(res: list[dict]) -> dict:
     return next(r for r in res if all(x > 0 for x in r["losses"]))
 
 
-@pytest.mark.parametrize("schedule", ["1F1B"])
+@needs_pp_torch
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
 def test_titan_pp_matches_plain_and_resumes_at_pp1(tmp_path, schedule):
+    """1F1B: one stage per rank (embedding + layer 0, layer 1 + norm + head). Interleaved1F1B:
+    two per rank, four stages of one effective layer each (torchtitan's rule), so stage 0 holds
+    the embedding alone and stage 3 the norm and head alone: stages without a decoder layer and
+    without any matrix (planned as a root alone, stepped element-wise)."""
     folder = str(tmp_path)
     plain = get_pool(2).run(_train_pp, STEPS, folder, "plain", timeout=180)[0]
     # the PP run starts from the plain run's step-1 checkpoint (same parameters and state)
@@ -102,10 +119,45 @@ def test_titan_pp_matches_plain_and_resumes_at_pp1(tmp_path, schedule):
         before, after = info["step_comm"]
         assert before == after, info["step_comm"]  # every stage's step makes no collective
         assert any(k == "matrix" for k in info["kinds"].values()), info["kinds"]
+        if schedule != "1F1B":  # 2 stages per rank; the first and last hold no matrix
+            assert len(info["stages"]) == 2, info["stages"]
         # evenly sharded parameters live on this stage's 2-rank data-parallel mesh only
         assert all(len(m) == 2 for m in info["even_meshes"]), info["even_meshes"]
+    if schedule != "1F1B":
+        return
     # PP=2 -> PP=1: the plain layout resumes from the pipelined run's step-2 checkpoint
     os.makedirs(os.path.join(folder, "pp1"))
     shutil.copytree(os.path.join(folder, "pp", "step-2"), os.path.join(folder, "pp1", "step-2"))
     back = get_pool(2).run(_train_pp, STEPS, folder, "pp1", load_step=2, timeout=180)[0]
     assert _close(back["losses"], plain["losses"][2:], RTOL), (back["losses"], plain["losses"])
+
+
+def test_pp_refusals(monkeypatch):
+    """What pipeline parallelism does not compose with, refused before anything is built (the
+    config is the same on every rank, so every rank raises alike)."""
+    from types import SimpleNamespace
+
+    import torch.nn as nn
+
+    import _titan_cpu  # noqa: F401
+    import matrixfsdp.integrations.titan as mt
+
+    dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, ep_enabled=False, pp_enabled=True, pp=2, ep=1,
+                           dp_replicate_enabled=False)
+    off = SimpleNamespace(enable=False, components=[])
+    kw = dict(parallel_dims=dims, training=SimpleNamespace(), parallelism=None, compile_config=off, ac_config=None,
+              dump_folder="")
+    tied = nn.Module()
+    tied.enable_weight_tying = True
+    monkeypatch.setattr(mt, "pp_schedules_take_microbatches", lambda: True)
+    with pytest.raises(ValueError, match=r"parallelize_matrixfsdp: tied embeddings \(enable_weight_tying=True\) "
+                                         r"with pipeline parallelism \(parallelism.pipeline_parallel_degree=2\)"):
+        mt.parallelize_matrixfsdp(tied, **kw)
+    dims.ep_enabled, dims.ep = True, 2
+    with pytest.raises(ValueError, match=r"expert parallelism \(parallelism.expert_parallel_degree=2\) with "
+                                         r"pipeline parallelism .* is not supported"):
+        mt.parallelize_matrixfsdp(nn.Module(), **kw)
+    dims.ep_enabled, dims.ep = False, 1
+    monkeypatch.setattr(mt, "pp_schedules_take_microbatches", lambda: False)
+    with pytest.raises(ValueError, match=r"needs torch's PipelineSchedule.step\(arg_mbs=.*torch .* lacks"):
+        mt.parallelize_matrixfsdp(nn.Module(), **kw)

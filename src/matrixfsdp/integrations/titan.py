@@ -156,11 +156,11 @@ def parallelize_matrixfsdp(
             "=True) is not supported: it needs torch.compile of the model, which matrixfsdp's hooks "
             "do not compose with; set compile.enable_async_tensor_parallel=False (plain TP works)"
         )
+    if parallel_dims.pp_enabled:  # first: it names PP's own conflicts (EP among them)
+        _check_pp_config(model, parallel_dims)
     ep = bool(parallel_dims.ep_enabled)
     if ep:
         _check_ep_config(parallel_dims)
-    if parallel_dims.pp_enabled:
-        _check_pp_config(model, parallel_dims)
     unsupported = [name for name, on in (
         ("context parallelism", parallel_dims.cp_enabled),
         ("CPU offload", bool(getattr(training, "enable_cpu_offload", False))),
@@ -203,7 +203,8 @@ def parallelize_matrixfsdp(
     # the plan records them as they are (one plan, one digest, dense weights balanced around
     # them) and fully_shard leaves them alone: their gradients are complete after backward (the
     # token all-to-alls bring every token of an expert to its rank), nothing to reduce.
-    plan = plan_owners(model, plan_mesh, block_types=block_types, policy=policy, optimizer=plan_optimizer,
+    # block_types None: a pipeline stage without decoder layers is planned as its root alone
+    plan = plan_owners(model, plan_mesh, block_types=block_types or None, policy=policy, optimizer=plan_optimizer,
                        replica_step=replica_step)
     ep_stacks = {n: p for n, p in model.named_parameters() if ep and isinstance(p, DTensor)
                  and plan[n].placement == "experts"}
@@ -237,10 +238,26 @@ def _check_pp_config(model: nn.Module, parallel_dims: Any) -> None:
         raise ValueError(f"{where}: tied embeddings (enable_weight_tying=True) with pipeline parallelism "
                          f"(parallelism.pipeline_parallel_degree={parallel_dims.pp}): the tied weight would "
                          "live in two stages; set enable_weight_tying=False or pipeline_parallel_degree=1")
+    if not pp_schedules_take_microbatches():
+        raise ValueError(f"{where}: pipeline parallelism (parallelism.pipeline_parallel_degree={parallel_dims.pp}) "
+                         f"needs torch's PipelineSchedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...), which "
+                         f"torchtitan's Trainer calls and torch {torch.__version__} lacks (torch 2.15 has it); "
+                         "upgrade torch or set pipeline_parallel_degree=1")
     if parallel_dims.ep_enabled:
         raise ValueError(f"{where}: expert parallelism (parallelism.expert_parallel_degree={parallel_dims.ep}) "
                          f"with pipeline parallelism (parallelism.pipeline_parallel_degree={parallel_dims.pp}) "
                          "is not supported; set one of them to 1")
+
+
+def pp_schedules_take_microbatches() -> bool:
+    """Whether torch's pipeline schedules take microbatch lists in ``step(arg_mbs=...)``, as
+    torchtitan 0.3's ``pp_forward_backward_step`` passes them (older torch splits unknown keywords
+    as model inputs and fails inside the schedule)."""
+    import inspect
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    return "arg_mbs" in inspect.signature(PipelineScheduleSingle.step).parameters
 
 
 def _check_ep_config(parallel_dims: Any) -> None:
