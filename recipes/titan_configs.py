@@ -105,13 +105,18 @@ class ByteTokenizer(BaseTokenizer):
 class StdlibBytes(BaseDataLoader):
     """Random byte windows of the stdlib's top-level ``*.py`` files (every 10th file left out).
 
-    Global microbatch ``m`` is drawn from a generator seeded with ``seed + m``; dp rank ``r`` takes
-    its rows, so a step sees the same tokens at any world size. The position is checkpointed.
+    Global row ``i`` is row ``i % rows_per_draw`` of draw ``i // rows_per_draw``, a generator
+    seeded with ``seed`` and the draw; global microbatch ``m`` is rows ``[m G, (m + 1) G)`` (``G =
+    local_batch_size * dp_world_size``) and dp rank ``r`` takes its rows. So a step sees the same
+    tokens at any world size, and also under pipeline parallelism, where torchtitan loads one
+    pipeline microbatch at a time (``G`` = the microbatch size times the dp degree). The position
+    (rows consumed) is checkpointed.
     """
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
         seed: int = 0
+        rows_per_draw: int = 16  # the recipe's global batch: one draw per step, as before PP
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer: Any = None,
                  seq_len: int, local_batch_size: int, **kwargs: Any):
@@ -119,23 +124,32 @@ class StdlibBytes(BaseDataLoader):
         text = b"".join(f.read_bytes() for i, f in enumerate(files) if i % 10 != 9)
         self.data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         self.seed, self.world, self.rank = config.seed, dp_world_size, dp_rank
-        self.seq_len, self.local = seq_len, local_batch_size
+        self.seq_len, self.local, self.per_draw = seq_len, local_batch_size, config.rows_per_draw
         self.microbatch = 0
+        self._draw: tuple[int, torch.Tensor] | None = None
+
+    def _starts(self, draw: int) -> torch.Tensor:
+        if self._draw is None or self._draw[0] != draw:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + draw)
+            self._draw = (draw, torch.randint(0, self.data.numel() - self.seq_len - 1, (self.per_draw,), generator=g))
+        return self._draw[1]
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         while True:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.microbatch)
-            starts = torch.randint(0, self.data.numel() - self.seq_len - 1, (self.local * self.world,), generator=g)
-            starts = starts[self.rank * self.local:(self.rank + 1) * self.local]
+            first = self.microbatch * self.local * self.world + self.rank * self.local
+            starts = torch.stack([self._starts(i // self.per_draw)[i % self.per_draw]
+                                  for i in range(first, first + self.local)])
             rows = self.data[starts[:, None] + torch.arange(self.seq_len + 1)].long()
             self.microbatch += 1
             yield {"input": rows[:, :-1]}, rows[:, 1:]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"microbatch": self.microbatch}
+        return {"microbatch": self.microbatch, "rows": self.microbatch * self.local * self.world}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.microbatch = state_dict.get("microbatch", 0)
+        rows = state_dict.get("rows")  # rows, not microbatches: resumable across layouts
+        self.microbatch = (state_dict.get("microbatch", 0) if rows is None
+                           else rows // (self.local * self.world))
 
 
 def qwen3_cpu_muon() -> Any:

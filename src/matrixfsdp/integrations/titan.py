@@ -99,7 +99,7 @@ from ..placement.experts import adopt_expert_stack, expert_rows, expert_stack_of
 from ..placement.owned_tensor import owned_of, set_full_
 from ..placement.stepping import planned_kind
 from ..planner.owners import plan_owners
-from ..planner.rules import DEFAULT_RULE
+from ..planner.rules import DEFAULT_RULE, MatrixRule
 from .._fully_shard import MatrixFSDPModule, MixedPrecisionPolicy, fully_shard
 
 try:
@@ -205,7 +205,7 @@ def parallelize_matrixfsdp(
     # token all-to-alls bring every token of an expert to its rank), nothing to reduce.
     # block_types None: a pipeline stage without decoder layers is planned as its root alone
     plan = plan_owners(model, plan_mesh, block_types=block_types or None, policy=policy, optimizer=plan_optimizer,
-                       replica_step=replica_step)
+                       replica_step=replica_step, matrix_rule=_stage_rule(model) if parallel_dims.pp_enabled else None)
     ep_stacks = {n: p for n, p in model.named_parameters() if ep and isinstance(p, DTensor)
                  and plan[n].placement == "experts"}
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[training.mixed_precision_param],
@@ -247,6 +247,16 @@ def _check_pp_config(model: nn.Module, parallel_dims: Any) -> None:
         raise ValueError(f"{where}: expert parallelism (parallelism.expert_parallel_degree={parallel_dims.ep}) "
                          f"with pipeline parallelism (parallelism.pipeline_parallel_degree={parallel_dims.pp}) "
                          "is not supported; set one of them to 1")
+
+
+def _stage_rule(model: nn.Module) -> MatrixRule:
+    """The routing rule of a pipeline stage: the whole model's vocabulary size counts for the
+    output-head test (a weight with that many rows steps element-wise, as in the unsplit model,
+    whose embedding this stage may lack); torchtitan's model parts keep the whole config."""
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "tok_embeddings", None),
+                                                          "num_embeddings", None)
+    return MatrixRule(vocab_sizes=(int(vocab),)) if vocab else DEFAULT_RULE
 
 
 def pp_schedules_take_microbatches() -> bool:

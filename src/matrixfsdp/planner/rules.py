@@ -72,6 +72,9 @@ class MatrixRule:
         expert_stacks: names (full fqns or their last component) of further 3-D parameters that
             are expert stacks although their module does not say so: the explicit opt-in a 3-D
             tensor needs to get a matrix rule.
+        vocab_sizes: vocabulary sizes of embeddings outside the planned module, added to its own
+            for the output-head test (:func:`default_matrix_filter`): a pipeline stage's model part
+            routes as the whole model does although the embedding lives on another stage.
 
     Example::
 
@@ -84,6 +87,7 @@ class MatrixRule:
     experts: bool = True
     fused: tuple[tuple[str, int], ...] = (("gate_up_proj", 2),)
     expert_stacks: tuple[str, ...] = ()
+    vocab_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for key in ("routers", "experts"):
@@ -97,6 +101,10 @@ class MatrixRule:
         stacks = tuple(self.expert_stacks) if not isinstance(self.expert_stacks, str) else (self.expert_stacks,)
         if any(not isinstance(s, str) or not s for s in stacks):
             raise ValueError(f"MatrixRule: expert_stacks must hold parameter names, got {self.expert_stacks!r}")
+        vocab = tuple(self.vocab_sizes) if isinstance(self.vocab_sizes, (tuple, list)) else None
+        if vocab is None or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vocab):
+            raise ValueError(f"MatrixRule: vocab_sizes must hold positive ints, got vocab_sizes={self.vocab_sizes!r}")
+        object.__setattr__(self, "vocab_sizes", vocab)
         object.__setattr__(self, "expert_stacks", stacks)
 
     def is_expert_stack(self, fqn: str, param: torch.Tensor, module: nn.Module) -> bool:
@@ -134,6 +142,8 @@ class MatrixRule:
             return ParamKind("experts", splits)
         if self.is_router(fqn, param, module):
             return MATRIX if self.routers else ELEMENTWISE
+        if self.vocab_sizes:
+            head_rows = head_rows | frozenset(self.vocab_sizes)
         return MATRIX if default_matrix_filter(fqn, param, module, head_rows) else ELEMENTWISE
 
     def kinds(self, model: nn.Module) -> dict[str, ParamKind]:
