@@ -314,15 +314,10 @@ def test_parallelize_rejects_unsupported_parallelism():
     import _titan_cpu  # noqa: F401
     import matrixfsdp.titan as mt
 
-    # pipeline parallelism: supported, its refusals in tests/integrations/test_titan_pp.py
+    # pipeline and context parallelism: supported (tests/integrations/test_titan_{pp,cp}.py)
     dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, ep_enabled=False, pp_enabled=False,
-                           dp_replicate_enabled=False)
+                           dp_replicate_enabled=True)
     off = SimpleNamespace(enable=False, components=[])
-    dims.cp_enabled = dims.dp_replicate_enabled = True  # HSDP is supported, CP is not
-    with pytest.raises(ValueError, match=r"parallelize_matrixfsdp: not supported yet: context parallelism$"):
-        mt.parallelize_matrixfsdp(None, parallel_dims=dims, training=SimpleNamespace(), parallelism=None,
-                                  compile_config=off, ac_config=None, dump_folder="")
-    dims.cp_enabled = False
     with pytest.raises(ValueError, match=r"set parallelism.spmd_backend='partial_dtensor'.*got "
                                          r"parallelism.spmd_backend='spmd_types'"):
         mt.parallelize_matrixfsdp(None, parallel_dims=dims, training=SimpleNamespace(),

@@ -162,7 +162,6 @@ def parallelize_matrixfsdp(
     if ep:
         _check_ep_config(parallel_dims)
     unsupported = [name for name, on in (
-        ("context parallelism", parallel_dims.cp_enabled),
         ("CPU offload", bool(getattr(training, "enable_cpu_offload", False))),
         ("torch.compile of the model", bool(compile_config.enable and "model" in compile_config.components)),
     ) if on]
@@ -173,6 +172,8 @@ def parallelize_matrixfsdp(
             f"{API}.parallelize_matrixfsdp: set parallelism.spmd_backend='partial_dtensor' "
             f"(with_matrixfsdp does), got {parallelism.spmd_backend=!r}"
         )
+    if parallel_dims.cp_enabled:
+        _apply_cp(model, parallel_dims)
     if tp or ep:
         if tp:
             _check_tp_config(model, parallel_dims)
@@ -247,6 +248,20 @@ def _check_pp_config(model: nn.Module, parallel_dims: Any) -> None:
         raise ValueError(f"{where}: expert parallelism (parallelism.expert_parallel_degree={parallel_dims.ep}) "
                          f"with pipeline parallelism (parallelism.pipeline_parallel_degree={parallel_dims.pp}) "
                          "is not supported; set one of them to 1")
+
+
+def _apply_cp(model: nn.Module, parallel_dims: Any) -> None:
+    """Context parallelism as torchtitan's ``parallelize_{llama,qwen3}`` apply it on the
+    ``partial_dtensor`` path: each layer's inner attention forward is wrapped for the ``"cp"``
+    mesh (before ``model.parallelize``, so TP's local_map boundary encloses it). Nothing else
+    changes for matrixfsdp: torchtitan's ``"fsdp"`` mesh already folds ``cp`` into ``dp_shard``
+    (``dp_shard * cp`` ranks), so owners are planned over it and each CP rank's gradient of its
+    sequence shard is summed into the owner's, as FSDP2's reduce-scatter over that mesh does."""
+    from torchtitan.distributed.context_parallel import apply_cp_to_forward
+
+    layers = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
+    if layers:  # a pipeline stage may hold no layer
+        apply_cp_to_forward([layer.attention.inner_attention for layer in layers], parallel_dims.get_mesh("cp"))
 
 
 def _stage_rule(model: nn.Module) -> MatrixRule:
