@@ -48,14 +48,14 @@ class MLPBlock(nn.Module):
 
 
 class Net(nn.Module):
-    """``layers`` (a ModuleDict, as torchtitan's decoders) then ``head``; a stage keeps some layers
-    and, on the last stage, the head."""
+    """``layers`` (a ModuleDict, as torchtitan's decoders) then ``head`` (a Linear, or with
+    ``tail="norm"`` a LayerNorm); a stage keeps some layers and, on the last stage, the head."""
 
-    def __init__(self, h: int = H, n_layers: int = N_LAYERS, seed: int = 0):
+    def __init__(self, h: int = H, n_layers: int = N_LAYERS, seed: int = 0, tail: str = "linear"):
         super().__init__()
         torch.manual_seed(seed)
         self.layers = nn.ModuleDict({str(i): MLPBlock(h) for i in range(n_layers)})
-        self.head = nn.Linear(h, h)
+        self.head = nn.Linear(h, h) if tail == "linear" else nn.LayerNorm(h)
 
     def forward(self, x):
         for layer in self.layers.values():
@@ -63,11 +63,17 @@ class Net(nn.Module):
         return self.head(x) if self.head is not None else x
 
 
-def split(model: Net, stage: int, n_stages: int) -> Net:
-    """Stage ``stage`` of ``n_stages`` (``N_LAYERS / n_stages`` consecutive layers each)."""
+def split(model: Net, stage: int, n_stages: int, layout: str = "even") -> Net:
+    """Stage ``stage`` of ``n_stages``: ``N_LAYERS / n_stages`` consecutive layers each, or with
+    ``layout="no_matrix"`` every layer on the first stages and the last one the head alone."""
     part = copy.deepcopy(model)
-    per = len(model.layers) // n_stages
-    keep = {str(i) for i in range(stage * per, (stage + 1) * per)}
+    n = len(model.layers)
+    if layout == "no_matrix":
+        per = n // (n_stages - 1)
+        keep = set() if stage == n_stages - 1 else {str(i) for i in range(stage * per, (stage + 1) * per)}
+    else:
+        per = n // n_stages
+        keep = {str(i) for i in range(stage * per, (stage + 1) * per)}
     for name in list(part.layers.keys()):
         if name not in keep:
             del part.layers[name]
@@ -109,8 +115,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return math.inf if math.isnan(v) else v
 
 
-def pp_parity(schedule: str, steps: int = 3, pp: int = 2) -> dict:
-    """Pool worker (W = pp * dp ranks): the pipelined, owner-sharded run against the whole model."""
+def pp_parity(schedule: str, steps: int = 3, pp: int = 2, layout: str = "even") -> dict:
+    """Pool worker (W = pp * dp ranks): the pipelined, owner-sharded run against the whole model.
+    ``layout="no_matrix"``: the last stage holds a LayerNorm alone (no matrix, no layer)."""
     from torch.distributed.pipelining import PipelineStage
 
     from matrixfsdp._fully_shard import comm_counter
@@ -119,14 +126,15 @@ def pp_parity(schedule: str, steps: int = 3, pp: int = 2) -> dict:
     dp = W // pp
     mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
     pp_rank, d = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    whole = Net()
+    whole = Net(tail="norm" if layout == "no_matrix" else "linear")
     ref = copy.deepcopy(whole)
     idx = _stage_indices(schedule, pp_rank, pp)
     n_stages = pp * len(idx)
     parts, stages, plans = [], [], []
     for s in idx:
-        part = split(whole, s, n_stages)
-        plan = matrixfsdp.plan_owners(part, mesh["dp"], block_types=(MLPBlock,))
+        part = split(whole, s, n_stages, layout)
+        # block_types None for a stage without layers: planned (and sharded) as its root alone
+        plan = matrixfsdp.plan_owners(part, mesh["dp"], block_types=(MLPBlock,) if len(part.layers) else None)
         for layer in part.layers.values():
             matrixfsdp.fully_shard(layer, mesh=mesh["dp"], plan=plan)
         matrixfsdp.fully_shard(part, mesh=mesh["dp"], plan=plan)
@@ -188,16 +196,20 @@ def pp_parity(schedule: str, steps: int = 3, pp: int = 2) -> dict:
     out["expected_reduces"] = sum(MICROBATCHES * (len(part.layers) + (part.head is not None)) for part in parts)
     out["owned"] = sum(1 for part in parts for p in part.parameters()
                        if (o := matrixfsdp.owned_of(p)) is not None and o.kind == "matrix")
+    # the head is an output head (AdamW) by the default rule
+    out["matrices"] = sum(1 for part in parts for f, p in part.named_parameters() if p.ndim == 2 and "head" not in f)
     return out
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
-def test_pipelining_parity_and_step_collectives(schedule):
-    res = get_pool(4).run(pp_parity, schedule, timeout=180)
+@pytest.mark.parametrize("schedule, layout", [("gpipe", "even"), ("1f1b", "even"), ("interleaved", "even"),
+                                              ("1f1b", "no_matrix")])
+def test_pipelining_parity_and_step_collectives(schedule, layout):
+    res = get_pool(4).run(pp_parity, schedule, layout=layout, timeout=180)
     for r in res:
         assert max(r["grad"]) < 1e-5, (r["pp"], r["dp"], r["grad"])
         assert r["param"] < 1e-5, (r["pp"], r["dp"], r["param"])
-        assert r["owned"] > 0
+        # a stage without a matrix is handled: evenly sharded, stepped element-wise
+        assert r["owned"] == r["matrices"] and (r["owned"] > 0) == (layout == "even" or r["pp"] == 0), r
         assert max(r["norm"]) < 1e-5, r["norm"]
         assert all(c == r["expected_reduces"] for c in r["reduce_calls"]), (r["reduce_calls"], r["expected_reduces"])
         assert all(not s for s in r["step_python"]), r["step_python"]
@@ -213,3 +225,32 @@ def test_pipelining_parity_and_step_collectives(schedule):
         got = sum(r["losses"][step] for r in last) / len(last)  # mean over the dp ranks
         ref = last[0]["ref_losses"][step]
         assert abs(got - ref) <= 1e-5 * abs(ref), (step, got, ref)
+
+
+def shared_across_stages() -> list[str]:
+    """Pool worker (W=2, one data-parallel group): two stages of one rank sharing a parameter."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    whole = Net()
+    parts = [split(whole, s, 2) for s in range(2)]
+    parts[1].layers["2"].up.weight = parts[0].layers["0"].up.weight  # tied across the stages
+    errors = []
+    for part in parts:
+        plan = matrixfsdp.plan_owners(part, mesh, block_types=(MLPBlock,))
+        try:
+            for layer in part.layers.values():
+                matrixfsdp.fully_shard(layer, mesh=mesh, plan=plan)
+            matrixfsdp.fully_shard(part, mesh=mesh, plan=plan)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_parameter_shared_across_stages_is_refused():
+    """A parameter of two stages held by one rank (interleaved schedules) is refused by the second
+    stage's ``fully_shard`` on every rank of its data-parallel group alike. Across ranks a tie cannot
+    exist (each rank builds its own stages), so a tied model must be untied before the split
+    (torchtitan refuses tied embeddings with PP)."""
+    res = get_pool(2).run(shared_across_stages, timeout=60)
+    assert res[0] == res[1] and len(res[0]) == 1, res
+    assert "'up.weight' of MLPBlock is already managed by the fully_shard call on MLPBlock" in res[0][0], res
+    assert "two pipeline stages of one rank" in res[0][0], res

@@ -87,7 +87,8 @@ def _collect_managed(module: nn.Module, ignored: set[nn.Parameter], dp: DeviceMe
                     f"{API}: parameter {name!r} of {type(module).__name__} is already managed by "
                     f"the fully_shard call on {type(owner.module).__name__}; wrap blocks "
                     "bottom-up (blocks first, the model last) and keep tied parameters inside "
-                    "one wrapped module"
+                    "one wrapped module; a parameter shared by two separately planned models (e.g. "
+                    "two pipeline stages of one rank) is not supported: give each its own"
                 )
             tp = tp_layout(name, p, dp) if isinstance(p, DTensor) else None
             mp = by_id.get(id(p))
