@@ -6,6 +6,18 @@ recipes/titan_configs.py (a tiny Qwen3 on the stdlib's source, byte tokens, gloo
     torchrun --nproc-per-node 2 recipes/titan_cpu.py --config qwen3_moe_cpu_muon   # mixture of experts
     torchrun --nproc-per-node 2 recipes/titan_cpu.py --config qwen3_moe_cpu_muon \
         --parallelism.expert_parallel_degree 2                            # torchtitan's expert parallelism
+    torchrun --nproc-per-node 4 recipes/titan_cpu.py --parallelism.pipeline_parallel_degree 2  # PP=2 x DP=2
+
+Pipeline parallelism needs a torch whose schedules take ``PipelineSchedule.step(arg_mbs=...)``, which
+torchtitan 0.3 calls (2.15 does, 2.13 does not: ``parallelize_matrixfsdp`` then refuses PP) and uses torchtitan's defaults (1F1B,
+microbatches of 1 row: 4 per data-parallel rank, 2 accumulation steps for the global 16 rows).
+Each stage initializes from the same seed, so the parameters differ from a non-pipelined run's;
+to compare with the plain W=2 run start both from one seed checkpoint, as torchtitan advises::
+
+    torchrun --nproc-per-node 1 recipes/titan_cpu.py --checkpoint.enable --checkpoint.create_seed_checkpoint \
+        --parallelism.data_parallel_shard_degree 1 --dump-folder runs/seed
+    torchrun --nproc-per-node 4 recipes/titan_cpu.py --parallelism.pipeline_parallel_degree 2 \
+        --checkpoint.enable --checkpoint.initial_load_path runs/seed/checkpoint/step-0
 
 torchtitan 0.3 assumes an accelerator; on a CPU-only machine it needs three shims, applied here
 before the Trainer is built (nothing else is patched; matrixfsdp.titan already initializes

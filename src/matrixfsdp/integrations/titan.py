@@ -242,7 +242,7 @@ def _check_pp_config(model: nn.Module, parallel_dims: Any) -> None:
     if not pp_schedules_take_microbatches():
         raise ValueError(f"{where}: pipeline parallelism (parallelism.pipeline_parallel_degree={parallel_dims.pp}) "
                          f"needs torch's PipelineSchedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...), which "
-                         f"torchtitan's Trainer calls and torch {torch.__version__} lacks (torch 2.15 has it); "
+                         f"torchtitan's Trainer calls and torch {torch.__version__} lacks (torch 2.15 has it; 2.13 not); "
                          "upgrade torch or set pipeline_parallel_degree=1")
     if parallel_dims.ep_enabled:
         raise ValueError(f"{where}: expert parallelism (parallelism.expert_parallel_degree={parallel_dims.ep}) "
