@@ -59,7 +59,7 @@ checkpointer saves and resumes it (DCP reshards to and from runs without TP).
 HSDP (``parallelism.data_parallel_replicate_degree > 1``): the data-parallel mesh is torchtitan's
 ``parallel_dims.get_mesh(["dp_replicate", "fsdp"])``, the mesh its stock ``apply_fsdp`` gives
 torch's ``fully_shard`` for HSDP (dimension 0 replicates, dimension 1 shards; ``fsdp`` is
-``dp_shard`` since context parallelism is refused). Owners are planned within ``fsdp``, the same
+``dp_shard * cp``, see below). Owners are planned within ``fsdp``, the same
 layout in every replica; ``replica_step`` (``"auto"``, ``"repeat"`` or ``"split"``, see
 ``plan_owners``) says how each owned matrix is combined across the replicas.
 
@@ -70,7 +70,32 @@ with the dense weights; with expert parallelism spanning the data-parallel shard
 its layout and token all-to-alls, the plan records each rank's experts as they are, and the
 matrix optimizer steps them locally.
 
-Not supported (clear errors): context/pipeline parallelism, expert parallelism with an
+Pipeline parallelism (``parallelism.pipeline_parallel_degree > 1``, torchtitan's schedules:
+1F1B, Interleaved1F1B, GPipe, ...): torchtitan's ``pipeline_llm`` calls this parallelize_fn once
+per model part (a stage: a deep copy of the model without the other stages' modules). Each stage
+plans its owners over its own ``"fsdp"`` mesh and checks its digest in that group only (no
+collective of the initialization spans stages, whose plans differ); the routing rule counts the
+whole model's vocabulary (``MatrixRule(vocab_sizes=)``), so a stage without the embedding routes
+as the unsplit model. A stage without decoder layers (torchtitan's rule is one *effective* layer
+per stage: the embedding, or norm and head, count) is sharded as its root alone; one without any
+matrix steps element-wise. Every microbatch's backward reduces its gradients to their owners
+(torch's schedules call FSDP2's sync controls only on torch ``FSDPModule``s), the owners
+accumulate them, every stage's optimizer step is local, and clipping all-reduces the stages'
+norms over the ``"pp"`` mesh (``clip_grad_norm_(pp_mesh=)``). torchtitan's checkpointer resumes
+across PP degrees (FQNs are the whole model's). Refused: tied embeddings (torchtitan refuses them
+too), expert parallelism with PP, and a torch whose schedules lack ``step(arg_mbs=)``, which
+torchtitan 0.3's Trainer calls (2.15 has it, 2.13 not). Each stage initializes from the same seed,
+so a pipelined run starts elsewhere than a plain one unless both load one seed checkpoint.
+
+Context parallelism (``parallelism.context_parallel_degree > 1``): torchtitan's own CP forward
+wrapper goes on every layer's attention (``apply_cp_to_forward``, as its ``parallelize_qwen3``
+does on the ``partial_dtensor`` path), and since torchtitan's ``"fsdp"`` mesh folds the CP ranks
+(``dp_shard * cp``), owners are planned over it and each CP rank's gradient of its sequence
+shard is summed into its owner's, as FSDP2 reduces over that mesh. Not run: torchtitan's CP
+cannot compute attention on a CPU (SDPA: DTensor has no sharding strategy for
+``aten._scaled_dot_product_flash_attention_for_cpu``; FlexAttention has no CPU backward).
+
+Not supported (clear errors): expert parallelism with an
 expert-FSDP group (``efsdp > 1``), with HSDP or with TP, CPU offload,
 ``torch.compile`` of the model; with tensor
 parallelism also HSDP (``dp_replicate > 1``: a 3-D mesh), async TP
@@ -419,7 +444,7 @@ def _clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, e
                      foreach: bool | None = None, pp_mesh: Any = None, ep_enabled: bool = False) -> torch.Tensor:
     """torchtitan's ``clip_grad_norm_`` signature; matrixfsdp's clipping when matrixfsdp
     parameters are involved (torch's total norm cannot combine gradients on different owner
-    meshes), torchtitan's own otherwise."""
+    meshes; with ``pp_mesh`` the stages' norms are combined over it), torchtitan's own otherwise."""
     from torchtitan.distributed import utils as dist_utils
 
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -487,8 +512,8 @@ class MatrixTrainer(Trainer):
     torchtitan's ``Trainer.train_step`` clips with ``dist_utils.clip_grad_norm_`` (a module-level
     name of ``torchtitan/trainer.py``), which cannot combine gradients owned on different one-rank
     meshes. This class runs the very same ``train_step`` code with that one name resolved to
-    :func:`_clip_grad_norm_` (the original for models without matrixfsdp parameters, with a
-    pipeline mesh or expert parallelism); nothing of torchtitan is replaced, for other trainers
+    :func:`_clip_grad_norm_` (torchtitan's own for models without matrixfsdp parameters;
+    matrixfsdp's otherwise, its norm all-reduced over the pipeline mesh too under PP); nothing of torchtitan is replaced, for other trainers
     in the process or at all. Build it from ``MatrixTrainer.Config`` (a ``Trainer.Config``).
     """
 
