@@ -254,3 +254,29 @@ def test_parameter_shared_across_stages_is_refused():
     assert res[0] == res[1] and len(res[0]) == 1, res
     assert "'up.weight' of MLPBlock is already managed by the fully_shard call on MLPBlock" in res[0][0], res
     assert "two pipeline stages of one rank" in res[0][0], res
+
+
+def test_stage_rule_counts_the_whole_models_vocabulary():
+    """A stage without the embedding classifies a weight with the vocabulary's row count as the
+    unsplit model does (an output head: element-wise) once the rule is told the vocabulary
+    (``MatrixRule(vocab_sizes=)``); without it that weight becomes a matrix."""
+
+    class Whole(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, 8)
+            self.proj = nn.Linear(8, 32)  # 32 rows: the vocabulary size
+            self.mlp = nn.Linear(8, 8)
+
+    whole = Whole()
+    stage = copy.deepcopy(whole)
+    stage.emb = None
+    assert matrixfsdp.MatrixRule().kinds(whole)["proj.weight"].kind == "elementwise"
+    assert matrixfsdp.MatrixRule().kinds(stage)["proj.weight"].kind == "matrix"
+    rule = matrixfsdp.MatrixRule(vocab_sizes=(32,))
+    assert {f: k.kind for f, k in rule.kinds(stage).items()} == {
+        f: k.kind for f, k in matrixfsdp.MatrixRule().kinds(whole).items() if not f.startswith("emb")}
+    plan = matrixfsdp.plan_owners(stage, 2, matrix_rule=rule)
+    assert plan["proj.weight"].placement != "matrix" and plan["mlp.weight"].placement == "matrix"
+    with pytest.raises(ValueError, match=r"MatrixRule: vocab_sizes must hold positive ints, got vocab_sizes=\(0,\)"):
+        matrixfsdp.MatrixRule(vocab_sizes=(0,))
