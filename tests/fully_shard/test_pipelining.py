@@ -219,6 +219,7 @@ def test_pipelining_parity_and_step_collectives(schedule, layout):
     for r in res:
         by_stage.setdefault(r["pp"], set()).add(tuple(r["digests"]))
     assert all(len(v) == 1 for v in by_stage.values()), by_stage
+    assert len({d for v in by_stage.values() for d in v}) == len(by_stage), by_stage  # the stages' plans differ
     last = [r for r in res if r["losses"]]
     assert len(last) == 2
     for step in range(len(last[0]["losses"])):
