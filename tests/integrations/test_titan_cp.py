@@ -22,7 +22,6 @@ every rank (so this test tells when a torch release lifts it).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
