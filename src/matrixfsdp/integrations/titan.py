@@ -149,19 +149,19 @@ def parallelize_matrixfsdp(
     """
     tp = bool(parallel_dims.tp_enabled)
     if tp and getattr(compile_config, "enable_async_tensor_parallel", False):
-        # before the compile check below: async TP requires compile.enable (its own __post_init__)
         raise ValueError(
             f"{API}.parallelize_matrixfsdp: async tensor parallelism (compile.enable_async_tensor_parallel"
-            "=True) is not supported: it needs torch.compile of the model, which matrixfsdp's hooks "
-            "do not compose with; set compile.enable_async_tensor_parallel=False (plain TP works)"
+            "=True) is not supported: inductor's micro-pipelined TP needs CUDA symmetric memory, and "
+            "matrixfsdp has not run it (its tests run on CPUs); set "
+            "compile.enable_async_tensor_parallel=False (plain TP, compiled or not, works)"
         )
     ep = bool(parallel_dims.ep_enabled)
     if ep:
         _check_ep_config(parallel_dims)
+    if getattr(training, "enable_cpu_offload", False):
+        _refuse_cpu_offload()
     unsupported = [name for name, on in (
         ("context parallelism", parallel_dims.cp_enabled), ("pipeline parallelism", parallel_dims.pp_enabled),
-        ("CPU offload", bool(getattr(training, "enable_cpu_offload", False))),
-        ("torch.compile of the model", bool(compile_config.enable and "model" in compile_config.components)),
     ) if on]
     if unsupported:
         raise ValueError(f"{API}.parallelize_matrixfsdp: not supported yet: {', '.join(unsupported)}")
@@ -181,6 +181,11 @@ def parallelize_matrixfsdp(
         _retie_embeddings(model)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
+    if compile_config.enable and "model" in compile_config.components:
+        # torchtitan's own per-block compile (``block.compile(fullgraph=True)``), after AC and
+        # before sharding, as its parallelize_{llama,qwen3}: matrixfsdp's hooks run outside
+        # dynamo (engine.backward.dynamo_disable), as FSDP2's do.
+        _apply_compile(model, compile_config, parallel_dims)
     if skip_dp:
         return model
     layers = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
@@ -219,6 +224,37 @@ def parallelize_matrixfsdp(
     model.set_gradient_divide_factor(1.0)  # type: ignore[attr-defined]
     _redirect_param_init(model)
     return model
+
+
+def _apply_compile(model: nn.Module, compile_config: Any, parallel_dims: Any) -> None:
+    """torchtitan's ``apply_compile``: each layer compiled in place, ``fullgraph=True``. A layer
+    wrapped by activation checkpointing is compiled inside its wrapper (the block matrixfsdp
+    shards, see below): compiling the wrapper would put the block's forward hooks inside
+    dynamo's checkpoint operator, which cannot run them eagerly."""
+    from torchtitan.distributed.compile import apply_compile
+
+    wrapped = {name: layer for name, layer in model.layers.named_children()}
+    inner = nn.ModuleDict({name: getattr(layer, "_checkpoint_wrapped_module", layer)
+                           for name, layer in wrapped.items()})
+    shim = nn.Module()
+    shim.layers = inner  # torchtitan's apply_compile reads model.layers and model.modules()
+    apply_compile(shim, compile_config=compile_config, parallel_dims=parallel_dims)
+
+
+def _refuse_cpu_offload() -> None:
+    """[Note: CPU offload] FSDP2's ``CPUOffloadPolicy`` keeps each shard on the host and copies it
+    to the device for compute. Under owners the offloaded state would be whole matrices and their
+    optimizer state on the owner's host, stepped there or streamed to the device; that runtime
+    is not built, and it could not be verified here: on the CPU-only machines matrixfsdp is
+    tested on, host and device are one memory, so an offload test would pass without moving a
+    byte. Refused rather than silently ignored."""
+    raise ValueError(
+        f"{API}.parallelize_matrixfsdp: training.enable_cpu_offload=True (FSDP2's CPUOffloadPolicy) is "
+        "not supported: matrixfsdp keeps parameters, gradients and optimizer state on the device. "
+        "Each rank already holds the optimizer state of only the matrices it owns (about 1/W of "
+        "it); to fit more, raise parallelism.data_parallel_shard_degree or enable activation "
+        "checkpointing (activation_checkpoint.mode='full'), and set training.enable_cpu_offload=False"
+    )
 
 
 def _check_ep_config(parallel_dims: Any) -> None:
