@@ -20,6 +20,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -126,6 +127,10 @@ def hsdp_tp_parity(R, S, T, mode, steps=3):
         dist.all_reduce(g)  # every TP rank of a row has its row's loss: the mean over the world
         out["loss"] = max(out["loss"], abs(g.item() / dist.get_world_size() - ref_loss.item()) / ref_loss.item())
         out["grad"] = max(out["grad"], _grad_diff(model, ref))
+        # the global norm across replicas, shards and TP (no clipping at this max_norm)
+        norm = matrixfsdp.clip_grad_norm_(model.parameters(), 1e9).item()
+        ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item()
+        out["norm"] = max(out.get("norm", 0.0), abs(norm - ref_norm) / ref_norm)
         for c in counters:
             c.reset()
         c0 = {k: (e.calls["all_to_all"], e.host_steps) for k, e in executors.items()}
@@ -146,19 +151,24 @@ def hsdp_tp_parity(R, S, T, mode, steps=3):
     refp = dict(ref.named_parameters())
     out["full"] = max(((matrixfsdp.full_tensor(p) - refp[f].detach()).abs().max()
                        / refp[f].detach().abs().max()).item() for f, p in model.named_parameters())
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # DCP's full state dict
+    out["full_sd"] = (sorted(sd) == sorted(refp), max(((sd[f] - refp[f].detach()).abs().max()
+                                                       / refp[f].detach().abs().max()).item() for f in refp))
     return out
 
 
 @pytest.mark.parametrize("mode", ["repeat", "split"])
 def test_hsdp_tp_parity_and_step_collectives(mode):
     """(2, 2, 2): gradients within 1e-6 of the reference's largest entry on every rank that holds
-    a sum, losses, parameters and full tensors after 3 Muon steps within 1e-5; the step makes
-    nothing but the hosts' all-to-alls (2 per micro-group, in the stepping rows only)."""
+    a sum, losses, parameters, full tensors and DCP's full state dict after 3 Muon steps within
+    1e-5, ``clip_grad_norm_``'s global norm within 1e-5 of torch's; the step makes nothing but the
+    hosts' all-to-alls (in the stepping rows only)."""
     res = get_pool(8).run(hsdp_tp_parity, 2, 2, 2, mode)
     for r in res:
-        print(mode, {k: r[k] for k in ("grad", "loss", "param", "full", "hosted")})
+        print(mode, {k: r[k] for k in ("grad", "loss", "param", "full", "norm", "full_sd", "hosted")})
         assert r["plan"] == (2, 2, 2) and r["replica_step"] == mode, r
         assert r["grad"] < 1e-6 and r["loss"] < 1e-6 and r["param"] < 1e-5 and r["full"] < 1e-5, r
+        assert r["norm"] < 1e-5 and r["full_sd"][0] and r["full_sd"][1] < 1e-5, r
         for s in r["steps"]:
             assert s["dp_calls"] == 0, s  # nothing over dp_shard or dp_replicate
             assert all(c.endswith("all_to_all_single") for c in s["python"]), s["python"]
