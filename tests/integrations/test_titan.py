@@ -204,6 +204,38 @@ def test_titan_trainer_tp_matches_one_process(tmp_path):
     assert ref["losses"][-1] < ref["losses"][0], ref["losses"]
 
 
+def test_titan_trainer_hsdp_tp_matches_one_process(tmp_path):
+    """``data_parallel_replicate_degree=2, tensor_parallel_degree=2`` at 8 ranks, (dp_replicate=2,
+    fsdp=2, tp=2): torchtitan's TP, then owners planned over its 3-D ``["dp_replicate", "fsdp",
+    "tp"]`` mesh and ``fully_shard`` on ``["dp_replicate", "fsdp"]``. ``replica_step="auto"`` splits
+    the matrices (both step replicas used) and repeats the norms. The run trains the same global
+    batch as one process does (losses and gradient norms within 1e-4 relative); every matrix is a
+    TP DTensor on its owner's TP row, hosted, stepped between 2 all-to-alls per micro-group in the
+    stepping rows, and fully_shard's own collectives stay out of the step."""
+    batch = 8  # local batch 2 at 4 data-parallel ranks
+    ref = get_pool(1).run(_train, STEPS, str(tmp_path), "Muon", global_batch=batch, timeout=180)[0]
+    res = get_pool(8).run(_train, STEPS, str(tmp_path), "Muon", global_batch=batch, dp_replicate=2, tp=2,
+                          timeout=300)
+    for r in res:
+        info = r["inspected"]
+        assert info["is_managed"] and info["algos"] == ["adamw", "auto"], info
+        assert r["losses"] == res[0]["losses"], "ranks disagree on the logged loss"
+        assert "even" not in info["kinds"].values(), info["kinds"]  # TP DTensors are always owned
+        assert all(n[0].startswith("tp_owned_by_rank") and shape == (2,) for n, shape in info["meshes"]), info["meshes"]
+        mats = sorted(f for f, k in info["kinds"].items() if k == "matrix")
+        assert len(mats) == 2 * 5 and sorted(info["tp_hosts"]) == mats, (mats, info["tp_hosts"])
+        assert set(info["step_replicas"].values()) == {0, 1}, info["step_replicas"]
+        before, after = info["step_comm"]
+        assert before == after, info["step_comm"]
+        assert info["tp_step_all_to_alls"] <= 2 * info["tp_micro_groups"], info
+    assert sum(r["inspected"]["tp_step_all_to_alls"] for r in res) > 0
+    got = res[0]
+    assert _close(got["grad_norms"], ref["grad_norms"], 1e-4), (got["grad_norms"], ref["grad_norms"])
+    assert _close(got["losses"], ref["losses"], 1e-4), (got["losses"], ref["losses"])
+    print("losses", got["losses"], "reference", ref["losses"])
+    assert ref["losses"][-1] < ref["losses"][0], ref["losses"]
+
+
 @pytest.mark.parametrize("variant", ["ac", "reset_params", "chunked"])
 def test_titan_trainer_variants(tmp_path, variant):
     """Activation checkpointing (the default of torchtitan's configs: its recomputation runs the
@@ -347,13 +379,8 @@ def test_parallelize_tp_refusals(monkeypatch):
               ac_config=None, dump_folder="")
     off = SimpleNamespace(enable=False, components=[], enable_async_tensor_parallel=False)
     dims = SimpleNamespace(tp_enabled=True, tp=2, cp_enabled=False, ep_enabled=False, pp_enabled=False,
-                           dp_replicate_enabled=True, dp_replicate=2)
+                           dp_replicate_enabled=False, dp_replicate=1)  # HSDP x TP: test_titan_trainer_hsdp_tp_*
     model = nn.Sequential(nn.Linear(4, 4))
-    with pytest.raises(ValueError, match=r"HSDP with tensor parallelism \(parallelism.data_parallel_replicate_degree"
-                                         r"=2 with parallelism.tensor_parallel_degree=2\) needs a 3-D .*not support; "
-                                         r"set parallelism.data_parallel_replicate_degree=1"):
-        mt.parallelize_matrixfsdp(model, parallel_dims=dims, compile_config=off, **kw)
-    dims.dp_replicate_enabled, dims.dp_replicate = False, 1
     on = SimpleNamespace(enable=True, components=["model", "loss"], enable_async_tensor_parallel=True)
     with pytest.raises(ValueError, match=r"async tensor parallelism \(compile.enable_async_tensor_parallel=True\) "
                                          r"is not supported.*set compile.enable_async_tensor_parallel=False"):
