@@ -359,7 +359,7 @@ def dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
     if pair is None:
         raise ValueError(
             f"matrixfsdp: the data-parallel mesh {dp} and the parameters' TP mesh {tp} must be "
-            "named dimensions of one mesh: init_device_mesh(device_type, (dp, tp), "
+            f"{'two' if dp.ndim == 1 else 'three'} named dimensions of one mesh: init_device_mesh(device_type, (dp, tp), "
             "mesh_dim_names=(\"dp_shard\", \"tp\")), then mesh[\"dp_shard\"] and mesh[\"tp\"] (HSDP x TP: "
             "(R, S, T) named (\"dp_replicate\", \"dp_shard\", \"tp\"), then mesh[\"dp_replicate\", "
             "\"dp_shard\"] and mesh[\"tp\"])"
