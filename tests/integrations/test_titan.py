@@ -232,7 +232,7 @@ def test_titan_trainer_hsdp_tp_matches_one_process(tmp_path):
     got = res[0]
     assert _close(got["grad_norms"], ref["grad_norms"], 1e-4), (got["grad_norms"], ref["grad_norms"])
     assert _close(got["losses"], ref["losses"], 1e-4), (got["losses"], ref["losses"])
-    print("losses", got["losses"], "reference", ref["losses"])
+    print("losses", got["losses"], "reference", ref["losses"], "grad norms", got["grad_norms"], ref["grad_norms"])
     assert ref["losses"][-1] < ref["losses"][0], ref["losses"]
 
 

@@ -61,7 +61,9 @@ HSDP (``parallelism.data_parallel_replicate_degree > 1``): the data-parallel mes
 torch's ``fully_shard`` for HSDP (dimension 0 replicates, dimension 1 shards; ``fsdp`` is
 ``dp_shard`` since context parallelism is refused). Owners are planned within ``fsdp``, the same
 layout in every replica; ``replica_step`` (``"auto"``, ``"repeat"`` or ``"split"``, see
-``plan_owners``) says how each owned matrix is combined across the replicas.
+``plan_owners``) says how each owned matrix is combined across the replicas. With TP too, owners
+are planned over the 3-D ``parallel_dims.get_mesh(["dp_replicate", "fsdp", "tp"])`` and
+``fully_shard`` runs on ``["dp_replicate", "fsdp"]`` (HSDP x TP, docs/tp.md).
 
 Mixture-of-experts models (torchtitan's ``GroupedExperts`` stacks, Qwen3-MoE, DeepSeek-V3; see
 docs/experts.md): with ``expert_parallel_degree=1`` the planner owns every expert whole, balanced
@@ -73,7 +75,7 @@ matrix optimizer steps them locally.
 Not supported (clear errors): context/pipeline parallelism, expert parallelism with an
 expert-FSDP group (``efsdp > 1``), with HSDP or with TP, CPU offload,
 ``torch.compile`` of the model; with tensor
-parallelism also HSDP (``dp_replicate > 1``: a 3-D mesh), async TP
+parallelism also async TP
 (``compile.enable_async_tensor_parallel``) and quantized linears (Float8/MXFP8/NVFP4 model
 converters). ``parallelize_matrixfsdp`` used with torchtitan's stock ``Trainer`` (not
 ``MatrixTrainer``) trains, but torchtitan's clipping then refuses the owned gradients: build the
