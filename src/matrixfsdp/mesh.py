@@ -253,12 +253,10 @@ def _hsdp_tp_info(mesh: DeviceMesh, *, api: str, member: bool, hsdp: bool, shape
             f"{seen}; build it as init_device_mesh(device_type, (R, S, T), mesh_dim_names="
             f"{HSDP_TP_NAMES})"
         )
-    if member:
-        dp = f"mesh[{names[0]!r}, {names[1]!r}]"
-        extra = "" if hsdp else f"; {api} has no HSDP: pass mesh[{names[1]!r}] of a 2-D (dp, tp) mesh"
+    if member or not hsdp:
         raise ValueError(
-            f"{api}: got the {names} mesh{shape}; pass its data-parallel dimensions, {dp} (the TP "
-            "layout is read from the parameters that parallelize_module(..., mesh['tp'], ...) made "
-            f"DTensors), and the whole mesh to plan_owners{extra}"
+            f"{api}: got the {names} mesh{shape}; pass its data-parallel dimensions, "
+            f"mesh[{names[0]!r}, {names[1]!r}] (the TP layout is read from the parameters that "
+            "parallelize_module(..., mesh['tp'], ...) made DTensors), and the whole mesh to plan_owners"
         )
     return MeshInfo(mesh=mesh, shard_mesh=None, tp_dim=2)

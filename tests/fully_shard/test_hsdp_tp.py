@@ -241,6 +241,51 @@ def test_hsdp_tp_checkpoints_reshard(tmp_path, mode):
                 saved[0][0], _merged(saved, 1), saved[0][2])
 
 
+def hsdp_tp_full_state_roundtrip(mode):
+    """torch DCP's full state dicts (model and optimizer) gathered at (2, 2, 2) and loaded with
+    broadcast_from_rank0 into a fresh model and optimizer; one more step on each agrees."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_optimizer_state_dict
+
+    dp, model, _, _ = _build(2, 2, 2, mode)
+    opt = _opt("muon", model)
+    d, W = _dp_index(dp)
+
+    def step(m, o, k):
+        x, y = _global_batch(k, W)
+        n = x.shape[0] // W
+        m(x[d * n:(d + 1) * n], y[d * n:(d + 1) * n]).backward()
+        o.step()
+        o.zero_grad()
+
+    for k in range(2):
+        step(model, opt, k)
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    msd, osd = copy.deepcopy(msd), copy.deepcopy(osd)  # rank 0's dict aliases the owners' state
+    _, model2, _, _ = _build(2, 2, 2, mode)
+    opt2 = _opt("muon", model2)
+    rank0 = dist.get_rank() == 0
+    load = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model2, msd if rank0 else {}, options=load)
+    set_optimizer_state_dict(model2, opt2, osd if rank0 else {}, options=load)
+    step(model, opt, 2)
+    step(model2, opt2, 2)
+    a = {f: matrixfsdp.full_tensor(p) for f, p in model.named_parameters()}
+    b = {f: matrixfsdp.full_tensor(p) for f, p in model2.named_parameters()}
+    keys = {k: sorted(v) for k, v in osd["state"].items()} if rank0 else None
+    return max(((a[f] - b[f]).abs().max() / a[f].abs().max()).item() for f in a), keys
+
+
+def test_hsdp_tp_full_state_dict_roundtrip_repeat():
+    """``repeat`` at (2, 2, 2): every replica's TP hosts present their state within their replica,
+    and DCP's full optimizer state dict gathers it (the hosted matrices' momentum whole); loaded
+    back, one more step agrees bitwise. (``split``'s full optimizer state dict is not covered: it
+    hangs on plain HSDP (2, 2) too, see the report of issue 27's 3-D part.)"""
+    res = get_pool(8).run(hsdp_tp_full_state_roundtrip, "repeat", timeout=120)
+    assert all(r[0] == 0.0 for r in res), [r[0] for r in res]
+    keys = res[0][1]
+    assert sum(v == ["momentum_buffer"] for v in keys.values()) == 4, keys
+
+
 # ------------------------------------------------------------------------------------ refusals
 def hsdp_tp_refusals():
     """A 3-D mesh with wrong names or order, to plan_owners and fully_shard; the whole 3-D mesh to
