@@ -258,11 +258,12 @@ def test_with_matrixfsdp_rejects_unknown_optimizer():
 
 
 def _train_ckpt(steps: int, folder: str, load_step: int | None, optimizer: str = "Muon", *,
-                tp: int = 1, load_from: str | None = None) -> dict:
+                tp: int = 1, load_from: str | None = None, dp_replicate: int = 1,
+                global_batch: int = GLOBAL_BATCH) -> dict:
     """Pool worker: Muon via with_matrixfsdp with torchtitan's CheckpointManager saving every 2
     steps into ``folder``; ``load_step`` resumes from that step (DCP reshards to this world).
-    ``tp``: torchtitan's tensor parallelism (data parallelism over ``W / tp``); ``load_from``: the
-    checkpoint folder to resume from (default: the W=2 run's)."""
+    ``tp``: torchtitan's tensor parallelism (data parallelism over ``W / tp``); ``dp_replicate``:
+    its HSDP replicas; ``load_from``: the checkpoint folder to resume from (default: the W=2 run's)."""
     import torch
     import torch.distributed as dist
 
@@ -272,15 +273,17 @@ def _train_ckpt(steps: int, folder: str, load_step: int | None, optimizer: str =
     import matrixfsdp.titan as mt
 
     W = dist.get_world_size()
-    cfg = tiny_qwen3_config(steps=steps, global_batch=GLOBAL_BATCH, world_size=W // tp,
+    cfg = tiny_qwen3_config(steps=steps, global_batch=global_batch, world_size=W // tp,
                             dump_folder=folder)
     cfg.parallelism.tensor_parallel_degree = tp
+    cfg.parallelism.data_parallel_replicate_degree = dp_replicate
     kw = ({"ns_dtype": torch.float32} if optimizer == "Muon" else
           {"start_preconditioning_step": 1, "precondition_frequency": 4})  # roots made at step 1, kept
     cfg = mt.with_matrixfsdp(cfg, optimizer=optimizer, lr=0.02 if optimizer == "Muon" else 1e-3,
                              adamw_lr=8e-4, optimizer_kwargs=kw)
     cfg.checkpoint = CheckpointManager.Config(
-        enable=True, folder=(f"{optimizer}-w{W}" + (f"-tp{tp}" if tp > 1 else "") if load_step is None
+        enable=True, folder=(f"{optimizer}-w{W}" + (f"-tp{tp}" if tp > 1 else "")
+                             + (f"-r{dp_replicate}" if dp_replicate > 1 else "") if load_step is None
                              else load_from or f"{optimizer}-w2"), interval=2,
         last_save_model_only=False, load_step=-1 if load_step is None else load_step,
         keep_latest_k=0)
@@ -420,3 +423,23 @@ def test_with_matrixfsdp_defaults_and_no_mutation():
     base.optimizer.param_groups = []
     with pytest.raises(ValueError, match=r"pass adamw_lr \(the source config has no Adam/AdamW group"):
         mt.with_matrixfsdp(base)
+
+
+def test_titan_checkpoint_hsdp_tp(tmp_path):
+    """torchtitan's CheckpointManager at (dp_replicate=2, fsdp=2, tp=2), ``replica_step="auto"``:
+    resuming from step 2 at the same layout continues exactly (the step replicas' hosts' state
+    included), and the same checkpoint resumed at (fsdp=2, tp=2) without replicas continues as
+    the HSDP x TP run did, within the W-invariance tolerance."""
+    folder = str(tmp_path)
+    full = get_pool(8).run(_train_ckpt, STEPS, folder, None, "Muon", tp=2, dp_replicate=2, global_batch=8,
+                           timeout=300)[0]
+    assert os.path.isdir(os.path.join(folder, "Muon-w8-tp2-r2", "step-2")), os.listdir(folder)
+    same = get_pool(8).run(_train_ckpt, STEPS, folder, 2, "Muon", tp=2, dp_replicate=2, load_from="Muon-w8-tp2-r2",
+                           global_batch=8, timeout=300)[0]
+    assert same["losses"] == full["losses"][2:], (same, full)
+    assert same["grad_norms"] == full["grad_norms"][2:], (same, full)
+    tp_only = get_pool(4).run(_train_ckpt, STEPS, folder, 2, "Muon", tp=2, load_from="Muon-w8-tp2-r2",
+                              global_batch=8, timeout=240)[0]
+    print("full", full, "resumed", same, "at (2, 2) without replicas", tp_only)
+    assert _close(tp_only["losses"], full["losses"][2:], RTOL), (tp_only, full)
+    assert _close(tp_only["grad_norms"], full["grad_norms"][2:], RTOL), (tp_only, full)
