@@ -43,8 +43,8 @@ TP_NAMES = ("dp_shard", "tp")
 #: the dimension names of an HSDP x TP mesh (dimension 1 may have another name: torchtitan's "fsdp")
 HSDP_TP_NAMES = ("dp_replicate", "dp_shard", "tp")
 
-__all__ = ["TP_NAMES", "HSDP_TP_NAMES", "MeshInfo", "mesh_info", "default_mesh", "mesh_device", "backend_map", "backend_devices",
-           "flat_dp_mesh", "mesh_tag"]
+__all__ = ["TP_NAMES", "HSDP_TP_NAMES", "MeshInfo", "mesh_info", "default_mesh", "mesh_device", "backend_map",
+           "backend_devices", "flat_dp_mesh", "mesh_tag"]
 
 
 def mesh_tag(mesh: DeviceMesh) -> str:

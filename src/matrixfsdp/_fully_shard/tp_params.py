@@ -146,13 +146,17 @@ def attach_tp_hosts(states: list[Any], plan: "OwnerPlan", dp: DeviceMesh, shard_
     mine = row_hosts([r.mesh.flatten().tolist() for r in owner_tp_meshes(dp, tp_mesh)],
                      flat_dp_mesh(dp_tp_mesh(shard_dim_mesh(dp), tp_mesh)))
     host_meshes = mine
-    if dp.ndim == 2:  # HSDP x TP (see the module Note)
-        grid = dp_tp_mesh(dp, tp_mesh)  # (R, S, T)
+    # (the same plan on every rank: all make the flattening below, or none)
+    if dp.ndim == 2 and any(owner_of(mp.sharded).step_replica is not None for mp in hosted.values()):
+        # HSDP x TP split: the step replica's hosts alone keep the state, presented among every
+        # rank of the (R, S, T) mesh (see the module Note)
+        grid = dp_tp_mesh(dp, tp_mesh)
         world = row_hosts([row for rep in grid.mesh.tolist() for row in rep], flat_dp_mesh(grid))
         S = grid.mesh.shape[1]
 
-        def host_meshes(s: int, h: int, p: Any) -> DeviceMesh:
+        def split_hosts(s: int, h: int, p: Any) -> DeviceMesh:
             q = owner_of(p).step_replica  # type: ignore[union-attr]
             return mine(s, h, p) if q is None else world(q * S + s, h, p)
+        host_meshes = split_hosts
     attach_hosts(tp_mesh, [[(k, m) for k, m in row if m] for row in rows], shard_rank, host_meshes,
                  pipeline=pipeline)

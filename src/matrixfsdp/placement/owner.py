@@ -37,8 +37,8 @@ from ..mesh import flat_dp_mesh, mesh_tag
 from .tp_host import tp_host_of
 
 __all__ = ["Owned", "owner_of", "owned_of", "is_owned", "keeps_state", "set_owner", "owner_meshes",
-           "step_meshes", "one_rank_meshes", "owner_tp_meshes", "shard_dim_mesh", "owner_source", "mesh_scratch", "dp_tp_mesh",
-           "tp_mesh_of", "coordinates", "STORAGES"]
+           "step_meshes", "one_rank_meshes", "owner_tp_meshes", "shard_dim_mesh", "owner_source", "mesh_scratch",
+           "dp_tp_mesh", "tp_mesh_of", "coordinates", "STORAGES"]
 
 _ATTR = "_matrixfsdp_owned"
 #: set by fully_shard on each sharded parameter (owned or even): its fqn, for messages
@@ -359,10 +359,10 @@ def dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
     if pair is None:
         raise ValueError(
             f"matrixfsdp: the data-parallel mesh {dp} and the parameters' TP mesh {tp} must be "
-            f"{'two' if dp.ndim == 1 else 'three'} named dimensions of one mesh: init_device_mesh(device_type, (dp, tp), "
-            "mesh_dim_names=(\"dp_shard\", \"tp\")), then mesh[\"dp_shard\"] and mesh[\"tp\"] (HSDP x TP: "
-            "(R, S, T) named (\"dp_replicate\", \"dp_shard\", \"tp\"), then mesh[\"dp_replicate\", "
-            "\"dp_shard\"] and mesh[\"tp\"])"
+            f"{'two' if dp.ndim == 1 else 'three'} named dimensions of one mesh: "
+            "init_device_mesh(device_type, (dp, tp), mesh_dim_names=(\"dp_shard\", \"tp\")), then "
+            "mesh[\"dp_shard\"] and mesh[\"tp\"] (HSDP x TP: (R, S, T) named (\"dp_replicate\", "
+            "\"dp_shard\", \"tp\"), then mesh[\"dp_replicate\", \"dp_shard\"] and mesh[\"tp\"])"
         )
     return pair
 

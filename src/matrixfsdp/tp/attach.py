@@ -2,8 +2,8 @@
 over TP-sharded parameters (``_fully_shard/tp_params.py``).
 
 Both hand :func:`attach_hosts` the micro-groups of every owner row (at dp=1 there is one row, the
-TP group itself), this rank's row, and where each host presents its state; it builds this row's host step, the
-hosts' one-rank state meshes and every member's :class:`~matrixfsdp.placement.tp_host.TPHosted`
+TP group itself), this rank's row, and where each host presents its state; it builds this row's
+host step and every member's :class:`~matrixfsdp.placement.tp_host.TPHosted`
 descriptor (see [Note: TP hosts]).
 """
 
