@@ -279,7 +279,8 @@ def test_hsdp_tp_full_state_dict_roundtrip_repeat():
     """``repeat`` at (2, 2, 2): every replica's TP hosts present their state within their replica,
     and DCP's full optimizer state dict gathers it (the hosted matrices' momentum whole); loaded
     back, one more step agrees bitwise. (``split``'s full optimizer state dict is not covered: it
-    hangs on plain HSDP (2, 2) too, see the report of issue 27's 3-D part.)"""
+    hangs on plain HSDP (2, 2) split too, where an owner outside its step replica presents none of
+    the keys the step replica keeps, so DCP's per-key gather runs on the other ranks alone.)"""
     res = get_pool(8).run(hsdp_tp_full_state_roundtrip, "repeat", timeout=120)
     assert all(r[0] == 0.0 for r in res), [r[0] for r in res]
     keys = res[0][1]
