@@ -61,7 +61,9 @@ HSDP (``parallelism.data_parallel_replicate_degree > 1``): the data-parallel mes
 torch's ``fully_shard`` for HSDP (dimension 0 replicates, dimension 1 shards; ``fsdp`` is
 ``dp_shard`` since context parallelism is refused). Owners are planned within ``fsdp``, the same
 layout in every replica; ``replica_step`` (``"auto"``, ``"repeat"`` or ``"split"``, see
-``plan_owners``) says how each owned matrix is combined across the replicas.
+``plan_owners``) says how each owned matrix is combined across the replicas. With TP too, owners
+are planned over the 3-D ``parallel_dims.get_mesh(["dp_replicate", "fsdp", "tp"])`` and
+``fully_shard`` runs on ``["dp_replicate", "fsdp"]`` (HSDP x TP, docs/tp.md).
 
 Mixture-of-experts models (torchtitan's ``GroupedExperts`` stacks, Qwen3-MoE, DeepSeek-V3; see
 docs/experts.md): with ``expert_parallel_degree=1`` the planner owns every expert whole, balanced
@@ -73,7 +75,7 @@ matrix optimizer steps them locally.
 Not supported (clear errors): context/pipeline parallelism, expert parallelism with an
 expert-FSDP group (``efsdp > 1``), with HSDP or with TP, CPU offload,
 ``torch.compile`` of the model; with tensor
-parallelism also HSDP (``dp_replicate > 1``: a 3-D mesh), async TP
+parallelism also async TP
 (``compile.enable_async_tensor_parallel``) and quantized linears (Float8/MXFP8/NVFP4 model
 converters). ``parallelize_matrixfsdp`` used with torchtitan's stock ``Trainer`` (not
 ``MatrixTrainer``) trains, but torchtitan's clipping then refuses the owned gradients: build the
@@ -198,9 +200,11 @@ def parallelize_matrixfsdp(
     # As torchtitan's own apply_fsdp (models/{llama3,qwen3}/parallelize.py, partial_dtensor path):
     # HSDP is the 2-D ("dp_replicate", "fsdp") mesh, dimension 0 replicating, 1 sharding.
     mesh = parallel_dims.get_mesh(["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else "fsdp")
-    # With TP the owners are planned over the 2-D ("fsdp", "tp") view of the same world mesh
-    # (global shapes; tp taken from it), and fully_shard runs on "fsdp" as without TP.
-    plan_mesh = parallel_dims.get_mesh(["fsdp", "tp"]) if tp else mesh
+    # With TP the owners are planned over the ("fsdp", "tp") view of the same world mesh, with HSDP
+    # the 3-D ("dp_replicate", "fsdp", "tp") one (global shapes; tp taken from it), and fully_shard
+    # runs on the data-parallel mesh as without TP.
+    plan_mesh = parallel_dims.get_mesh(["dp_replicate", "fsdp", "tp"] if parallel_dims.dp_replicate_enabled
+                                       else ["fsdp", "tp"]) if tp else mesh
     # Under EP the expert stacks are already whole experts per rank ("ep" Shard(0), efsdp == 1):
     # the plan records them as they are (one plan, one digest, dense weights balanced around
     # them) and fully_shard leaves them alone: their gradients are complete after backward (the
@@ -282,14 +286,6 @@ def _check_tp_config(model: nn.Module, parallel_dims: Any) -> None:
     the config field to change; async TP is refused in parallelize_matrixfsdp)."""
     where = f"{API}.parallelize_matrixfsdp"
     tp = parallel_dims.tp
-    if parallel_dims.dp_replicate_enabled:
-        raise ValueError(
-            f"{where}: HSDP with tensor parallelism (parallelism.data_parallel_replicate_degree="
-            f"{parallel_dims.dp_replicate} with parallelism.tensor_parallel_degree={tp}) needs a 3-D "
-            "(dp_replicate, fsdp, tp) mesh, which matrixfsdp.fully_shard does not support; set "
-            "parallelism.data_parallel_replicate_degree=1 (shard over the rest of the world) or "
-            "parallelism.tensor_parallel_degree=1"
-        )
     quantized = _quantized_linear_types()
     qfqns = [fqn for fqn, m in model.named_modules() if quantized and isinstance(m, quantized)]
     if qfqns:
