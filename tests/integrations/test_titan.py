@@ -425,9 +425,12 @@ def test_parallelize_tp_refusals(monkeypatch):
         pass
 
     monkeypatch.setattr(float8, "Float8Linear", FakeFloat8Linear)
-    with pytest.raises(ValueError, match=r"quantized linears \(Float8/MXFP8/NVFP4 model converters, e.g. '0'\) "
-                                         r"with parallelism.tensor_parallel_degree=2 are not supported.*converters=\[\]"):
-        mt.parallelize_matrixfsdp(nn.Sequential(FakeFloat8Linear(4, 4)), parallel_dims=dims, compile_config=off, **kw)
+    for tp in (2, 1):  # refused with and without TP
+        dims.tp, dims.tp_enabled = tp, tp > 1
+        with pytest.raises(ValueError, match=rf"quantized linears \(Float8/MXFP8/NVFP4 model converters, e.g. '0'\) "
+                                             rf"with parallelism.tensor_parallel_degree={tp} are not supported: "
+                                             r"matrixfsdp has not run them \(they need CUDA.*converters=\[\]\)\)$"):
+            mt.parallelize_matrixfsdp(nn.Sequential(FakeFloat8Linear(4, 4)), parallel_dims=dims, compile_config=off, **kw)
 
 
 def test_with_matrixfsdp_defaults_and_no_mutation():

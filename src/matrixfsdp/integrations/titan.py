@@ -172,9 +172,8 @@ def parallelize_matrixfsdp(
             f"{API}.parallelize_matrixfsdp: set parallelism.spmd_backend='partial_dtensor' "
             f"(with_matrixfsdp does), got {parallelism.spmd_backend=!r}"
         )
+    _refuse_quantized_linears(model, parallel_dims)
     if tp or ep:
-        if tp:
-            _check_tp_config(model, parallel_dims)
         # torchtitan's own TP and EP, as its parallelize_{llama,qwen3} (partial_dtensor path): the
         # sharding configs the model config set (update_from_config -> set_*_sharding_config)
         # shard the parameters on the "tp" mesh, the expert stacks by whole experts on the "ep"
@@ -281,20 +280,21 @@ def _check_ep_config(parallel_dims: Any) -> None:
                          f"rank owns its experts whole: {'; '.join(problems)}")
 
 
-def _check_tp_config(model: nn.Module, parallel_dims: Any) -> None:
-    """Refuse what does not compose with TP under matrixfsdp's fully_shard (clear errors naming
-    the config field to change; async TP is refused in parallelize_matrixfsdp)."""
-    where = f"{API}.parallelize_matrixfsdp"
-    tp = parallel_dims.tp
+def _refuse_quantized_linears(model: nn.Module, parallel_dims: Any) -> None:
+    """torchtitan's Float8/MXFP8/NVFP4 converters: never run under matrixfsdp (they need CUDA,
+    SM89 or later for float8, and matrixfsdp is tested on CPUs; torchao's float8 all-gather
+    extends FSDP2's sharded parameters, which owners are not); with TP their weights would also
+    be TP-sharded DTensors inside matrixfsdp's fully_shard."""
     quantized = _quantized_linear_types()
     qfqns = [fqn for fqn, m in model.named_modules() if quantized and isinstance(m, quantized)]
     if qfqns:
+        tp = parallel_dims.tp if parallel_dims.tp_enabled else 1
         raise ValueError(
-            f"{where}: quantized linears (Float8/MXFP8/NVFP4 model converters, e.g. "
-            f"{qfqns[0]!r}) with parallelism.tensor_parallel_degree={tp} are not supported: their "
-            "weights would be TP-sharded DTensors inside matrixfsdp's fully_shard; drop the "
-            "converter from the model_spec (model_registry(..., converters=[])) or set "
-            "parallelism.tensor_parallel_degree=1"
+            f"{API}.parallelize_matrixfsdp: quantized linears (Float8/MXFP8/NVFP4 model converters, e.g. "
+            f"{qfqns[0]!r}) with parallelism.tensor_parallel_degree={tp} are not supported: matrixfsdp "
+            "has not run them (they need CUDA; its tests run on CPUs), and torchao's float8 all-gather "
+            "extends FSDP2's sharded parameters, not owned ones; drop the converter from the "
+            "model_spec (model_registry(..., converters=[]))"
         )
 
 
