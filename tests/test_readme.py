@@ -25,6 +25,10 @@ def test_readme_names_exactly_two_commands_and_ci_runs_the_test_one():
     assert "pytest" in test and "-c constraints.txt" in test
     ci = (ROOT / ".ci" / "run").read_text()
     assert test in ci.splitlines(), "'.ci/run' must run the README's test command verbatim"
+    # and again on the newest torch release, with the machine's pip cap lifted (DEVELOPERS.md)
+    newest = "PIP_CONSTRAINT=/dev/null " + test.replace("constraints.txt", "constraints-torch2.15.txt")
+    assert newest in ci.splitlines(), newest
+    assert "torch==2.15.0" in (ROOT / "constraints-torch2.15.txt").read_text().splitlines()
 
 
 def test_readme_main_job_runs(tmp_path):

@@ -12,7 +12,9 @@ A :class:`MeshInfo` names three roles, as FSDP2's ``FSDPMeshInfo``/``HSDPMeshInf
   torch's FSDP2 + TP pattern builds it, plans owners over ``dp_shard`` and gives each owner's TP
   row the matrices it owns (see [Note: TP hosts] in ``placement/tp_host.py``). Only the planner
   takes such a mesh; ``fully_shard`` takes ``mesh["dp_shard"]`` and finds the TP layout on the
-  parameters ``parallelize_module`` made DTensors.
+  parameters ``parallelize_module`` made DTensors. HSDP x TP is the same with a 3-D
+  ``("dp_replicate", "dp_shard", "tp")`` mesh: the planner takes it whole, ``fully_shard`` takes
+  ``mesh["dp_replicate", "dp_shard"]`` (each TP column is an HSDP mesh of its own).
 
 A 1-D mesh is the shard dimension alone. A 2-D mesh is HSDP, as torch's ``fully_shard`` takes it:
 dimension 0 replicates, dimension 1 shards, so ``init_device_mesh(dev, (R, S),
@@ -20,8 +22,9 @@ mesh_dim_names=("dp_replicate", "dp_shard"))`` puts the ``S`` ranks of one node 
 group. The planner, both front-ends and checkpoints read meshes only through this object. Its
 sizes come from the mesh's shape alone (no process group), so the planner can use it offline;
 ``shard_group``/``replicate_group`` are the one place a front-end takes the process groups of its
-roles. Meshes of three or more dimensions (HSDP with TP) are refused with a ``ValueError`` on
-every rank alike (the check reads the mesh's shape only).
+roles. A 3-D mesh must be named ``(dp_replicate, <shard>, tp)`` in that order (torchtitan's shard
+dimension is ``"fsdp"``); other 3-D meshes and meshes of four or more dimensions are refused with a
+``ValueError`` on every rank alike (the checks read the mesh's shape and names only).
 """
 
 from __future__ import annotations
@@ -37,9 +40,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 #: the dimension names of a data-parallel x tensor-parallel mesh (torch's FSDP2 + TP pattern; any
 #: 2-D mesh whose dimension 1 is named "tp" is one, e.g. torchtitan's ["fsdp", "tp"])
 TP_NAMES = ("dp_shard", "tp")
+#: the dimension names of an HSDP x TP mesh (dimension 1 may have another name: torchtitan's "fsdp")
+HSDP_TP_NAMES = ("dp_replicate", "dp_shard", "tp")
 
-__all__ = ["TP_NAMES", "MeshInfo", "mesh_info", "default_mesh", "mesh_device", "backend_map", "backend_devices",
-           "flat_dp_mesh", "mesh_tag"]
+__all__ = ["TP_NAMES", "HSDP_TP_NAMES", "MeshInfo", "mesh_info", "default_mesh", "mesh_device", "backend_map",
+           "backend_devices", "flat_dp_mesh", "mesh_tag"]
 
 
 def mesh_tag(mesh: DeviceMesh) -> str:
@@ -111,7 +116,8 @@ class MeshInfo:
     shard_mesh: DeviceMesh | None
     #: the 1-D mesh of this rank's replicate group (HSDP), else ``None``
     replicate_mesh: DeviceMesh | None = None
-    #: the tensor-parallel dimension's index in ``mesh`` (a ``("dp_shard", "tp")`` planner view)
+    #: the tensor-parallel dimension's index in ``mesh`` (a ``("dp_shard", "tp")`` or
+    #: ``("dp_replicate", "dp_shard", "tp")`` planner view): the last one
     tp_dim: int | None = None
 
     @property
@@ -119,12 +125,16 @@ class MeshInfo:
         return self.mesh.ndim == 2 and self.tp_dim is None
 
     @property
+    def _dp_ndim(self) -> int:
+        return self.mesh.ndim - (self.tp_dim is not None)
+
+    @property
     def shard_size(self) -> int:
-        return int(self.mesh.size(0 if self.tp_dim is not None else self.mesh.ndim - 1))
+        return int(self.mesh.size(self._dp_ndim - 1))
 
     @property
     def replicate_size(self) -> int:
-        return int(self.mesh.size(0)) if self.is_hsdp else 1
+        return int(self.mesh.size(0)) if self._dp_ndim == 2 else 1
 
     @property
     def world_size(self) -> int:
@@ -176,15 +186,18 @@ class MeshInfo:
 def mesh_info(mesh: Any, *, api: str, member: bool = True, hsdp: bool = True) -> MeshInfo:
     """Check ``mesh`` and name its roles; ``api`` prefixes the errors.
 
-    Raises ``TypeError`` for a non-mesh and ``ValueError`` for a mesh of more than two dimensions
-    (HSDP with TP is not supported yet), a 2-D mesh without dimension names or where ``hsdp`` is
-    False (an API without HSDP), a ``("dp_shard", "tp")`` mesh given to a front-end (they take
-    ``mesh["dp_shard"]``), or, with ``member`` (the front-ends), one this rank is not part of. The
-    planner passes ``member=False``: it reads shapes only.
+    Raises ``TypeError`` for a non-mesh and ``ValueError`` for a mesh of more than three
+    dimensions, a 3-D mesh not named ``(dp_replicate, <shard>, tp)``, a 2-D mesh without dimension
+    names or where ``hsdp`` is False (an API without HSDP), a ``("dp_shard", "tp")`` or 3-D mesh
+    given to a front-end (they take ``mesh["dp_shard"]`` / ``mesh["dp_replicate", "dp_shard"]``),
+    or, with ``member`` (the front-ends), one this rank is not part of. The planner passes
+    ``member=False``: it reads shapes only.
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{api}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     shape = f" of shape {tuple(mesh.shape)}" if hasattr(mesh, "shape") else ""
+    if mesh.ndim == 3:
+        return _hsdp_tp_info(mesh, api=api, member=member, hsdp=hsdp, shape=shape)
     if mesh.ndim == 2 and (mesh.mesh_dim_names or ("", ""))[1] == "tp":
         if member:
             dp = mesh.mesh_dim_names[0]
@@ -196,8 +209,9 @@ def mesh_info(mesh: Any, *, api: str, member: bool = True, hsdp: bool = True) ->
             )
         return MeshInfo(mesh=mesh, shard_mesh=None, tp_dim=1)
     if mesh.ndim not in (1, 2) or (mesh.ndim == 2 and not hsdp):
-        allowed = ("a 1-D mesh (the data-parallel shard dimension) or a 2-D HSDP mesh "
-                   "(dp_replicate, dp_shard)") if hsdp else "1-D (the data-parallel shard dimension)"
+        allowed = ("a 1-D mesh (the data-parallel shard dimension), a 2-D HSDP mesh "
+                   "(dp_replicate, dp_shard), a (dp_shard, tp) or a (dp_replicate, dp_shard, tp) "
+                   "mesh") if hsdp else "1-D (the data-parallel shard dimension)"
         hint = "pass mesh['dp_shard'] or a 1-D mesh" if not hsdp or mesh.ndim > 2 else ""
         raise ValueError(f"{api}: mesh must be {allowed}, got a {mesh.ndim}-D mesh{shape}"
                          + (f"; {hint}" if hint else ""))
@@ -221,3 +235,28 @@ def mesh_info(mesh: Any, *, api: str, member: bool = True, hsdp: bool = True) ->
     if not member:
         return MeshInfo(mesh=mesh, shard_mesh=None)
     return MeshInfo(mesh=mesh, shard_mesh=mesh[names[1]], replicate_mesh=mesh[names[0]])
+
+
+def _hsdp_tp_info(mesh: DeviceMesh, *, api: str, member: bool, hsdp: bool, shape: str) -> MeshInfo:
+    """A 3-D HSDP x TP mesh: the planner's view, or the front-ends' refusal (they take its
+    data-parallel dimensions). The checks read names and shape only, so every rank raises alike."""
+    names = tuple(mesh.mesh_dim_names or ())
+    # dimension 0 replicates, 1 shards, 2 is TP, by position (as torch's HSDP): only the names
+    # say which is which, so they are required; dimension 1 may carry another name ("fsdp")
+    if (len(names) != 3 or names[0] != HSDP_TP_NAMES[0] or names[2] != HSDP_TP_NAMES[2]
+            or names[1] in (HSDP_TP_NAMES[0], HSDP_TP_NAMES[2])):
+        seen = names if names else "none"
+        raise ValueError(
+            f"{api}: a 3-D mesh must be HSDP x TP with its dimensions named {HSDP_TP_NAMES} in this "
+            "order (dimension 0 replicates, 1 shards, 2 is tensor-parallel; dimension 1 may be "
+            f"named otherwise, e.g. torchtitan's 'fsdp'), but this mesh{shape} has dimension names "
+            f"{seen}; build it as init_device_mesh(device_type, (R, S, T), mesh_dim_names="
+            f"{HSDP_TP_NAMES})"
+        )
+    if member or not hsdp:
+        raise ValueError(
+            f"{api}: got the {names} mesh{shape}; pass its data-parallel dimensions, "
+            f"mesh[{names[0]!r}, {names[1]!r}] (the TP layout is read from the parameters that "
+            "parallelize_module(..., mesh['tp'], ...) made DTensors), and the whole mesh to plan_owners"
+        )
+    return MeshInfo(mesh=mesh, shard_mesh=None, tp_dim=2)

@@ -172,3 +172,50 @@ def test_set_optimizer_state_dict_full_without_broadcast_raises_on_every_rank(na
     res = get_pool(3).run(optim_load_check, name, False, timeout=TIMEOUT)
     for r in res:
         assert r["error"] is not None and NO_BCAST_MSG in r["error"], r
+
+
+# ------------------------------------------------------------------ an unverified torch release
+UNVERIFIED = "2.99.0+unverified"
+
+
+def on_unverified_torch(fn, *args) -> dict:
+    """``fn(*args)`` while torch claims a release matrixfsdp has not verified its loaders on."""
+    real = torch.__version__
+    torch.__version__ = UNVERIFIED
+    try:
+        return fn(*args)
+    except ValueError as e:
+        return {"error": str(e)}
+    finally:
+        torch.__version__ = real
+
+
+def expert_load_check() -> dict:
+    from checkpoint.test_experts import build
+
+    model, _, _ = build("flat", dist.get_world_size())
+    plain, _, _ = build("flat")
+    set_model_state_dict(model, plain.state_dict() if dist.get_rank() == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return {"error": None}
+
+
+@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("what", ["model-bcast", "model", "optimizer-bcast", "experts-bcast"])
+def test_unverified_torch_raises_the_same_error_on_every_rank(W, what):
+    """On a torch release outside ``_compat.SUPPORTED_TORCH`` the loaders raise one ValueError
+    naming the release and loads that work, on every rank at the same key; before, the
+    broadcast path hung (the owner went on to the next broadcast while the others raised)."""
+    if what == "experts-bcast":
+        args = (expert_load_check,)
+    elif what.startswith("model"):
+        args = (model_load_check, dict(broadcast_from_rank0=True) if what == "model-bcast" else {})
+    else:
+        args = (optim_load_check, "Muon", True)
+    res = get_pool(W).run(on_unverified_torch, *args, timeout=TIMEOUT)
+    errors = {r["error"] for r in res}
+    assert len(errors) == 1, errors
+    (msg,) = errors
+    assert msg is not None and f"torch {UNVERIFIED}'s full-state-dict loader" in msg, msg
+    assert "is not verified with matrixfsdp's owned tensors (verified on torch 2.13, 2.14, 2.15)" in msg, msg
+    assert "matrixfsdp.checkpoint.load" in msg and "matrixfsdp.set_full_(param, tensor)" in msg, msg

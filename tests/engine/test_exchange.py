@@ -210,6 +210,18 @@ def freed(front: str) -> dict:
     prop.propagate_op_sharding.cache_clear()
     prop._propagate_tensor_meta_cached.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()
+    # torch 2.15 (torch's own caches, filled by any redistribute): redistribute planners cached by (weakref(mesh), tensor meta), each holding
+    # its mesh strongly (``_redistribute._planner_cache``), and lru-cached transform plans keyed
+    # by specs (``_gen_transform_infos``)
+    from torch.distributed.tensor import _redistribute
+
+    getattr(_redistribute, "_planner_cache", {}).clear()
+    for fn in vars(_redistribute).values():
+        if callable(getattr(fn, "cache_clear", None)):
+            fn.cache_clear()
+    from torch.distributed.tensor import _collective_utils  # MeshTopoInfo.build_from_mesh: by mesh
+
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
     for _ in range(3):  # a pass frees what the previous one's tensors released
         gc.collect()
     return {name: ref() is None for name, ref in refs.items()}

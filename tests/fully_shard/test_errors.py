@@ -47,10 +47,11 @@ def check_errors() -> int:
         fully_shard(model, mesh=mesh, plan=plan, shard_placement_fn=lambda p: None)
     n += 3
 
-    # --- a mesh of more than two dimensions (2-D is HSDP: tests/fully_shard/test_hsdp.py)
+    # --- a 3-D mesh not named (dp_replicate, <shard>, tp) (HSDP x TP: tests/fully_shard/test_hsdp_tp.py)
     mesh3d = init_device_mesh("cpu", (1, 1, W), mesh_dim_names=("rep", "shard", "tp"))
-    with pytest.raises(ValueError, match=r"matrixfsdp.fully_shard: mesh must be a 1-D mesh .* or a 2-D HSDP mesh "
-                                         r"\(dp_replicate, dp_shard\), got a 3-D mesh of shape \(1, 1, %d\); pass" % W):
+    with pytest.raises(ValueError, match=r"matrixfsdp.fully_shard: a 3-D mesh must be HSDP x TP with its dimensions "
+                                         r"named \('dp_replicate', 'dp_shard', 'tp'\) in this order .* this mesh of "
+                                         r"shape \(1, 1, %d\) has dimension names \('rep', 'shard', 'tp'\)" % W):
         fully_shard(model.blocks[0], mesh=mesh3d, plan=plan)
     n += 1
 

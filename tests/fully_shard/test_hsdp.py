@@ -326,7 +326,8 @@ def hsdp_errors():
 def test_hsdp_errors_name_the_fix():
     for msgs in get_pool(4).run(hsdp_errors):
         assert "needs dimension names" in msgs["unnamed"] and 'mesh_dim_names=("dp_replicate", "dp_shard")' in msgs["unnamed"]
-        assert "got a 3-D mesh" in msgs["3d"]
+        assert ("a 3-D mesh must be HSDP x TP with its dimensions named ('dp_replicate', 'dp_shard', 'tp') in "
+                "this order") in msgs["3d"] and "has dimension names ('a', 'b', 'c')" in msgs["3d"], msgs["3d"]
         assert ("the plan was built for world_size=2 but the mesh has 2 replicas x 2 shard ranks; rebuild it "
                 "with matrixfsdp.plan_owners(model, mesh, ...) on this mesh") in msgs["flat_plan"]
         assert msgs["replicate"] == (

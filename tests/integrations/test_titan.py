@@ -63,6 +63,12 @@ def _train(steps: int, dump_folder: str, optimizer: str, variant: str = "plain",
         from torchtitan.components.loss import ChunkedLossWrapper
 
         cfg.loss = ChunkedLossWrapper.Config(num_chunks=2, loss_fn=cfg.loss)
+    elif variant in ("compile", "compile_ac"):  # torchtitan's per-block block.compile(fullgraph=True)
+        cfg.compile.enable, cfg.compile.components = True, ["model"]
+        if variant == "compile_ac":
+            from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+            cfg.activation_checkpoint = SelectiveAC.Config()
     elif variant == "reset_params":
         for layer in cfg.model_spec.model.layers:
             layer.feed_forward.w1.param_init = None
@@ -102,12 +108,17 @@ def _train(steps: int, dump_folder: str, optimizer: str, variant: str = "plain",
 
     # The harness's own full-tensor init patch is off: matrixfsdp.titan must make the init
     # world-size independent by itself.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
     with cpu_patches(full_tensor_init=False):
         m = run_trainer_metrics(cfg, inspect=inspect)
+    compiled = {"graph_breaks": dict(counters["graph_break"]), "unique_graphs": counters["stats"]["unique_graphs"]}
     clip = titan_dist_utils.clip_grad_norm_  # torchtitan's own, not replaced process-wide
     original = clip is clip_before and not hasattr(clip, "_matrixfsdp")
     return {"losses": m.losses, "grad_norms": m.grad_norms, "inspected": m.inspected,
-            "titan_clip_original": original}
+            "titan_clip_original": original, "compiled": compiled}
 
 
 def _close(a: list[float], b: list[float], rtol: float) -> bool:
@@ -204,6 +215,38 @@ def test_titan_trainer_tp_matches_one_process(tmp_path):
     assert ref["losses"][-1] < ref["losses"][0], ref["losses"]
 
 
+def test_titan_trainer_hsdp_tp_matches_one_process(tmp_path):
+    """``data_parallel_replicate_degree=2, tensor_parallel_degree=2`` at 8 ranks, (dp_replicate=2,
+    fsdp=2, tp=2): torchtitan's TP, then owners planned over its 3-D ``["dp_replicate", "fsdp",
+    "tp"]`` mesh and ``fully_shard`` on ``["dp_replicate", "fsdp"]``. ``replica_step="auto"`` splits
+    the matrices (both step replicas used) and repeats the norms. The run trains the same global
+    batch as one process does (losses and gradient norms within 1e-4 relative); every matrix is a
+    TP DTensor on its owner's TP row, hosted, stepped between 2 all-to-alls per micro-group in the
+    stepping rows, and fully_shard's own collectives stay out of the step."""
+    batch = 8  # local batch 2 at 4 data-parallel ranks
+    ref = get_pool(1).run(_train, STEPS, str(tmp_path), "Muon", global_batch=batch, timeout=180)[0]
+    res = get_pool(8).run(_train, STEPS, str(tmp_path), "Muon", global_batch=batch, dp_replicate=2, tp=2,
+                          timeout=300)
+    for r in res:
+        info = r["inspected"]
+        assert info["is_managed"] and info["algos"] == ["adamw", "auto"], info
+        assert r["losses"] == res[0]["losses"], "ranks disagree on the logged loss"
+        assert "even" not in info["kinds"].values(), info["kinds"]  # TP DTensors are always owned
+        assert all(n[0].startswith("tp_owned_by_rank") and shape == (2,) for n, shape in info["meshes"]), info["meshes"]
+        mats = sorted(f for f, k in info["kinds"].items() if k == "matrix")
+        assert len(mats) == 2 * 5 and sorted(info["tp_hosts"]) == mats, (mats, info["tp_hosts"])
+        assert set(info["step_replicas"].values()) == {0, 1}, info["step_replicas"]
+        before, after = info["step_comm"]
+        assert before == after, info["step_comm"]
+        assert info["tp_step_all_to_alls"] <= 2 * info["tp_micro_groups"], info
+    assert sum(r["inspected"]["tp_step_all_to_alls"] for r in res) > 0
+    got = res[0]
+    assert _close(got["grad_norms"], ref["grad_norms"], 1e-4), (got["grad_norms"], ref["grad_norms"])
+    assert _close(got["losses"], ref["losses"], 1e-4), (got["losses"], ref["losses"])
+    print("losses", got["losses"], "reference", ref["losses"], "grad norms", got["grad_norms"], ref["grad_norms"])
+    assert ref["losses"][-1] < ref["losses"][0], ref["losses"]
+
+
 @pytest.mark.parametrize("variant", ["ac", "reset_params", "chunked"])
 def test_titan_trainer_variants(tmp_path, variant):
     """Activation checkpointing (the default of torchtitan's configs: its recomputation runs the
@@ -217,6 +260,23 @@ def test_titan_trainer_variants(tmp_path, variant):
     assert _close(got["losses"], ref["losses"], RTOL), (got["losses"], ref["losses"])
 
 
+@pytest.mark.parametrize("variant", ["compile", "compile_ac"])
+def test_titan_trainer_compile(tmp_path, variant):
+    """``--compile.enable --compile.components model``: torchtitan's own ``apply_compile``
+    (``block.compile(fullgraph=True)`` per layer, with and without its selective activation
+    checkpointing; a checkpointed layer is compiled inside its wrapper) before matrixfsdp's
+    fully_shard. Inductor on CPU, W=2, against the same eager
+    run: no graph break, one graph for both layers; measured losses equal bit for bit, gradient
+    norms within 1e-7 relative."""
+    eager = get_pool(2).run(_train, STEPS, str(tmp_path), "Muon", "ac" if variant == "compile_ac" else "plain",
+                            timeout=300)[0]
+    got = get_pool(2).run(_train, STEPS, str(tmp_path), "Muon", variant, timeout=600)[0]
+    assert got["compiled"] == {"graph_breaks": {}, "unique_graphs": 1}, got["compiled"]
+    assert eager["compiled"]["unique_graphs"] == 0
+    assert _close(got["losses"], eager["losses"], 1e-6), (got["losses"], eager["losses"])
+    assert _close(got["grad_norms"], eager["grad_norms"], 1e-6), (got["grad_norms"], eager["grad_norms"])
+
+
 def test_with_matrixfsdp_rejects_unknown_optimizer():
     import _titan_cpu  # noqa: F401  (stubs triton kernels on CPU-only builds)
     import matrixfsdp.titan as mt
@@ -226,11 +286,12 @@ def test_with_matrixfsdp_rejects_unknown_optimizer():
 
 
 def _train_ckpt(steps: int, folder: str, load_step: int | None, optimizer: str = "Muon", *,
-                tp: int = 1, load_from: str | None = None) -> dict:
+                tp: int = 1, load_from: str | None = None, dp_replicate: int = 1,
+                global_batch: int = GLOBAL_BATCH) -> dict:
     """Pool worker: Muon via with_matrixfsdp with torchtitan's CheckpointManager saving every 2
     steps into ``folder``; ``load_step`` resumes from that step (DCP reshards to this world).
-    ``tp``: torchtitan's tensor parallelism (data parallelism over ``W / tp``); ``load_from``: the
-    checkpoint folder to resume from (default: the W=2 run's)."""
+    ``tp``: torchtitan's tensor parallelism (data parallelism over ``W / tp``); ``dp_replicate``:
+    its HSDP replicas; ``load_from``: the checkpoint folder to resume from (default: the W=2 run's)."""
     import torch
     import torch.distributed as dist
 
@@ -240,15 +301,17 @@ def _train_ckpt(steps: int, folder: str, load_step: int | None, optimizer: str =
     import matrixfsdp.titan as mt
 
     W = dist.get_world_size()
-    cfg = tiny_qwen3_config(steps=steps, global_batch=GLOBAL_BATCH, world_size=W // tp,
+    cfg = tiny_qwen3_config(steps=steps, global_batch=global_batch, world_size=W // tp,
                             dump_folder=folder)
     cfg.parallelism.tensor_parallel_degree = tp
+    cfg.parallelism.data_parallel_replicate_degree = dp_replicate
     kw = ({"ns_dtype": torch.float32} if optimizer == "Muon" else
           {"start_preconditioning_step": 1, "precondition_frequency": 4})  # roots made at step 1, kept
     cfg = mt.with_matrixfsdp(cfg, optimizer=optimizer, lr=0.02 if optimizer == "Muon" else 1e-3,
                              adamw_lr=8e-4, optimizer_kwargs=kw)
     cfg.checkpoint = CheckpointManager.Config(
-        enable=True, folder=(f"{optimizer}-w{W}" + (f"-tp{tp}" if tp > 1 else "") if load_step is None
+        enable=True, folder=(f"{optimizer}-w{W}" + (f"-tp{tp}" if tp > 1 else "")
+                             + (f"-r{dp_replicate}" if dp_replicate > 1 else "") if load_step is None
                              else load_from or f"{optimizer}-w2"), interval=2,
         last_save_model_only=False, load_step=-1 if load_step is None else load_step,
         keep_latest_k=0)
@@ -318,6 +381,10 @@ def test_parallelize_rejects_unsupported_parallelism():
     dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, ep_enabled=False, pp_enabled=False,
                            dp_replicate_enabled=True)
     off = SimpleNamespace(enable=False, components=[])
+    with pytest.raises(ValueError, match=r"training.enable_cpu_offload=True \(FSDP2's CPUOffloadPolicy\) is not "
+                                         r"supported.*set training.enable_cpu_offload=False$"):
+        mt.parallelize_matrixfsdp(None, parallel_dims=dims, training=SimpleNamespace(enable_cpu_offload=True),
+                                  parallelism=None, compile_config=off, ac_config=None, dump_folder="")
     with pytest.raises(ValueError, match=r"set parallelism.spmd_backend='partial_dtensor'.*got "
                                          r"parallelism.spmd_backend='spmd_types'"):
         mt.parallelize_matrixfsdp(None, parallel_dims=dims, training=SimpleNamespace(),
@@ -339,13 +406,8 @@ def test_parallelize_tp_refusals(monkeypatch):
               ac_config=None, dump_folder="")
     off = SimpleNamespace(enable=False, components=[], enable_async_tensor_parallel=False)
     dims = SimpleNamespace(tp_enabled=True, tp=2, cp_enabled=False, ep_enabled=False, pp_enabled=False,
-                           dp_replicate_enabled=True, dp_replicate=2)
+                           dp_replicate_enabled=False, dp_replicate=1)  # HSDP x TP: test_titan_trainer_hsdp_tp_*
     model = nn.Sequential(nn.Linear(4, 4))
-    with pytest.raises(ValueError, match=r"HSDP with tensor parallelism \(parallelism.data_parallel_replicate_degree"
-                                         r"=2 with parallelism.tensor_parallel_degree=2\) needs a 3-D .*not support; "
-                                         r"set parallelism.data_parallel_replicate_degree=1"):
-        mt.parallelize_matrixfsdp(model, parallel_dims=dims, compile_config=off, **kw)
-    dims.dp_replicate_enabled, dims.dp_replicate = False, 1
     on = SimpleNamespace(enable=True, components=["model", "loss"], enable_async_tensor_parallel=True)
     with pytest.raises(ValueError, match=r"async tensor parallelism \(compile.enable_async_tensor_parallel=True\) "
                                          r"is not supported.*set compile.enable_async_tensor_parallel=False"):
@@ -355,9 +417,12 @@ def test_parallelize_tp_refusals(monkeypatch):
         pass
 
     monkeypatch.setattr(float8, "Float8Linear", FakeFloat8Linear)
-    with pytest.raises(ValueError, match=r"quantized linears \(Float8/MXFP8/NVFP4 model converters, e.g. '0'\) "
-                                         r"with parallelism.tensor_parallel_degree=2 are not supported.*converters=\[\]"):
-        mt.parallelize_matrixfsdp(nn.Sequential(FakeFloat8Linear(4, 4)), parallel_dims=dims, compile_config=off, **kw)
+    for tp in (2, 1):  # refused with and without TP
+        dims.tp, dims.tp_enabled = tp, tp > 1
+        with pytest.raises(ValueError, match=rf"quantized linears \(Float8/MXFP8/NVFP4 model converters, e.g. '0'\) "
+                                             rf"with parallelism.tensor_parallel_degree={tp} are not supported: "
+                                             r"matrixfsdp has not run them \(they need CUDA.*converters=\[\]\)\)$"):
+            mt.parallelize_matrixfsdp(nn.Sequential(FakeFloat8Linear(4, 4)), parallel_dims=dims, compile_config=off, **kw)
 
 
 def test_with_matrixfsdp_defaults_and_no_mutation():
@@ -385,3 +450,23 @@ def test_with_matrixfsdp_defaults_and_no_mutation():
     base.optimizer.param_groups = []
     with pytest.raises(ValueError, match=r"pass adamw_lr \(the source config has no Adam/AdamW group"):
         mt.with_matrixfsdp(base)
+
+
+def test_titan_checkpoint_hsdp_tp(tmp_path):
+    """torchtitan's CheckpointManager at (dp_replicate=2, fsdp=2, tp=2), ``replica_step="auto"``:
+    resuming from step 2 at the same layout continues exactly (the step replicas' hosts' state
+    included), and the same checkpoint resumed at (fsdp=2, tp=2) without replicas continues as
+    the HSDP x TP run did, within the W-invariance tolerance."""
+    folder = str(tmp_path)
+    full = get_pool(8).run(_train_ckpt, STEPS, folder, None, "Muon", tp=2, dp_replicate=2, global_batch=8,
+                           timeout=300)[0]
+    assert os.path.isdir(os.path.join(folder, "Muon-w8-tp2-r2", "step-2")), os.listdir(folder)
+    same = get_pool(8).run(_train_ckpt, STEPS, folder, 2, "Muon", tp=2, dp_replicate=2, load_from="Muon-w8-tp2-r2",
+                           global_batch=8, timeout=300)[0]
+    assert same["losses"] == full["losses"][2:], (same, full)
+    assert same["grad_norms"] == full["grad_norms"][2:], (same, full)
+    tp_only = get_pool(4).run(_train_ckpt, STEPS, folder, 2, "Muon", tp=2, load_from="Muon-w8-tp2-r2",
+                              global_batch=8, timeout=240)[0]
+    print("full", full, "resumed", same, "at (2, 2) without replicas", tp_only)
+    assert _close(tp_only["losses"], full["losses"][2:], RTOL), (tp_only, full)
+    assert _close(tp_only["grad_norms"], full["grad_norms"][2:], RTOL), (tp_only, full)

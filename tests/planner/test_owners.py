@@ -129,8 +129,11 @@ def test_mesh_argument_needs_1d_or_named_2d():
 
     model = Net([Block([(4, 4)])])
     assert plan_owners(model, FakeMesh(1, 3), block_types=Block).world_size == 3
-    with pytest.raises(ValueError, match=r"plan_owners: mesh must be a 1-D mesh .* or a 2-D HSDP mesh "
-                                         r"\(dp_replicate, dp_shard\), got a 3-D mesh"):
+    with pytest.raises(ValueError, match=r"plan_owners: mesh must be a 1-D mesh .* a 2-D HSDP mesh "
+                                         r"\(dp_replicate, dp_shard\), .* got a 4-D mesh"):
+        plan_owners(model, FakeMesh(4, 4), block_types=Block)
+    with pytest.raises(ValueError, match=r"plan_owners: a 3-D mesh must be HSDP x TP with its dimensions named "
+                                         r"\('dp_replicate', 'dp_shard', 'tp'\) in this order .* has dimension names none"):
         plan_owners(model, FakeMesh(3, 4), block_types=Block)
     with pytest.raises(ValueError, match=r"plan_owners: a 2-D \(HSDP\) mesh needs dimension names"):
         plan_owners(model, FakeMesh(2, 4), block_types=Block)
@@ -141,7 +144,7 @@ def test_mesh_argument_needs_1d_or_named_2d():
     "kwargs, exc, match",
     [
         (dict(world_size_or_mesh=0), ValueError, r"plan_owners: world size must be >= 1, got world_size=0"),
-        (dict(world_size_or_mesh=2.0), TypeError, r"must be an int, an \(replicas, shard\) pair, or a 1-D or 2-D \(dp_replicate, dp_shard\) DeviceMesh, got float"),
+        (dict(world_size_or_mesh=2.0), TypeError, r"must be an int, an \(replicas, shard\) pair, or a 1-D, 2-D \(dp_replicate, dp_shard\) or \(dp_shard, tp\), or 3-D \(dp_replicate, dp_shard, tp\) DeviceMesh, got float"),
         (dict(policy="lpt"), ValueError, r"plan_owners: policy must be one of .* got policy='lpt'"),
         (dict(cost="time"), ValueError, r"plan_owners: cost must be one of .* got cost='time'"),
         (dict(optimizer="sgd"), ValueError, r"plan_owners: optimizer must be one of .* got optimizer='sgd'"),

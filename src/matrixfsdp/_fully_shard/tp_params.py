@@ -28,6 +28,17 @@ The three representations:
   host of its owner's TP row between two fused all-to-alls per micro-group, the plan's
   ``micro_groups[owner]`` (``tp/host_step.py``, [Note: TP hosts]). Only the owner's row runs
   them: across data parallelism the step stays free of communication.
+
+HSDP x TP composes the two without new machinery: a ``("dp_replicate", "dp_shard", "tp")`` mesh,
+``plan_owners(model, mesh)`` and ``fully_shard(block, mesh=mesh["dp_replicate", "dp_shard"])``.
+Each TP column is an HSDP mesh of its own, so the engine reduces, combines replicas (``repeat``:
+all-reduce; ``split``: reduce-scatter to the step replica, then the deferred all-gather) and
+exchanges TP-local tensors exactly as plain HSDP does its tensors. The owner's TP row exists in
+every replica; a parameter is presented on the row of this rank's replica (the replicas' chunks
+are identical: DCP writes one). Under ``repeat`` every replica's row runs its host step and each
+host keeps the state, presented among its replica's ranks; under ``split`` only the step
+replica's row steps (the others have no gradient) and its host's state is presented on a one-rank
+mesh among all ranks, where the other replicas present the same keys empty.
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..placement.owned_tensor import OwnedDTensor
-from ..placement.owner import dp_tp_mesh, owner_tp_meshes
+from ..placement.owner import dp_tp_mesh, owner_of, owner_tp_meshes, shard_dim_mesh
 from ..mesh import flat_dp_mesh
 
 if TYPE_CHECKING:
@@ -60,15 +71,11 @@ def tp_layout(name: str, p: torch.Tensor, dp: DeviceMesh) -> TPLayout:
     if isinstance(p, OwnedDTensor) or mesh.ndim != 1 or mesh == dp:
         raise ValueError(f"{API}: parameter {name!r} is already a DTensor on {mesh}; it is managed by "
                          "another sharding API")
-    if dp.ndim != 1:
-        raise ValueError(f"{API}: TP parameter {name!r} under an HSDP mesh {dp}: HSDP with tensor "
-                         "parallelism (a 3-D mesh) is not supported; use a (\"dp_shard\", \"tp\") mesh "
-                         "and fully_shard(..., mesh=mesh[\"dp_shard\"])")
     placements = tuple(p.placements)  # type: ignore[attr-defined]
     if any(type(pl) not in (Shard, Replicate) for pl in placements):
         raise ValueError(f"{API}: TP parameter {name!r} has placements {placements}; fully_shard "
                          "takes Shard(d) or Replicate() on the TP mesh (parallelize_module's styles)")
-    owner_tp_meshes(dp, mesh)  # checks the two meshes are dimensions of one ("dp_shard", "tp") mesh
+    dp_tp_mesh(dp, mesh)  # checks the meshes are dimensions of one (["dp_replicate",] "dp_shard", "tp") mesh
     return mesh, placements
 
 
@@ -116,7 +123,7 @@ def attach_tp_hosts(states: list[Any], plan: "OwnerPlan", dp: DeviceMesh, shard_
     """Give every TP-sharded ``"matrix"`` parameter its host descriptor and this rank's executor
     (its owner row's micro-groups; see the module Note). Collective once (the host meshes' flat
     group); every rank calls at resolution."""
-    from ..tp.attach import attach_hosts
+    from ..tp.attach import attach_hosts, row_hosts
 
     hosted: dict[str, Any] = {}
     for s in states:
@@ -135,7 +142,21 @@ def attach_tp_hosts(states: list[Any], plan: "OwnerPlan", dp: DeviceMesh, shard_
     if missing:
         raise ValueError(f"{API}: the plan has no micro-group for TP matrix {missing[0]!r}; build the "
                          "plan from the parallelized model with the (\"dp_shard\", \"tp\") mesh")
-    pair = dp_tp_mesh(dp, tp_mesh)
-    attach_hosts(tp_mesh, [[(k, m) for k, m in row if m] for row in rows], shard_rank,
-                 [r.mesh.flatten().tolist() for r in owner_tp_meshes(dp, tp_mesh)], flat_dp_mesh(pair),
+    # the hosts' state is presented among the rows of this rank's replica (collective: flattens)
+    mine = row_hosts([r.mesh.flatten().tolist() for r in owner_tp_meshes(dp, tp_mesh)],
+                     flat_dp_mesh(dp_tp_mesh(shard_dim_mesh(dp), tp_mesh)))
+    host_meshes = mine
+    # (the same plan on every rank: all make the flattening below, or none)
+    if dp.ndim == 2 and any(owner_of(mp.sharded).step_replica is not None for mp in hosted.values()):
+        # HSDP x TP split: the step replica's hosts alone keep the state, presented among every
+        # rank of the (R, S, T) mesh (see the module Note)
+        grid = dp_tp_mesh(dp, tp_mesh)
+        world = row_hosts([row for rep in grid.mesh.tolist() for row in rep], flat_dp_mesh(grid))
+        S = grid.mesh.shape[1]
+
+        def split_hosts(s: int, h: int, p: Any) -> DeviceMesh:
+            q = owner_of(p).step_replica  # type: ignore[union-attr]
+            return mine(s, h, p) if q is None else world(q * S + s, h, p)
+        host_meshes = split_hosts
+    attach_hosts(tp_mesh, [[(k, m) for k, m in row if m] for row in rows], shard_rank, host_meshes,
                  pipeline=pipeline)

@@ -61,7 +61,9 @@ HSDP (``parallelism.data_parallel_replicate_degree > 1``): the data-parallel mes
 torch's ``fully_shard`` for HSDP (dimension 0 replicates, dimension 1 shards; ``fsdp`` is
 ``dp_shard * cp``, see below). Owners are planned within ``fsdp``, the same
 layout in every replica; ``replica_step`` (``"auto"``, ``"repeat"`` or ``"split"``, see
-``plan_owners``) says how each owned matrix is combined across the replicas.
+``plan_owners``) says how each owned matrix is combined across the replicas. With TP too, owners
+are planned over the 3-D ``parallel_dims.get_mesh(["dp_replicate", "fsdp", "tp"])`` and
+``fully_shard`` runs on ``["dp_replicate", "fsdp"]`` (HSDP x TP, docs/tp.md).
 
 Mixture-of-experts models (torchtitan's ``GroupedExperts`` stacks, Qwen3-MoE, DeepSeek-V3; see
 docs/experts.md): with ``expert_parallel_degree=1`` the planner owns every expert whole, balanced
@@ -98,7 +100,7 @@ cannot compute attention on a CPU (SDPA: DTensor has no sharding strategy for
 Not supported (clear errors): expert parallelism with an
 expert-FSDP group (``efsdp > 1``), with HSDP or with TP, CPU offload,
 ``torch.compile`` of the model; with tensor
-parallelism also HSDP (``dp_replicate > 1``: a 3-D mesh), async TP
+parallelism also async TP
 (``compile.enable_async_tensor_parallel``) and quantized linears (Float8/MXFP8/NVFP4 model
 converters). ``parallelize_matrixfsdp`` used with torchtitan's stock ``Trainer`` (not
 ``MatrixTrainer``) trains, but torchtitan's clipping then refuses the owned gradients: build the
@@ -175,33 +177,28 @@ def parallelize_matrixfsdp(
     """
     tp = bool(parallel_dims.tp_enabled)
     if tp and getattr(compile_config, "enable_async_tensor_parallel", False):
-        # before the compile check below: async TP requires compile.enable (its own __post_init__)
         raise ValueError(
             f"{API}.parallelize_matrixfsdp: async tensor parallelism (compile.enable_async_tensor_parallel"
-            "=True) is not supported: it needs torch.compile of the model, which matrixfsdp's hooks "
-            "do not compose with; set compile.enable_async_tensor_parallel=False (plain TP works)"
+            "=True) is not supported: inductor's micro-pipelined TP needs CUDA symmetric memory, and "
+            "matrixfsdp has not run it (its tests run on CPUs); set "
+            "compile.enable_async_tensor_parallel=False (plain TP, compiled or not, works)"
         )
     if parallel_dims.pp_enabled:  # first: it names PP's own conflicts (EP among them)
         _check_pp_config(model, parallel_dims)
     ep = bool(parallel_dims.ep_enabled)
     if ep:
         _check_ep_config(parallel_dims)
-    unsupported = [name for name, on in (
-        ("CPU offload", bool(getattr(training, "enable_cpu_offload", False))),
-        ("torch.compile of the model", bool(compile_config.enable and "model" in compile_config.components)),
-    ) if on]
-    if unsupported:
-        raise ValueError(f"{API}.parallelize_matrixfsdp: not supported yet: {', '.join(unsupported)}")
+    if getattr(training, "enable_cpu_offload", False):
+        _refuse_cpu_offload()
     if parallelism.spmd_backend != "partial_dtensor":
         raise ValueError(
             f"{API}.parallelize_matrixfsdp: set parallelism.spmd_backend='partial_dtensor' "
             f"(with_matrixfsdp does), got {parallelism.spmd_backend=!r}"
         )
+    _refuse_quantized_linears(model, parallel_dims)
     if parallel_dims.cp_enabled:
         _apply_cp(model, parallel_dims)
     if tp or ep:
-        if tp:
-            _check_tp_config(model, parallel_dims)
         # torchtitan's own TP and EP, as its parallelize_{llama,qwen3} (partial_dtensor path): the
         # sharding configs the model config set (update_from_config -> set_*_sharding_config)
         # shard the parameters on the "tp" mesh, the expert stacks by whole experts on the "ep"
@@ -210,6 +207,11 @@ def parallelize_matrixfsdp(
         _retie_embeddings(model)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
+    if compile_config.enable and "model" in compile_config.components:
+        # torchtitan's own per-block compile (``block.compile(fullgraph=True)``), after AC and
+        # before sharding, as its parallelize_{llama,qwen3}: matrixfsdp's hooks run outside
+        # dynamo (engine.backward.dynamo_disable), as FSDP2's do.
+        _apply_compile(model, compile_config, parallel_dims)
     if skip_dp:
         return model
     layers = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
@@ -222,9 +224,11 @@ def parallelize_matrixfsdp(
     # As torchtitan's own apply_fsdp (models/{llama3,qwen3}/parallelize.py, partial_dtensor path):
     # HSDP is the 2-D ("dp_replicate", "fsdp") mesh, dimension 0 replicating, 1 sharding.
     mesh = parallel_dims.get_mesh(["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else "fsdp")
-    # With TP the owners are planned over the 2-D ("fsdp", "tp") view of the same world mesh
-    # (global shapes; tp taken from it), and fully_shard runs on "fsdp" as without TP.
-    plan_mesh = parallel_dims.get_mesh(["fsdp", "tp"]) if tp else mesh
+    # With TP the owners are planned over the ("fsdp", "tp") view of the same world mesh, with HSDP
+    # the 3-D ("dp_replicate", "fsdp", "tp") one (global shapes; tp taken from it), and fully_shard
+    # runs on the data-parallel mesh as without TP.
+    plan_mesh = parallel_dims.get_mesh(["dp_replicate", "fsdp", "tp"] if parallel_dims.dp_replicate_enabled
+                                       else ["fsdp", "tp"]) if tp else mesh
     # Under EP the expert stacks are already whole experts per rank ("ep" Shard(0), efsdp == 1):
     # the plan records them as they are (one plan, one digest, dense weights balanced around
     # them) and fully_shard leaves them alone: their gradients are complete after backward (the
@@ -310,6 +314,37 @@ def pp_schedules_take_microbatches() -> bool:
     return "arg_mbs" in inspect.signature(PipelineScheduleSingle.step).parameters
 
 
+def _apply_compile(model: nn.Module, compile_config: Any, parallel_dims: Any) -> None:
+    """torchtitan's ``apply_compile``: each layer compiled in place, ``fullgraph=True``. A layer
+    wrapped by activation checkpointing is compiled inside its wrapper (the block matrixfsdp
+    shards, see below): compiling the wrapper would put the block's forward hooks inside
+    dynamo's checkpoint operator, which cannot run them eagerly."""
+    from torchtitan.distributed.compile import apply_compile
+
+    wrapped = {name: layer for name, layer in model.layers.named_children()}
+    inner = nn.ModuleDict({name: getattr(layer, "_checkpoint_wrapped_module", layer)
+                           for name, layer in wrapped.items()})
+    shim = nn.Module()
+    shim.layers = inner  # torchtitan's apply_compile reads model.layers and model.modules()
+    apply_compile(shim, compile_config=compile_config, parallel_dims=parallel_dims)
+
+
+def _refuse_cpu_offload() -> None:
+    """[Note: CPU offload] FSDP2's ``CPUOffloadPolicy`` keeps each shard on the host and copies it
+    to the device for compute. Under owners the offloaded state would be whole matrices and their
+    optimizer state on the owner's host, stepped there or streamed to the device; that runtime
+    is not built, and it could not be verified here: on the CPU-only machines matrixfsdp is
+    tested on, host and device are one memory, so an offload test would pass without moving a
+    byte. Refused rather than silently ignored."""
+    raise ValueError(
+        f"{API}.parallelize_matrixfsdp: training.enable_cpu_offload=True (FSDP2's CPUOffloadPolicy) is "
+        "not supported: matrixfsdp keeps parameters, gradients and optimizer state on the device. "
+        "Each rank already holds the optimizer state of only the matrices it owns (about 1/W of "
+        "it); to fit more, raise parallelism.data_parallel_shard_degree or enable activation "
+        "checkpointing (activation_checkpoint.mode='full'), and set training.enable_cpu_offload=False"
+    )
+
+
 def _check_ep_config(parallel_dims: Any) -> None:
     """Expert parallelism where each EP rank's experts are its own (``efsdp == 1``: EP spans the
     whole data-parallel shard group), without replicas or TP."""
@@ -330,28 +365,21 @@ def _check_ep_config(parallel_dims: Any) -> None:
                          f"rank owns its experts whole: {'; '.join(problems)}")
 
 
-def _check_tp_config(model: nn.Module, parallel_dims: Any) -> None:
-    """Refuse what does not compose with TP under matrixfsdp's fully_shard (clear errors naming
-    the config field to change; async TP is refused in parallelize_matrixfsdp)."""
-    where = f"{API}.parallelize_matrixfsdp"
-    tp = parallel_dims.tp
-    if parallel_dims.dp_replicate_enabled:
-        raise ValueError(
-            f"{where}: HSDP with tensor parallelism (parallelism.data_parallel_replicate_degree="
-            f"{parallel_dims.dp_replicate} with parallelism.tensor_parallel_degree={tp}) needs a 3-D "
-            "(dp_replicate, fsdp, tp) mesh, which matrixfsdp.fully_shard does not support; set "
-            "parallelism.data_parallel_replicate_degree=1 (shard over the rest of the world) or "
-            "parallelism.tensor_parallel_degree=1"
-        )
+def _refuse_quantized_linears(model: nn.Module, parallel_dims: Any) -> None:
+    """torchtitan's Float8/MXFP8/NVFP4 converters: never run under matrixfsdp (they need CUDA,
+    SM89 or later for float8, and matrixfsdp is tested on CPUs; torchao's float8 all-gather
+    extends FSDP2's sharded parameters, which owners are not); with TP their weights would also
+    be TP-sharded DTensors inside matrixfsdp's fully_shard."""
     quantized = _quantized_linear_types()
     qfqns = [fqn for fqn, m in model.named_modules() if quantized and isinstance(m, quantized)]
     if qfqns:
+        tp = parallel_dims.tp if parallel_dims.tp_enabled else 1
         raise ValueError(
-            f"{where}: quantized linears (Float8/MXFP8/NVFP4 model converters, e.g. "
-            f"{qfqns[0]!r}) with parallelism.tensor_parallel_degree={tp} are not supported: their "
-            "weights would be TP-sharded DTensors inside matrixfsdp's fully_shard; drop the "
-            "converter from the model_spec (model_registry(..., converters=[])) or set "
-            "parallelism.tensor_parallel_degree=1"
+            f"{API}.parallelize_matrixfsdp: quantized linears (Float8/MXFP8/NVFP4 model converters, e.g. "
+            f"{qfqns[0]!r}) with parallelism.tensor_parallel_degree={tp} are not supported: matrixfsdp "
+            "has not run them (they need CUDA; its tests run on CPUs), and torchao's float8 all-gather "
+            "extends FSDP2's sharded parameters, not owned ones; drop the converter from the "
+            "model_spec (model_registry(..., converters=[]))"
         )
 
 

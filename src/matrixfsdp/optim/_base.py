@@ -180,7 +180,7 @@ class MatrixOptimizer(Optimizer):
         #: ids of owned parameters whose owner (another rank) has state (see present_state)
         self._remote_state: set[int] = set()
         #: host-side step counts of capturable groups (see [Note: host step counts])
-        self._step_calls: dict[str, int] = {"calls": 0}  # a dict: see [Note: host step counts]
+        self._step_calls: dict[str, int] = {"calls": 2}  # a dict, from 2: see [Note: host step counts]
         self._host_offsets: dict[Tensor, int] = {}
         super().__init__(params, defaults)
         if not from_module:
@@ -423,11 +423,11 @@ class MatrixOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = [p for group in self.param_groups for p in group["params"]]  # before self.state,
+        if any(g.get("capturable", False) for g in self.param_groups):
+            self._step_calls["calls"] += 1  # see [Note: host step counts]
         if not self.state and self._is_state_init_call(params):  # see [Note: compiled steps and sources]
             self._init_states()
             return loss
-        if any(g.get("capturable", False) for g in self.param_groups):
-            self._step_calls["calls"] += 1  # see [Note: host step counts]
         for index, group in enumerate(self.param_groups):
             if group.get("capturable", False) or group.get("batched", False):
                 self._group_step(index, group)
@@ -576,7 +576,9 @@ class MatrixOptimizer(Optimizer):
     # the step number that call performs (the state's ``step`` after its increment), and between
     # calls it is the state's ``step``. Why not one int per parameter: under torch.compile each
     # changing int is a guard; this way only ``_step_calls`` changes, it is read from the first
-    # call on, and dynamo makes it dynamic at the second compile instead of recompiling per value.
+    # call on (the state-creating call included), and dynamo makes it dynamic at the second
+    # compile instead of recompiling per value. It starts at 2: dynamo always specializes the
+    # ints 0 and 1, so a count passing through them would cost a third compile (torch 2.15).
     # It lives in a dict because dynamo (torch 2.13) drops assignments to int attributes of an
     # Optimizer inside a compiled step (benchmarks/repro/compile_muon_lr.py shows it).
     def _host_step(self, p: Tensor, state: dict[str, Any]) -> int:
@@ -603,7 +605,7 @@ class MatrixOptimizer(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault("_step_calls", {"calls": 0})
+        self.__dict__.setdefault("_step_calls", {"calls": 2})
         self.__dict__.setdefault("_host_offsets", {})
         self.__dict__.setdefault("_remote_state", set())
         for group in self.param_groups:

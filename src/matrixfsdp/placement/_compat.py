@@ -25,10 +25,14 @@ empty local tensor as the writer: a silently corrupt checkpoint), and a ``Shard`
 refused by ``DTensorSpec._verify_shard_order`` (see ``shared/notes/torch-2.13-cpu-facts.md``).
 
 The callers are recognized by code object identity against the torch functions above
-(:func:`called_from`), and only on the torch versions in :data:`SUPPORTED_TORCH`, which
-``tests/test_layering.py`` pins: a torch upgrade fails that test until these paths are verified
-again (``tests/checkpoint/test_full_state_load.py``). On any other version the workaround is off, and the
-full-state-dict loaders fail as torch's own code does.
+(:func:`called_from`), on the torch versions in :data:`SUPPORTED_TORCH` (``_state_dict_utils.py``
+is the same file in 2.13.0, 2.14.1 and 2.15.0; ``tests/checkpoint/test_full_state_load.py``
+passes on each), which ``tests/test_layering.py`` pins: a torch upgrade fails that test until
+these paths are verified again. On any other version a call from a function of that name raises
+:class:`UnverifiedTorchError` (a ``ValueError`` naming the version and loads that work) instead:
+every rank reads ``device_mesh`` / ``placements`` of the same local tensor at the same key, so
+every rank raises alike (before this, the loaders hung: the owner copied and went on to the
+next broadcast while the others raised).
 """
 
 from __future__ import annotations
@@ -38,12 +42,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["SUPPORTED_TORCH", "enabled", "called_from"]
+__all__ = ["SUPPORTED_TORCH", "UnverifiedTorchError", "enabled", "called_from"]
 
 #: torch releases (major.minor) on which the caller checks below are verified
-SUPPORTED_TORCH = ("2.13",)
+SUPPORTED_TORCH = ("2.13", "2.14", "2.15")
 
+_DSD_MODULE = "torch.distributed._state_dict_utils"
 _CODES: dict[str, Any] = {}
+
+
+class UnverifiedTorchError(ValueError):
+    """A torch full-state-dict loader met an owned tensor on a torch release whose loaders
+    matrixfsdp has not verified."""
 
 
 def enabled() -> bool:
@@ -62,8 +72,21 @@ def _dsd_code(name: str) -> Any:
 
 def called_from(name: str, depth: int = 2) -> bool:
     """Whether the caller ``depth`` frames up (the caller of the function calling this) is
-    ``torch.distributed._state_dict_utils.<name>``; False on unsupported torch versions."""
-    if not enabled():
-        return False
-    code = _dsd_code(name)
-    return code is not None and sys._getframe(depth).f_code is code
+    ``torch.distributed._state_dict_utils.<name>``. On a torch release outside
+    :data:`SUPPORTED_TORCH`, a caller of that name and module raises
+    :class:`UnverifiedTorchError`; other callers get False."""
+    frame = sys._getframe(depth)
+    if enabled():
+        code = _dsd_code(name)
+        return code is not None and frame.f_code is code
+    if frame.f_code.co_name == name and frame.f_globals.get("__name__") == _DSD_MODULE:
+        raise UnverifiedTorchError(
+            f"matrixfsdp: torch {torch.__version__}'s full-state-dict loader ({_DSD_MODULE}.{name}, "
+            "reached from set_model_state_dict/set_optimizer_state_dict with "
+            "StateDictOptions(full_state_dict=True)) is not verified with matrixfsdp's owned tensors "
+            f"(verified on torch {', '.join(SUPPORTED_TORCH)}); load a DCP checkpoint with "
+            "matrixfsdp.checkpoint.load (a full state dict on disk converts with `python -m "
+            "matrixfsdp.checkpoint import`), or copy each full tensor with "
+            "matrixfsdp.set_full_(param, tensor)"
+        )
+    return False

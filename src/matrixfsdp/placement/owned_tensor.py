@@ -100,7 +100,7 @@ class OwnedDTensor(DTensor):
         return tree_map(rewrap, out)
 
     # [Note: torch's full state-dict loaders and owned tensors] (in _compat.py): the two
-    # members below answer torch's full state-dict loaders differently, on supported torch only.
+    # members below answer torch's full state-dict loaders differently, on verified torch only.
 
     def to_local(self, *, grad_placements: Any = None) -> torch.Tensor:  # type: ignore[override]
         if self._spec.mesh.get_coordinate() is None and called_from("_distribute_tensors"):
@@ -110,6 +110,9 @@ class OwnedDTensor(DTensor):
 
     @property
     def device_mesh(self) -> DeviceMesh:  # type: ignore[override]
+        # Read by the loaders on every rank at the same key (to_local above, only on non-owners):
+        # on an unverified torch every rank raises here alike.
+        called_from("_distribute_tensors")
         if called_from("_distribute_state_dict"):
             dp, owner = self._dp()
             raise ValueError(

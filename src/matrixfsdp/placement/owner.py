@@ -29,14 +29,16 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.distributed
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..mesh import flat_dp_mesh, mesh_tag
 from .tp_host import tp_host_of
 
 __all__ = ["Owned", "owner_of", "owned_of", "is_owned", "keeps_state", "set_owner", "owner_meshes",
-           "step_meshes", "one_rank_meshes", "owner_tp_meshes", "owner_source", "mesh_scratch", "dp_tp_mesh",
-           "tp_mesh_of", "coordinates", "STORAGES"]
+           "step_meshes", "one_rank_meshes", "owner_tp_meshes", "shard_dim_mesh", "owner_source", "mesh_scratch",
+           "dp_tp_mesh", "tp_mesh_of", "coordinates", "STORAGES"]
 
 _ATTR = "_matrixfsdp_owned"
 #: set by fully_shard on each sharded parameter (owned or even): its fqn, for messages
@@ -227,7 +229,7 @@ def owner_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
         # the owner, so DTensor's errors tell the meshes apart ("owned_by_rank3@...").
         subs = tuple(_mesh_without_group(mesh.device_type, [row[s] for row in grid], f"owned_by_rank{s}@{tag}")
                      for s in range(len(grid[0])))
-        shard = mesh if mesh.ndim == 1 or mesh.get_coordinate() is None else mesh[mesh.mesh_dim_names[1]]
+        shard = mesh if mesh.get_coordinate() is None else shard_dim_mesh(mesh)
         cache.owner = subs
         for s, sub in enumerate(subs):
             setattr(sub, _SOURCE_ATTR, (shard, s))  # full_tensor broadcasts within this rank's shard group
@@ -285,12 +287,23 @@ def _mesh_without_group(device_type: str, ranks: list[int], name: str) -> Device
     return sub
 
 
+def shard_dim_mesh(dp: DeviceMesh) -> DeviceMesh:
+    """This rank's shard dimension of a 1-D or HSDP data-parallel mesh (the mesh itself if 1-D)."""
+    return dp if dp.ndim == 1 else dp[dp.mesh_dim_names[1]]
+
+
 def owner_tp_meshes(dp: DeviceMesh, tp: DeviceMesh) -> tuple[DeviceMesh, ...]:
     """The TP-row mesh of every owner ``s`` of ``dp`` (FSDP2 + TP: ``dp = mesh["dp_shard"]``,
     ``tp = mesh["tp"]`` of one ``("dp_shard", "tp")`` mesh): the ``T`` ranks at shard coordinate
     ``s``, on which a TP-sharded parameter owned by ``s`` is presented with its TP placements
     (see [Note: owned parameter representation]). This rank's own row reuses the TP group (no new
-    communicator); the other rows have none (this rank is not in them). Local; cached."""
+    communicator); the other rows have none (this rank is not in them). Local; cached.
+
+    On an HSDP ``dp`` (HSDP x TP) the rows are those of this rank's replica: every replica's owner
+    row holds the parameter (``repeat``, or ``split`` once exchanged), and each presents it within
+    its replica (DCP writes one of the identical chunks; ``full_tensor`` broadcasts within the
+    replica's shard group)."""
+    dp = shard_dim_mesh(dp)
     cache = _cache(dp)
     subs = cache.owner_tp.get(tp)
     if subs is None:
@@ -312,13 +325,14 @@ def owner_tp_meshes(dp: DeviceMesh, tp: DeviceMesh) -> tuple[DeviceMesh, ...]:
 
 
 def dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
-    """The 2-D ``(dp, tp)`` mesh whose dimensions ``dp`` and ``tp`` are: ``root[(dp, tp)]`` of their
-    common root (a ``("dp_shard", "tp")`` mesh), or, when the root knows neither name as one of
-    its dimensions (torchtitan slices ``"fsdp"`` and ``"tp"`` from different unflattenings of its
-    1-D world mesh), the two slices joined (``DeviceMesh._concatenate``, torch 2.13; existing
-    groups). Two slices of different roots raise."""
+    """The ``(dp, tp)`` mesh whose dimensions ``dp`` and ``tp`` are: ``root[(dp, tp)]`` of their
+    common root (a ``("dp_shard", "tp")`` mesh; with an HSDP ``dp``, the 3-D ``("dp_replicate",
+    "dp_shard", "tp")`` one), or, when the root knows neither name as one of its dimensions
+    (torchtitan slices ``"fsdp"`` and ``"tp"`` from different unflattenings of its 1-D world
+    mesh), the slices joined (``DeviceMesh._concatenate``, torch 2.13; existing groups). Two
+    slices of different roots raise."""
     root = dp._get_root_mesh()
-    names = (dp.mesh_dim_names or (None,))[0], (tp.mesh_dim_names or (None,))[0]
+    names = (*(dp.mesh_dim_names or (None,) * dp.ndim), (tp.mesh_dim_names or (None,))[0])
     pair = None
     if None not in names:
         try:
@@ -332,19 +346,23 @@ def dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
             except (KeyError, RuntimeError, ValueError):
                 pair = None
     # DeviceMesh compares by value (a DTensor's mesh may be an equal object of another root), so
-    # the check is by ranks: this rank's row and column of the pair are tp and dp
+    # the check is by ranks: this rank's row (last dimension) and column of the pair are tp and dp
     if pair is not None:
-        grid = pair.mesh.tolist()
-        me = dp.mesh.tolist()[dp.get_local_rank()]
-        row = next((r for r in grid if me in r), None)
-        col = [r[row.index(me)] for r in grid] if row is not None else None
-        if row != tp.mesh.tolist() or col != dp.mesh.tolist():
+        grid, me = pair.mesh, torch.distributed.get_rank()
+        at = (grid == me).nonzero()
+        if pair.ndim != dp.ndim + 1 or len(at) != 1:
             pair = None
+        else:
+            *rest, t = at[0].tolist()
+            if grid[tuple(rest)].tolist() != tp.mesh.tolist() or grid[..., t].tolist() != dp.mesh.tolist():
+                pair = None
     if pair is None:
         raise ValueError(
-            f"matrixfsdp: the data-parallel mesh {dp} and the parameters' TP mesh {tp} must be two "
-            "named dimensions of one mesh: init_device_mesh(device_type, (dp, tp), "
-            "mesh_dim_names=(\"dp_shard\", \"tp\")), then mesh[\"dp_shard\"] and mesh[\"tp\"]"
+            f"matrixfsdp: the data-parallel mesh {dp} and the parameters' TP mesh {tp} must be "
+            f"{'two' if dp.ndim == 1 else 'three'} named dimensions of one mesh: "
+            "init_device_mesh(device_type, (dp, tp), mesh_dim_names=(\"dp_shard\", \"tp\")), then "
+            "mesh[\"dp_shard\"] and mesh[\"tp\"] (HSDP x TP: (R, S, T) named (\"dp_replicate\", "
+            "\"dp_shard\", \"tp\"), then mesh[\"dp_replicate\", \"dp_shard\"] and mesh[\"tp\"])"
         )
     return pair
 

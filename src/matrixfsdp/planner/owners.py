@@ -59,9 +59,10 @@ class _Spec:
 
 
 def _world_size(world_size_or_mesh: Any) -> tuple[int, int, int | None]:
-    """``(replicas, shard size, tp or None)`` of an int (flat), an ``(R, S)`` pair or a 1-D/2-D
-    mesh (a ``("dp_shard", "tp")`` mesh gives its TP degree)."""
-    what = "an int, an (replicas, shard) pair, or a 1-D or 2-D (dp_replicate, dp_shard) DeviceMesh"
+    """``(replicas, shard size, tp or None)`` of an int (flat), an ``(R, S)`` pair or a mesh (a
+    ``("dp_shard", "tp")`` or ``("dp_replicate", "dp_shard", "tp")`` mesh gives its TP degree)."""
+    what = ("an int, an (replicas, shard) pair, or a 1-D, 2-D (dp_replicate, dp_shard) or (dp_shard, tp), "
+            "or 3-D (dp_replicate, dp_shard, tp) DeviceMesh")
     if isinstance(world_size_or_mesh, bool):
         raise TypeError(f"plan_owners: world_size_or_mesh must be {what}, got {world_size_or_mesh!r}")
     if isinstance(world_size_or_mesh, int):
@@ -242,7 +243,9 @@ def plan_owners(
         world_size_or_mesh: the number of data-parallel ranks, a 1-D ``DeviceMesh``, or an HSDP
             mesh ``init_device_mesh(dev, (R, S), mesh_dim_names=("dp_replicate", "dp_shard"))``
             (or the pair ``(R, S)`` offline): owners are planned among the ``S`` ranks of the
-            shard dimension, identically in every replica.
+            shard dimension, identically in every replica. A ``("dp_shard", "tp")`` mesh
+            (FSDP2 + TP) or a ``("dp_replicate", "dp_shard", "tp")`` mesh (HSDP x TP) gives
+            ``tp`` too.
         blocks: modules (or fqns) that will be wrapped with ``fully_shard``; each is a scope of
             roles and a unit of materialization.
         block_types: module classes whose instances are blocks (added to ``blocks``).

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..comm.collectives import CommCounter
 from ..placement.tp_host import tp_host_of
 from ..planner.rules import default_matrix_filter
-from .attach import attach_hosts
+from .attach import attach_hosts, row_hosts
 
 __all__ = ["host_matrices", "set_pipeline", "comm_counter"]
 
@@ -104,7 +104,7 @@ def host_matrices(
         raise ValueError(f"{API}: host ranks must be in [0, {tp.size()}), got {bad[:3]}")
     # fully_shard + TP's attach on a (1, T) mesh: one owner row, the TP group itself
     rows = [[(k, [(f, found[f], h) for f, h in g]) for k, g in enumerate(groups)]]
-    attach_hosts(tp, rows, 0, [tp.mesh.flatten().tolist()], tp, pipeline=pipeline)
+    attach_hosts(tp, rows, 0, row_hosts([tp.mesh.flatten().tolist()], tp), pipeline=pipeline)
     return groups
 
 
