@@ -101,13 +101,13 @@ def _stage_indices(schedule: str, pp_rank: int, pp: int) -> list[int]:
     return [pp_rank]
 
 
-def _schedule(name: str, stages: list, n_mb: int):
+def _schedule(name: str, stages: list, n_mb: int, scale_grads: bool = True):
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     if name == "interleaved":
-        return ScheduleInterleaved1F1B(stages, n_microbatches=n_mb, loss_fn=_mse)
+        return ScheduleInterleaved1F1B(stages, n_microbatches=n_mb, loss_fn=_mse, scale_grads=scale_grads)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
-    return cls(stages[0], n_microbatches=n_mb, loss_fn=_mse)
+    return cls(stages[0], n_microbatches=n_mb, loss_fn=_mse, scale_grads=scale_grads)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -115,9 +115,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return math.inf if math.isnan(v) else v
 
 
-def pp_parity(schedule: str, steps: int = 3, pp: int = 2, layout: str = "even") -> dict:
+def pp_parity(schedule: str, steps: int = 3, pp: int = 2, layout: str = "even", deferred: bool = False) -> dict:
     """Pool worker (W = pp * dp ranks): the pipelined, owner-sharded run against the whole model.
-    ``layout="no_matrix"``: the last stage holds a LayerNorm alone (no matrix, no layer)."""
+    ``layout="no_matrix"``: the last stage holds a LayerNorm alone (no matrix, no layer).
+    ``deferred``: the microbatches accumulate unreduced (``set_requires_gradient_sync(False)``)
+    and ``reduce_accumulated_grads()`` reduces once per step; the schedule does not scale
+    (``scale_grads=False``), the divide factor takes the microbatch count instead."""
     from torch.distributed.pipelining import PipelineStage
 
     from matrixfsdp._fully_shard import comm_counter
@@ -141,7 +144,10 @@ def pp_parity(schedule: str, steps: int = 3, pp: int = 2, layout: str = "even") 
         parts.append(part)
         plans.append(plan.digest)
         stages.append(PipelineStage(part, s, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
-    sched = _schedule(schedule, stages, MICROBATCHES)
+    sched = _schedule(schedule, stages, MICROBATCHES, scale_grads=not deferred)
+    if deferred:
+        for part in parts:
+            part.set_gradient_divide_factor(float(dp * MICROBATCHES))
     opts, ref_opt = [_opt(p) for p in parts], _opt(ref)
     has_first, has_last = 0 in idx, n_stages - 1 in idx
     out = {"pp": pp_rank, "dp": d, "digests": plans, "losses": [], "ref_losses": [], "grad": [],
@@ -155,10 +161,19 @@ def pp_parity(schedule: str, steps: int = 3, pp: int = 2, layout: str = "even") 
         counter.reset()
         losses: list = []
         kw = {"target": yl, "losses": losses} if has_last else {}
+        for part in parts:
+            part.set_requires_gradient_sync(not deferred)
         if has_first:
             sched.step(xl, **kw)
         else:
             sched.step(**kw)
+        if deferred:
+            for part in parts:
+                part.set_requires_gradient_sync(True)
+            if step == 0:
+                with pytest.raises(ValueError, match=r"reduce_accumulated_grads: call it on the root"):
+                    next(iter(parts[0].layers.values())).reduce_accumulated_grads()
+            out.setdefault("flushed", []).append([part.reduce_accumulated_grads() for part in parts])
         out["reduce_calls"].append(counter.calls.get("reduce_scatter", 0))
         if has_last:
             out["losses"].append(torch.stack(losses).mean().item())
@@ -192,8 +207,11 @@ def pp_parity(schedule: str, steps: int = 3, pp: int = 2, layout: str = "even") 
     refp = dict(ref.named_parameters())
     out["param"] = max(_rel(matrixfsdp.full_tensor(p), refp[f].detach())
                        for part in parts for f, p in part.named_parameters())
-    # one reduction per block with parameters per microbatch (each microbatch's backward reduces)
-    out["expected_reduces"] = sum(MICROBATCHES * (len(part.layers) + (part.head is not None)) for part in parts)
+    # one reduction per block with parameters per microbatch (each microbatch's backward reduces),
+    # or per step when deferred
+    per = 1 if deferred else MICROBATCHES
+    out["blocks"] = [len(part.layers) + (part.head is not None) for part in parts]
+    out["expected_reduces"] = sum(per * b for b in out["blocks"])
     out["owned"] = sum(1 for part in parts for p in part.parameters()
                        if (o := matrixfsdp.owned_of(p)) is not None and o.kind == "matrix")
     # the head is an output head (AdamW) by the default rule
@@ -201,10 +219,11 @@ def pp_parity(schedule: str, steps: int = 3, pp: int = 2, layout: str = "even") 
     return out
 
 
-@pytest.mark.parametrize("schedule, layout", [("gpipe", "even"), ("1f1b", "even"), ("interleaved", "even"),
-                                              ("1f1b", "no_matrix")])
-def test_pipelining_parity_and_step_collectives(schedule, layout):
-    res = get_pool(4).run(pp_parity, schedule, layout=layout, timeout=180)
+@pytest.mark.parametrize("schedule, layout, deferred", [
+    ("gpipe", "even", False), ("1f1b", "even", False), ("interleaved", "even", False), ("1f1b", "no_matrix", False),
+    ("1f1b", "even", True), ("interleaved", "even", True)])
+def test_pipelining_parity_and_step_collectives(schedule, layout, deferred):
+    res = get_pool(4).run(pp_parity, schedule, layout=layout, deferred=deferred, timeout=180)
     for r in res:
         assert max(r["grad"]) < 1e-5, (r["pp"], r["dp"], r["grad"])
         assert r["param"] < 1e-5, (r["pp"], r["dp"], r["param"])
@@ -212,6 +231,8 @@ def test_pipelining_parity_and_step_collectives(schedule, layout):
         assert r["owned"] == r["matrices"] and (r["owned"] > 0) == (layout == "even" or r["pp"] == 0), r
         assert max(r["norm"]) < 1e-5, r["norm"]
         assert all(c == r["expected_reduces"] for c in r["reduce_calls"]), (r["reduce_calls"], r["expected_reduces"])
+        if deferred:
+            assert all(f == r["blocks"] for f in r["flushed"]), (r["flushed"], r["blocks"])
         assert all(not s for s in r["step_python"]), r["step_python"]
         assert all(not s for s in r["step_dispatcher"]), r["step_dispatcher"]
     # each stage checked its own plan in its own group: the digests agree within a stage

@@ -79,10 +79,17 @@ def _train_pp(steps: int, folder: str, run: str, *, pp: int = 1, schedule: str =
         meshes = sorted({tuple(p.device_mesh.mesh.flatten().tolist()) for m in parts for p in m.parameters()
                          if matrixfsdp.owned_of(p) is None})
         counters = [comm_counter(m) for m in parts]
+        # MatrixTrainer reduces once per block per pipeline step (not per microbatch); the parts of
+        # a rank share one counter (one data-parallel group)
+        reduces = counters[0].calls.get("reduce_scatter", 0)
+        # the layers, and the root where it holds parameters (embedding, or norm and head)
+        blocks = sum(len(m.layers) + any(not f.startswith("layers.") for f, _ in m.named_parameters())
+                     for m in parts)
         before = [sum(c.calls.values()) for c in counters]
         trainer.optimizers.step()  # the grads of the last step are still there
         after = [sum(c.calls.values()) for c in counters]
-        return {"kinds": kinds, "even_meshes": meshes, "step_comm": (before, after),
+        return {"kinds": kinds, "even_meshes": meshes, "step_comm": (before, after), "reduces": reduces,
+                "blocks": blocks,
                 "stages": [s.stage_index for s in getattr(trainer.pp_schedule, "_stages", [])]
                 if getattr(trainer, "pp_schedule", None) is not None else []}
 
@@ -122,6 +129,7 @@ def test_titan_pp_matches_plain_and_resumes_at_pp1(tmp_path, schedule):
         info = r["inspected"]
         before, after = info["step_comm"]
         assert before == after, info["step_comm"]  # every stage's step makes no collective
+        assert info["reduces"] == (STEPS - 1) * info["blocks"], (info["reduces"], info["blocks"])
         assert any(k == "matrix" for k in info["kinds"].values()), info["kinds"]
         assert not any(k == "matrix" for f, k in info["kinds"].items() if "wqkv" in f), info["kinds"]
         if schedule != "1F1B":  # 2 stages per rank; the first and last hold no matrix

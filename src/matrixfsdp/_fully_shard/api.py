@@ -263,6 +263,26 @@ class MatrixFSDPModule:
         for state in self._states(recurse):
             state.requires_gradient_sync = bool(requires_gradient_sync)
 
+    def reduce_accumulated_grads(self) -> int:
+        """Reduce the gradients accumulated under ``set_requires_gradient_sync(False)`` now, one
+        reduction per block, without a backward; returns the number of reductions. Call on every
+        rank, outside backward, on the root (every block under it). For schedules that run one
+        backward per microbatch and have no hook for a last synced one, such as torch's pipelining
+        schedules (they call FSDP2's controls on torch ``FSDPModule``s only).
+
+        Example::
+
+            stage.submod.set_requires_gradient_sync(False)
+            schedule.step(x, target=y)                  # every microbatch accumulates locally
+            stage.submod.set_requires_gradient_sync(True)
+            stage.submod.reduce_accumulated_grads()     # one reduction per block
+        """
+        state = _state_of(self, "reduce_accumulated_grads")  # type: ignore[arg-type]
+        if state.ctx is None or state is not state.ctx.root:
+            raise ValueError(f"{API}.reduce_accumulated_grads: call it on the root (the planned model), "
+                             f"got block {state.fqn!r}")
+        return state.ctx.reduce_accumulated()
+
     def set_find_unused_parameters(self, find_unused_parameters: bool, *, recurse: bool = True) -> None:
         """``False`` promises that every parameter gets a gradient on some rank in every step
         (DDP's ``find_unused_parameters=False``): a rank that did not use a parameter then takes

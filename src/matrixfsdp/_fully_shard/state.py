@@ -201,6 +201,32 @@ class RootContext:
             self.awaiting_backward = self.pinned
 
     # ---------------------------------------------------------------------------- reductions
+    def reduce_accumulated(self) -> int:
+        """Reduce every block's no-sync accumulation now, one reduction per block that holds one
+        (see ``MatrixFSDPModule.reduce_accumulated_grads``); returns how many. Outside backward,
+        on every rank at the same point: every rank ran the same blocks' backwards, so the same
+        blocks hold an accumulation and the reductions match."""
+        if in_backward():
+            raise RuntimeError("matrixfsdp.fully_shard: reduce_accumulated_grads() was called inside a "
+                               "backward; call it after the backward passes have finished")
+        n = 0
+        for s in reversed(self.states):  # fixed order: the same on every rank
+            if s.group.accum is not None:
+                p = s.group.reduce([None] * len(s.group.trainable), sync=True,
+                                   divide_factor=s.gradient_divide_factor)
+                if p is not None:
+                    self.pending.append(p)
+                    n += 1
+                    while len(self.pending) > MAX_REDUCES_IN_FLIGHT:
+                        self.finish_oldest()
+        while self.pending:
+            self.finish_oldest()
+        entries, self.undecided = self.undecided, []
+        read_flags(entries).resolve(accumulate_grad)
+        if n and self.exchange is not None:
+            self.exchange.mark_stale()  # a step may follow (see [Note: deferred gathers])
+        return n
+
     def issue_reduce(self, state: "BlockState", grads: list[torch.Tensor | None]) -> None:
         p = state.group.reduce(grads, sync=state.requires_gradient_sync,
                                divide_factor=state.gradient_divide_factor)

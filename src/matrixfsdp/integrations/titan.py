@@ -543,6 +543,8 @@ class MatrixTrainer(Trainer):
     :func:`_clip_grad_norm_` (torchtitan's own for models without matrixfsdp parameters;
     matrixfsdp's otherwise, its norm all-reduced over the pipeline mesh too under PP); nothing of torchtitan is replaced, for other trainers
     in the process or at all. Build it from ``MatrixTrainer.Config`` (a ``Trainer.Config``).
+    Under pipeline parallelism each ``pp_forward_backward_step`` reduces once per block, as FSDP2
+    under torch's schedules does, instead of once per microbatch (see :meth:`pp_forward_backward_step`).
     """
 
     @dataclasses.dataclass(kw_only=True, slots=True)
@@ -550,6 +552,25 @@ class MatrixTrainer(Trainer):
         pass
 
     train_step = _with_dist_utils(Trainer.train_step)
+
+    def pp_forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
+        """torchtitan's, with the microbatches' gradients accumulated unreduced and reduced once per
+        block at the end (``set_requires_gradient_sync(False)``, then
+        ``reduce_accumulated_grads()``). torch's schedules run one backward per microbatch and
+        call FSDP2's controls for that only on torch ``FSDPModule``s; without this every
+        microbatch would reduce. The sums are the same (torchtitan normalizes by the global token
+        count, summed gradients)."""
+        parts = [m for m in self.model_parts if isinstance(m, MatrixFSDPModule)]
+        for m in parts:
+            m.set_requires_gradient_sync(False)
+        try:
+            loss = super().pp_forward_backward_step(**kwargs)
+        finally:
+            for m in parts:
+                m.set_requires_gradient_sync(True)
+        for m in parts:  # the same parts and blocks on every rank of a stage
+            m.reduce_accumulated_grads()
+        return loss
 
 
 # ================================================================================ optimizers
