@@ -80,10 +80,11 @@ collective of the initialization spans stages, whose plans differ); the routing 
 whole model's vocabulary (``MatrixRule(vocab_sizes=)``), so a stage without the embedding routes
 as the unsplit model. A stage without decoder layers (torchtitan's rule is one *effective* layer
 per stage: the embedding, or norm and head, count) is sharded as its root alone; one without any
-matrix steps element-wise. Every microbatch's backward reduces its gradients to their owners
-(torch's schedules call FSDP2's sync controls only on torch ``FSDPModule``s), the owners
-accumulate them, every stage's optimizer step is local, and clipping all-reduces the stages'
-norms over the ``"pp"`` mesh (``clip_grad_norm_(pp_mesh=)``). torchtitan's checkpointer resumes
+matrix steps element-wise. The microbatches' gradients accumulate unreduced and each block
+reduces once per pipeline step (``MatrixTrainer.pp_forward_backward_step``; torch's schedules
+call FSDP2's sync controls only on torch ``FSDPModule``s), every stage's optimizer step is
+local, and clipping all-reduces the stages' norms over the ``"pp"`` mesh
+(``clip_grad_norm_(pp_mesh=)``). torchtitan's checkpointer resumes
 across PP degrees (FQNs are the whole model's). Refused: tied embeddings (torchtitan refuses them
 too), expert parallelism with PP, and a torch whose schedules lack ``step(arg_mbs=)``, which
 torchtitan 0.3's Trainer calls (2.15 has it, 2.13 not). Each stage initializes from the same seed,
