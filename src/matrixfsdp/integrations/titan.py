@@ -98,12 +98,14 @@ shard is summed into its owner's, as FSDP2 reduces over that mesh. Not run: torc
 cannot compute attention on a CPU (SDPA: DTensor has no sharding strategy for
 ``aten._scaled_dot_product_flash_attention_for_cpu``; FlexAttention has no CPU backward).
 
-Not supported (clear errors): expert parallelism with an
-expert-FSDP group (``efsdp > 1``), with HSDP or with TP, CPU offload,
-``torch.compile`` of the model; with tensor
-parallelism also async TP
-(``compile.enable_async_tensor_parallel``) and quantized linears (Float8/MXFP8/NVFP4 model
-converters). ``parallelize_matrixfsdp`` used with torchtitan's stock ``Trainer`` (not
+Compile (``compile.enable`` with ``"model"`` in ``compile.components``): torchtitan's own
+``apply_compile`` (``block.compile(fullgraph=True)`` per layer) after AC, before sharding; a
+checkpointed layer is compiled inside its wrapper. matrixfsdp's hooks run outside dynamo.
+
+Not supported (clear errors, each with its reason): expert parallelism with an expert-FSDP
+group (``efsdp > 1``), with HSDP, TP or PP; CPU offload ([Note: CPU offload]); async TP
+(``compile.enable_async_tensor_parallel``: CUDA symmetric memory) and quantized linears
+(Float8/MXFP8/NVFP4 model converters: CUDA). ``parallelize_matrixfsdp`` used with torchtitan's stock ``Trainer`` (not
 ``MatrixTrainer``) trains, but torchtitan's clipping then refuses the owned gradients: build the
 Trainer from ``with_matrixfsdp``'s config or ``MatrixTrainer.Config``.
 """
