@@ -5,8 +5,10 @@ backend serves (never by its name), and the mesh-info object."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -264,6 +266,30 @@ def test_owner_meshes_of_meshes_differing_only_in_names_stay_apart():
     mesh it was sharded on, also after another mesh over the same ranks (another name) was used
     (the second model raised 'got mesh DeviceMesh((dp_shard=2)...' before)."""
     assert get_pool(2).run(_owned_on_meshes_named_differently) == [[True, True, True]] * 2
+
+
+def _dropin_after_a_model_collected_on_one_rank_only() -> list:
+    """A drop-in model dropped in a reference cycle (module <-> its state), collected by rank 0
+    only: the next model's call tallies the earlier call on rank 1 alone."""
+    W = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("gc_timing",))
+    first = nn.Sequential(nn.Linear(8, 8, bias=False))
+    matrixfsdp.fully_shard(first, mesh=mesh)
+    del first
+    if dist.get_rank() == 0:
+        gc.collect()
+    gc.disable()  # no collection of our own making on rank 1 before the next call's check
+    try:
+        second = nn.Sequential(nn.Linear(8, 8, bias=False))
+        matrixfsdp.fully_shard(second, mesh=mesh)  # raised "the plan differs across ranks" before
+    finally:
+        gc.enable()
+    return [matrixfsdp.owned_of(second[0].weight).owner]
+
+
+def test_dropin_plan_does_not_depend_on_gc_timing():
+    owners = get_pool(2).run(_dropin_after_a_model_collected_on_one_rank_only)
+    assert owners[0] == owners[1], owners
 
 
 def _torch_adamw_on_fully_shard_after_a_replicate() -> tuple:

@@ -35,6 +35,10 @@ def check_world_size(plan: OwnerPlan, info: MeshInfo, *, api: str) -> None:
         )
 
 
+class PlanMismatchError(RuntimeError):
+    """The plan digests differ across ranks (raised on every rank alike)."""
+
+
 def verify_plan_digest(plan: OwnerPlan, info: MeshInfo, *, api: str) -> None:
     """All ranks of the shard group exchange the plan digest once per plan object; a plan that
     differs on any rank raises ``RuntimeError`` on every rank. A collective: run it before any
@@ -47,7 +51,7 @@ def verify_plan_digest(plan: OwnerPlan, info: MeshInfo, *, api: str) -> None:
     digests = agree(fingerprint=plan.digest, group=info.dp_group, device=info.device)
     if len(set(digests)) != 1:
         by_rank = ", ".join(f"rank {r}: {(d or '')[:12]}" for r, d in enumerate(digests))
-        raise RuntimeError(
+        raise PlanMismatchError(
             f"{api}: the plan differs across ranks ({by_rank}); every rank must build the same "
             "plan (same model, world size and planner arguments, or load one saved plan)"
         )
