@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import matrixfsdp
 from _harness import get_pool
 from fully_shard.test_features import collective_spy
-from fully_shard.test_tp import FwdNet, _expect, _global_batch, _merged, _whole_state
+from fully_shard.test_tp import FwdNet, _expect, _global_batch, _merged, check_load, err, train_save_or_load
 from matrixfsdp.placement.owner import owner_of
 from tp.test_host_matrices import MLPBlock, _opt
 
@@ -186,41 +186,9 @@ def test_hsdp_tp_parity_and_step_collectives(mode):
 def hsdp_tp_checkpoint(root, R, S, T, mode, save):
     """Train 2 steps and save (``save``), or load; then one more step. Full parameters after the
     save/load and after the extra step, and the whole optimizer state this rank holds."""
-    import matrixfsdp.checkpoint as mckpt
-
     dp, model, _, _ = _build(R, S, T, mode)
-    opt = _opt("muon", model)
     d, W = _dp_index(dp)
-
-    def step(k):
-        x, y = _global_batch(k, 4)  # the same global batch in every layout
-        n = x.shape[0] // W
-        model(x[d * n:(d + 1) * n], y[d * n:(d + 1) * n]).backward()
-        opt.step()
-        opt.zero_grad()
-
-    if save:
-        for k in range(2):
-            step(k)
-        mckpt.save(os.path.join(root, "ckpt"), model, opt)
-    else:
-        mckpt.load(os.path.join(root, "ckpt"), model, opt)
-    full = {f: matrixfsdp.full_tensor(p).detach().clone() for f, p in model.named_parameters()}
-    state = _whole_state(model, opt)
-    step(2)
-    after = {f: matrixfsdp.full_tensor(p).detach().clone() for f, p in model.named_parameters()}
-    return full, state, after
-
-
-def _check_load(name, res, full, state, after):
-    for r in res:
-        assert all(torch.equal(r[0][f], full[f]) for f in full), name
-    got = _merged(res, 1)
-    assert state.keys() <= got.keys(), (name, sorted(set(state) - set(got)))
-    assert all(torch.equal(got[k], state[k]) for k in state), (name, [k for k in state if not torch.equal(got[k], state[k])])
-    worst = max(((res[0][2][f] - after[f]).abs().max() / after[f].abs().max()).item() for f in after)
-    print(name, "after one more step, max rel diff:", worst)
-    assert worst < 1e-6, (name, worst)
+    return train_save_or_load(root, model, _opt("muon", model), d, W, 4, save)
 
 
 @pytest.mark.parametrize("mode", ["repeat", "split"])
@@ -233,11 +201,11 @@ def test_hsdp_tp_checkpoints_reshard(tmp_path, mode):
     full, state, after = saved[0][0], _merged(saved, 1), saved[0][2]
     assert {k for k in state if k.endswith("momentum_buffer")} == {
         f"blocks.{i}.{n}.weight.momentum_buffer" for i in range(2) for n in ("up", "down")}
-    _check_load("(1,2,2)", get_pool(4).run(hsdp_tp_checkpoint, path, 1, 2, 2, mode, False), full, state, after)
-    _check_load("(2,2) no TP", get_pool(4).run(hsdp_tp_checkpoint, path, 2, 2, 0, mode, False), full, state, after)
+    check_load("(1,2,2)", get_pool(4).run(hsdp_tp_checkpoint, path, 1, 2, 2, mode, False), full, state, after)
+    check_load("(2,2) no TP", get_pool(4).run(hsdp_tp_checkpoint, path, 2, 2, 0, mode, False), full, state, after)
     path = str(tmp_path / "b")
     saved = get_pool(4).run(hsdp_tp_checkpoint, path, 2, 2, 0, mode, True)
-    _check_load("no TP -> (2,2,2)", get_pool(8).run(hsdp_tp_checkpoint, path, 2, 2, 2, mode, False),
+    check_load("no TP -> (2,2,2)", get_pool(8).run(hsdp_tp_checkpoint, path, 2, 2, 2, mode, False),
                 saved[0][0], _merged(saved, 1), saved[0][2])
 
 
@@ -293,13 +261,6 @@ def hsdp_tp_refusals():
     """A 3-D mesh with wrong names or order, to plan_owners and fully_shard; the whole 3-D mesh to
     fully_shard. Raised on every rank alike (no rank hangs)."""
     out = {}
-
-    def err(fn):
-        try:
-            fn()
-        except (ValueError, TypeError) as e:
-            return f"{type(e).__name__}: {e}"
-        return None
 
     model = FwdNet(H)
     for key, names in (("order", ("dp_shard", "dp_replicate", "tp")), ("tp_first", ("tp", "dp_replicate", "dp_shard")),

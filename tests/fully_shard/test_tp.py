@@ -190,17 +190,24 @@ def _whole_state(model, opt):
 def fsdp_tp_checkpoint(root, dp, tp, save, h=80):
     """Train 2 steps and save (``save``), or load; then one more step. Full parameters after the
     save/load and after the extra step, and the whole optimizer state this rank holds."""
-    import os
-
-    import matrixfsdp.checkpoint as mckpt
-
     mesh, model, _ = _build_layout(dp, tp, h)
     opt = _opt("muon", model)
     rows = max(dp, 1)
     d = mesh["dp_shard"].get_local_rank() if (mesh is not None and tp) else (mesh.get_local_rank() if mesh is not None else 0)
+    return train_save_or_load(root, model, opt, d, rows, 2, save)
+
+
+def train_save_or_load(root, model, opt, d, rows, batch, save):
+    """Train 2 steps and save to ``root/ckpt`` (``save``), or load it; then one more step. Data
+    rank ``d`` of ``rows`` takes its rows of the same global batch (``batch`` rows per rank of
+    the widest layout) in every layout. Returns the full parameters after the save/load and
+    after the extra step, and the whole optimizer state this rank holds."""
+    import os
+
+    import matrixfsdp.checkpoint as mckpt
 
     def step(k):
-        x, y = _global_batch(k, 2)  # the same global batch in every layout
+        x, y = _global_batch(k, batch)
         n = x.shape[0] // rows
         model(x[d * n:(d + 1) * n], y[d * n:(d + 1) * n]).backward()
         opt.step()
@@ -240,15 +247,21 @@ def test_fsdp_tp_checkpoints_reshard(tmp_path):
         "one process": [fsdp_tp_checkpoint(str(tmp_path), 0, 0, False)],
     }
     for name, res in loads.items():
-        for r in res:
-            assert all(torch.equal(r[0][f], full[f]) for f in full), name
-        got = _merged(res, 1)
-        # (evenly sharded tensors, emb and head at dp=2, are whole in a layout without dp)
-        assert state.keys() <= got.keys(), (name, sorted(set(state) - set(got)))
-        assert all(torch.equal(got[k], state[k]) for k in state), (name, [k for k in state if not torch.equal(got[k], state[k])])
-        worst = max(((res[0][2][f] - after[f]).abs().max() / after[f].abs().max()).item() for f in after)
-        print(name, "after one more step, max rel diff vs (2,2):", worst)
-        assert worst < 1e-6, (name, worst)
+        check_load(name, res, full, state, after)
+
+
+def check_load(name, res, full, state, after):
+    """Each rank of a load (``train_save_or_load`` results) has the saved full parameters, the
+    ranks together hold every saved whole state bitwise (evenly sharded tensors, emb and head at
+    dp=2, are whole in a layout without dp), and one more step stays within 1e-6."""
+    for r in res:
+        assert all(torch.equal(r[0][f], full[f]) for f in full), name
+    got = _merged(res, 1)
+    assert state.keys() <= got.keys(), (name, sorted(set(state) - set(got)))
+    assert all(torch.equal(got[k], state[k]) for k in state), (name, [k for k in state if not torch.equal(got[k], state[k])])
+    worst = max(((res[0][2][f] - after[f]).abs().max() / after[f].abs().max()).item() for f in after)
+    print(name, "after one more step, max rel diff:", worst)
+    assert worst < 1e-6, (name, worst)
 
 
 def fsdp_tp_outsider():
@@ -300,6 +313,15 @@ def test_fsdp_tp_outside_use():
         assert r["full_sd_keys"] and r["full_sd"] < 1e-5, r
 
 
+def err(fn):
+    """The ValueError/TypeError ``fn()`` raises, as "Type: message", or None."""
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def fsdp_tp_refusals():
     """Clear errors, raised on every rank alike (no rank hangs)."""
     out = {}
@@ -310,13 +332,6 @@ def fsdp_tp_refusals():
         for b in model.blocks:
             parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel()})
         return model
-
-    def err(fn):
-        try:
-            fn()
-        except (ValueError, TypeError) as e:
-            return f"{type(e).__name__}: {e}"
-        return None
 
     model = fresh()
     out["whole_mesh"] = err(lambda: matrixfsdp.fully_shard(model.blocks[0], mesh=mesh))
