@@ -17,7 +17,7 @@ from ..comm.agree import agree
 from ..mesh import MeshInfo
 from ..planner.owner_plan import OwnerPlan
 
-__all__ = ["verify_plan_digest", "check_world_size"]
+__all__ = ["verify_plan_digest", "plans_agree", "check_world_size"]
 
 _VERIFIED: dict[tuple[int, tuple[int, ...]], Any] = {}
 
@@ -35,24 +35,29 @@ def check_world_size(plan: OwnerPlan, info: MeshInfo, *, api: str) -> None:
         )
 
 
-class PlanMismatchError(RuntimeError):
-    """The plan digests differ across ranks (raised on every rank alike)."""
-
-
-def verify_plan_digest(plan: OwnerPlan, info: MeshInfo, *, api: str) -> None:
-    """All ranks of the shard group exchange the plan digest once per plan object; a plan that
-    differs on any rank raises ``RuntimeError`` on every rank. A collective: run it before any
-    check that depends on the plan's content."""
+def plans_agree(plan: OwnerPlan, info: MeshInfo) -> list[str] | None:
+    """All ranks of the data-parallel group exchange the plan digest once per plan object:
+    ``None`` if they agree (or did before), else every rank's digest (on every rank alike). A
+    collective."""
     key = (id(plan), tuple(info.mesh.mesh.flatten().tolist()))
     if key in _VERIFIED:
-        return
+        return None
     # over every data-parallel rank at once (an HSDP mesh flattened): two exchanges, one per
     # dimension, would let a rank whose own groups agree pass while the others raise
     digests = agree(fingerprint=plan.digest, group=info.dp_group, device=info.device)
     if len(set(digests)) != 1:
+        return digests
+    _VERIFIED[key] = weakref.finalize(plan, _VERIFIED.pop, key, None)
+    return None
+
+
+def verify_plan_digest(plan: OwnerPlan, info: MeshInfo, *, api: str) -> None:
+    """:func:`plans_agree`, raising ``RuntimeError`` on every rank if the plans differ. Run it
+    before any check that depends on the plan's content."""
+    digests = plans_agree(plan, info)
+    if digests is not None:
         by_rank = ", ".join(f"rank {r}: {(d or '')[:12]}" for r, d in enumerate(digests))
-        raise PlanMismatchError(
+        raise RuntimeError(
             f"{api}: the plan differs across ranks ({by_rank}); every rank must build the same "
             "plan (same model, world size and planner arguments, or load one saved plan)"
         )
-    _VERIFIED[key] = weakref.finalize(plan, _VERIFIED.pop, key, None)
