@@ -70,16 +70,16 @@ def _dsd_code(name: str) -> Any:
     return _CODES[name]
 
 
-def called_from(name: str, depth: int = 2) -> bool:
-    """Whether the caller ``depth`` frames up (the caller of the function calling this) is
-    ``torch.distributed._state_dict_utils.<name>``. On a torch release outside
-    :data:`SUPPORTED_TORCH`, a caller of that name and module raises
-    :class:`UnverifiedTorchError`; other callers get False."""
+def called_from(*names: str, depth: int = 2) -> str | None:
+    """Which of ``torch.distributed._state_dict_utils.<name>`` for ``name`` in ``names`` is the
+    caller ``depth`` frames up (the caller of the function calling this), or None; one frame
+    lookup for all names. On a torch release outside :data:`SUPPORTED_TORCH`, a caller of one
+    of those names in that module raises :class:`UnverifiedTorchError`."""
     frame = sys._getframe(depth)
     if enabled():
-        code = _dsd_code(name)
-        return code is not None and frame.f_code is code
-    if frame.f_code.co_name == name and frame.f_globals.get("__name__") == _DSD_MODULE:
+        return next((n for n in names if (code := _dsd_code(n)) is not None and frame.f_code is code), None)
+    name = frame.f_code.co_name
+    if name in names and frame.f_globals.get("__name__") == _DSD_MODULE:
         raise UnverifiedTorchError(
             f"matrixfsdp: torch {torch.__version__}'s full-state-dict loader ({_DSD_MODULE}.{name}, "
             "reached from set_model_state_dict/set_optimizer_state_dict with "
@@ -89,4 +89,4 @@ def called_from(name: str, depth: int = 2) -> bool:
             "matrixfsdp.checkpoint import`), or copy each full tensor with "
             "matrixfsdp.set_full_(param, tensor)"
         )
-    return False
+    return None

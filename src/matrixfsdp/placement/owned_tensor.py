@@ -110,10 +110,9 @@ class OwnedDTensor(DTensor):
 
     @property
     def device_mesh(self) -> DeviceMesh:  # type: ignore[override]
-        # Read by the loaders on every rank at the same key (to_local above, only on non-owners):
-        # on an unverified torch every rank raises here alike.
-        called_from("_distribute_tensors")
-        if called_from("_distribute_state_dict"):
+        # Read by both loaders on every rank at the same key (to_local above: only on non-owners),
+        # so on an unverified torch every rank raises here alike.
+        if called_from("_distribute_tensors", "_distribute_state_dict") == "_distribute_state_dict":
             dp, owner = self._dp()
             raise ValueError(
                 "matrixfsdp: set_model_state_dict/set_optimizer_state_dict with "
