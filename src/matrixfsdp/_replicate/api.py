@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import weakref
 from typing import Any, Callable, Iterator, NoReturn
 
@@ -15,7 +14,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm.agree import agree, encode_error
 from ..comm.collectives import KINDS, CommCounter, collectives_for
-from ..engine.backward import dynamo_disable
 from ..engine.plan_check import check_world_size, verify_plan_digest
 from ..engine.reducer import check_find_unused, replica_comm
 from ..engine.streams import CommContext
@@ -237,21 +235,6 @@ def _check_not_sharded(module: nn.Module) -> None:
             raise ValueError(f"{API}: parameter {name!r} is a DTensor; replicate manages plain parameters")
 
 
-@dynamo_disable
-def _pre_forward_module_hook(state: ReplicateState, buckets: list, module: nn.Module, args: Any) -> None:
-    state.pre_forward_module(module, buckets)
-
-
-@dynamo_disable
-def _pre_forward_root_hook(state: ReplicateState, module: nn.Module, args: Any) -> None:
-    state.pre_forward_root()
-
-
-@dynamo_disable
-def _post_forward_root_hook(state: ReplicateState, module: nn.Module, args: Any, output: Any) -> Any:
-    return state.post_forward_root(output)
-
-
 def _install_hooks(module: nn.Module, state: ReplicateState) -> None:
     by_param = {id(p): b for b in state.buckets for p in b.params}
     for m in module.modules():
@@ -261,11 +244,9 @@ def _install_hooks(module: nn.Module, state: ReplicateState) -> None:
             if b is not None and b not in mine:
                 mine.append(b)
         if mine:
-            m.register_forward_pre_hook(functools.partial(_pre_forward_module_hook, state, mine))
-    # Partials of functions disabled where they are defined (no frame of ours for dynamo to
-    # trace: under torch.compile the hooks run eagerly, with no graph break to count).
-    module.register_forward_pre_hook(functools.partial(_pre_forward_root_hook, state), prepend=True)
-    module.register_forward_hook(functools.partial(_post_forward_root_hook, state))
+            m.register_forward_pre_hook(lambda mod, args, _b=mine: state.pre_forward_module(mod, _b))
+    module.register_forward_pre_hook(lambda mod, args: state.pre_forward_root(), prepend=True)
+    module.register_forward_hook(lambda mod, args, out: state.post_forward_root(out))
     module.register_state_dict_pre_hook(lambda *a, **k: state.sync_params())
 
 
