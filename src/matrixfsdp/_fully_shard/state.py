@@ -222,7 +222,7 @@ class RootContext:
         while self.pending:
             self.finish_oldest()
         entries, self.undecided = self.undecided, []
-        read_flags(entries).resolve(accumulate_grad)
+        read_flags(entries).resolve(land_grad)
         if n and self.exchange is not None:
             self.exchange.mark_stale()  # a step may follow (see [Note: deferred gathers])
         return n
