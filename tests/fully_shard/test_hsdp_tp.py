@@ -243,13 +243,14 @@ def hsdp_tp_full_state_roundtrip(mode):
     return max(((a[f] - b[f]).abs().max() / a[f].abs().max()).item() for f in a), keys
 
 
-def test_hsdp_tp_full_state_dict_roundtrip_repeat():
-    """``repeat`` at (2, 2, 2): every replica's TP hosts present their state within their replica,
-    and DCP's full optimizer state dict gathers it (the hosted matrices' momentum whole); loaded
-    back, one more step agrees bitwise. (``split``'s full optimizer state dict is not covered: it
-    hangs on plain HSDP (2, 2) split too, where an owner outside its step replica presents none of
-    the keys the step replica keeps, so DCP's per-key gather runs on the other ranks alone.)"""
-    res = get_pool(8).run(hsdp_tp_full_state_roundtrip, "repeat", timeout=120)
+@pytest.mark.parametrize("mode", ["repeat", "split"])
+def test_hsdp_tp_full_state_dict_roundtrip(mode):
+    """At (2, 2, 2) DCP's full optimizer state dict gathers the hosted matrices' momentum whole:
+    under ``repeat`` every replica's TP hosts present their state within their replica; under
+    ``split`` the step replica's host presents it and the owner row of the other replica, which
+    got no gradient, presents the same keys empty (its step receipt; before, it presented none
+    and DCP's per-key gather hung). Loaded back, one more step agrees bitwise."""
+    res = get_pool(8).run(hsdp_tp_full_state_roundtrip, mode, timeout=180)
     assert all(r[0] == 0.0 for r in res), [r[0] for r in res]
     keys = res[0][1]
     assert sum(v == ["momentum_buffer"] for v in keys.values()) == 4, keys

@@ -45,7 +45,7 @@ from ..engine.exchange import Exchange, GatherUnit, any_rank, version_stamp
 from ..engine.reducer import replica_comm
 from ..engine.swap import attached_state
 from ..mesh import MeshInfo
-from ..placement.owner import mesh_scratch, owner_of, set_owner
+from ..placement.owner import StepReceipt, mesh_scratch, owner_of, set_owner
 from ..planner.owner_plan import OwnerPlan, ParamPlan
 from ..planner.owners import plan_owners
 from ..planner.rules import DecidedRule, MatrixRule, head_rows_of
@@ -233,7 +233,10 @@ def attach_exchange(ctx: RootContext, info: MeshInfo) -> None:
             ex.units.append(unit)
             g.exchange = (ex, unit)
     for mp in split:
-        set_owner(mp.sharded, dataclasses.replace(owner_of(mp.sharded), exchange=ex))  # type: ignore[arg-type]
+        info = owner_of(mp.sharded)
+        # a receipt per parameter, kept when an earlier drop-in call's blocks are re-rooted
+        receipt = info.receipt if info.receipt is not None else StepReceipt()  # type: ignore[union-attr]
+        set_owner(mp.sharded, dataclasses.replace(info, exchange=ex, receipt=receipt))  # type: ignore[arg-type]
     ctx.exchange = ex
 
 

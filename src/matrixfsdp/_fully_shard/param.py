@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..mesh import MeshInfo
-from ..placement.owner import FQN_ATTR, owner_of, set_owner
+from ..placement.owner import FQN_ATTR, StepReceipt, owner_of, set_owner
 from ..placement.tp_host import set_tp_host, tp_host_of
 from ..placement.experts import expert_rows
 from ..placement.owned_tensor import local_tensor, make_sharded_param, owned_of
@@ -108,7 +108,10 @@ class ManagedParam:
         if host is not None:
             set_tp_host(new, host)
         if info is not None and info.exchange is not None:  # the runtime's, set at resolution
-            set_owner(new, dataclasses.replace(owner_of(new), exchange=info.exchange))  # type: ignore[arg-type]
+            # a fresh receipt: the gradients are dropped below, on every rank alike
+            receipt = StepReceipt() if info.receipt is not None else None
+            set_owner(new, dataclasses.replace(owner_of(new), exchange=info.exchange,  # type: ignore[arg-type]
+                                               receipt=receipt))
         setattr(new, FQN_ATTR, self.fqn)
         if old.grad is not None:
             old.grad = None  # a use of the old storage would block the swap; it is stale anyway

@@ -70,9 +70,10 @@ from ..engine.layout import BlockLayout
 from ..engine.reducer import PendingReduce, Reducer, ReplicaComm
 from ..engine.streams import CommContext
 from ..placement.owned_tensor import make_sharded_grad
+from ..placement.owner import owner_of
 from .param import ManagedParam
 
-__all__ = ["BlockReduce", "CommContext", "ParamGroup", "ReplicaComm", "accumulate_grad"]
+__all__ = ["BlockReduce", "CommContext", "ParamGroup", "ReplicaComm", "accumulate_grad", "land_grad"]
 
 
 def _free(t: torch.Tensor | None) -> None:
@@ -403,16 +404,29 @@ class ParamGroup:
             pending = reducer.launch(buf, used, divide_factor=divide_factor)
         return BlockReduce(self, self.trainable, pending)
 
-    def finish(self, br: BlockReduce) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]:
+    def finish(self, br: BlockReduce) -> list[tuple[nn.Parameter, torch.Tensor | None, torch.Tensor]]:
         """Wait for ``br`` and write the sharded gradients of the parameters this rank used
         (running their post-accumulate-grad hooks). Returns ``(param, grad, summed_flag)`` for the
-        others, which the root resolves (see [Note: unused parameters])."""
+        others, which the root resolves with :func:`land_grad` (see [Note: unused parameters])."""
         red = br.pending.reducer.finish(br.pending)
         undecided = []
+        # gradients of the block still here: this backward accumulates onto the step replicas'
+        # too (no zero_grad since), so their receipts stand (see [Note: step receipts])
+        carried = any(self.params[i].sharded.grad is not None for i in br.trainable)
         for j, i in enumerate(br.trainable):
             sharded = self.params[i].sharded
             if red.grads[j] is None:
-                continue  # HSDP split: another replica steps it (and only it gets the gradient)
+                # HSDP split: another replica steps it (and only it gets the gradient); this
+                # owner learns whether that replica got one, as the other ranks do from .grad
+                receipt = owner_of(sharded).receipt  # type: ignore[union-attr]
+                if receipt is not None:
+                    if not carried:
+                        receipt.reduced = False
+                    if red.used[j]:
+                        receipt.reduced = True
+                    else:
+                        undecided.append((sharded, None, red.flags[j]))
+                continue
             if red.used[j]:
                 accumulate_grad(sharded, red.grads[j])
             else:
@@ -447,6 +461,15 @@ def check_one_dtype(where: str, dtypes: Sequence[torch.dtype], mp_policy: MixedP
     if len(names) > 1 and mp_policy.param_dtype is None:
         raise ValueError(f"matrixfsdp.fully_shard: {where} mixes parameter dtypes {names}; set "
                          "mp_policy.param_dtype to materialize them in one dtype")
+
+
+def land_grad(param: Any, grad: torch.Tensor | None) -> None:
+    """A reduced gradient some rank contributed to: :func:`accumulate_grad`, or for ``None`` (an
+    HSDP split parameter another replica steps) the receipt that its step replica holds it."""
+    if grad is None:
+        owner_of(param).receipt.reduced = True  # type: ignore[union-attr]
+    else:
+        accumulate_grad(param, grad)
 
 
 def accumulate_grad(param: Any, grad: torch.Tensor) -> None:

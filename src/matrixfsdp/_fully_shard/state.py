@@ -75,7 +75,7 @@ from ..mesh import MeshInfo
 from ..comm.collectives import SegmentCollectives
 from .param import ManagedParam
 from ..engine.reducer import Reducer, read_flags
-from .param_group import BlockReduce, CommContext, ParamGroup, ReplicaComm, accumulate_grad
+from .param_group import BlockReduce, CommContext, ParamGroup, ReplicaComm, land_grad
 
 __all__ = ["ShardConfig", "BlockState", "RootContext", "TrainingState", "MAX_REDUCES_IN_FLIGHT"]
 
@@ -122,8 +122,9 @@ class RootContext:
     #: refuse to touch parameters a pending backward would read)
     awaiting_backward: bool = False
     pending: list[BlockReduce] = field(default_factory=list)
-    #: gradients of parameters this rank did not use, awaiting the summed usage flags
-    undecided: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: gradients of parameters this rank did not use, awaiting the summed usage flags (``None``:
+    #: an HSDP split parameter another replica steps, see [Note: step receipts])
+    undecided: list[tuple[nn.Parameter, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
     #: HSDP split: the step replicas' values to the other owners (see [Note: deferred gathers])
     exchange: Exchange | None = None
 
@@ -193,7 +194,7 @@ class RootContext:
                 if not self.pinned and not s.group.is_resharded:
                     s.group.reshard()
                 s.training_state = TrainingState.IDLE
-            read.resolve(accumulate_grad)
+            read.resolve(land_grad)
             if self.exchange is not None and self.accumulating:
                 self.exchange.mark_stale()  # a step may follow (see [Note: deferred gathers])
         finally:
@@ -243,7 +244,7 @@ class RootContext:
             self.undecided.extend(undecided)  # resolved at the end of backward, one host read
         else:  # set_find_unused_parameters(False): the reduced sum, unread
             for param, grad, _ in undecided:
-                accumulate_grad(param, grad)
+                land_grad(param, grad)
 
 
 class BlockState:

@@ -449,7 +449,8 @@ class MatrixOptimizer(Optimizer):
                 # shard would move, the host keeping the only, shard-shaped, state)
                 hosted.setdefault(id(st.executor), (st.executor, []))[1].append((p, rules[route]))
             if st.hosted or not st.keeps_state:  # stepped by its TP host, or by its owner
-                if p.grad is not None and not st.keeps_state:
+                # reduced_elsewhere: under HSDP split this rank holds it but got no gradient
+                if (p.grad is not None or st.reduced_elsewhere) and not st.keeps_state:
                     self._note_remote(p, st)
                 continue
             param = local_tensor(p)
@@ -482,9 +483,10 @@ class MatrixOptimizer(Optimizer):
             )
         stacks: list[tuple[Tensor, Tensor, int]] = []
         for p in group["params"]:
-            if p.grad is None or not stepping_of(p).keeps_state:
-                if p.grad is not None:  # another rank owns it: no state, no compute here
-                    self._note_remote(p)
+            st = stepping_of(p)
+            if p.grad is None or not st.keeps_state:
+                if p.grad is not None or st.reduced_elsewhere:  # another rank owns it: no state, no compute here
+                    self._note_remote(p, st)
                 elif p in self._host_offsets:
                     self._host_offsets[p] += 1  # no step: its count stays
                 continue
@@ -637,7 +639,7 @@ class MatrixOptimizer(Optimizer):
         for _, group, p, route in self._routed():
             st = stepping_of(p)
             if not st.keeps_state:
-                if p.grad is not None:
+                if p.grad is not None or st.reduced_elsewhere:
                     self._note_remote(p, st)
                 continue
             param = local_tensor(p)
@@ -660,7 +662,8 @@ class MatrixOptimizer(Optimizer):
 
     def _note_remote(self, p: Tensor, st: Any = None) -> None:
         """An owned parameter stepped on its owner, a TP-hosted one on its host (every rank sees
-        the same gradients): its state exists there."""
+        the same gradients, or under HSDP split its step replica's receipt): its state exists
+        there."""
         if (st if st is not None else stepping_of(p)).single_keeper:
             self._remote_state.add(id(p))
 

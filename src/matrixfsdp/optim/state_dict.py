@@ -148,8 +148,8 @@ def present_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
             st = {k: _as_dtensor(name, f"state[{idx}][{k!r}]", p, v) for k, v in st.items()}
         state[idx] = st
     # A DTensor parameter whose local tensor is empty (an owned parameter on a non-owner, an
-    # empty even shard) never has state here, nor has one never stepped. Once its owner has state, a
-    # non-owner presents the
+    # empty even shard), an owned one held outside its HSDP split step replica, or one never
+    # stepped has no state here. Once its owner has state, such a rank presents the
     # same keys, as empty owned DTensors of the owner's global shapes (the optimizer's own state
     # initializer run on a meta tensor): every rank then holds the same keys, which DCP's full
     # state dict gathers key by key. Otherwise an explicit empty entry (on every rank alike) tells
@@ -172,7 +172,9 @@ def present_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
             if counts is not None:  # a stack with none of its experts here
                 state[idx] = _expert_remote_entry(opt, p, counts) if id(p) in remote and no_rows else {}
                 continue
-            remote_entry = id(p) in remote and (hosted_elsewhere or (info is not None and no_rows))
+            # an owned one on a non-owner, or (HSDP split) on an owner outside its step replica
+            elsewhere = info is not None and (no_rows or not st.keeps_state)
+            remote_entry = id(p) in remote and (hosted_elsewhere or elsewhere)
             state[idx] = _remote_entry(opt, p, info) if remote_entry else {}
     return {**sd, "state": dict(sorted(state.items()))}
 

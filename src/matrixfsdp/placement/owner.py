@@ -21,6 +21,18 @@ that replica's owner steps it and keeps its state (``is_local``), presented on a
 mesh*; the others receive the new value from it (``exchange``, which the runtime sets, brings
 them up to date on demand: ``settle()``). :func:`owned_of`, the public lookup, answers for ``"sharded"``
 parameters only: they are the ones whose local tensor is empty on non-owners.
+
+[Note: step receipts]
+Under ``split`` an owner outside the step replica gets no ``.grad`` (only the step replica holds
+the sum), yet every other rank learns from its ``.grad`` (whole, or an empty shard) that the
+step replica keeps state, and state dicts must present the same keys on every rank. So the
+runtime gives each ``split`` descriptor a :class:`StepReceipt` and sets it on that owner when a
+reduction lands the sum on the step replica (some rank used the parameter); optimizers read it
+through ``stepping_of(p).reduced_elsewhere`` where they read ``p.grad is not None``. It mirrors the
+step replica's ``.grad``: a reducing backward after this rank's gradients of the block were
+cleared (``zero_grad``) starts it afresh, one that accumulates onto them keeps it. What it cannot
+see: gradients cleared between a backward and ``step()`` with no backward after (a step on no
+gradients).
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..mesh import flat_dp_mesh, mesh_tag
 from .tp_host import tp_host_of
 
-__all__ = ["Owned", "owner_of", "owned_of", "is_owned", "keeps_state", "set_owner", "owner_meshes",
+__all__ = ["Owned", "StepReceipt", "owner_of", "owned_of", "is_owned", "keeps_state", "set_owner", "owner_meshes",
            "step_meshes", "one_rank_meshes", "owner_tp_meshes", "shard_dim_mesh", "owner_source", "mesh_scratch",
            "dp_tp_mesh", "tp_mesh_of", "coordinates", "STORAGES"]
 
@@ -46,6 +58,16 @@ FQN_ATTR = "_matrixfsdp_fqn"
 
 #: what ranks other than the owner hold (see the Note)
 STORAGES = ("sharded", "replicated")
+
+
+class StepReceipt:
+    """Whether a ``split`` parameter's step replica holds a reduced gradient, as this rank (an
+    owner outside it) learned from the runtime (see [Note: step receipts])."""
+
+    __slots__ = ("reduced",)
+
+    def __init__(self) -> None:
+        self.reduced = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +92,8 @@ class Owned:
     step_replica: int | None = None
     #: the runtime's pending replica exchange (an object with ``settle()``), if any
     exchange: Any = field(default=None, compare=False, repr=False)
+    #: ``split``: the runtime's :class:`StepReceipt` (see [Note: step receipts]), else ``None``
+    receipt: StepReceipt | None = field(default=None, compare=False, repr=False)
 
     @property
     def holds(self) -> bool:
@@ -94,6 +118,12 @@ class Owned:
         if self.step_replica is not None:
             return step_meshes(self.mesh)[self.step_replica][self.owner]
         return owner_meshes(self.mesh)[self.owner]
+
+    @property
+    def reduced_elsewhere(self) -> bool:
+        """Whether this rank holds it, another replica steps it, and that replica holds a
+        reduced gradient (see [Note: step receipts])."""
+        return self.receipt is not None and self.receipt.reduced and self.holds and not self.is_local
 
     def settle(self) -> None:
         """Finish a pending replica exchange (a collective over the replicas; no-op otherwise)."""

@@ -7,7 +7,8 @@ descriptor] in ``owner.py``) and the TP host descriptor (``tp_host_of``, [Note: 
 dicts do not combine the two themselves: :func:`stepping_of` answers, in one lookup, the
 questions they ask of a parameter (its planned rule, whether this rank keeps its state, whether
 one rank alone keeps it, whether a TP host step takes it and where that host presents its
-state). It is computed from the descriptors at every call (nothing cached that could go stale).
+state, whether another replica received its gradient). It is computed from the descriptors at
+every call (nothing cached that could go stale).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class Stepping(NamedTuple):
     executor: Any
     #: TP-hosted: the one-rank mesh of its host, where its whole state is presented
     host_mesh: DeviceMesh | None
+    #: HSDP ``split``: this rank holds it without stepping it and its step replica holds a
+    #: reduced gradient, so its state exists there as if this rank had a ``.grad`` (see [Note:
+    #: step receipts] in ``owner.py``)
+    reduced_elsewhere: bool = False
 
 
 def planned_kind(p: Any) -> str | None:
@@ -83,4 +88,5 @@ def stepping_of(p: Any) -> Stepping:
         hosted=host is not None,
         executor=executor,
         host_mesh=host.host_mesh if host is not None else None,
+        reduced_elsewhere=info is not None and info.reduced_elsewhere,
     )
