@@ -222,7 +222,7 @@ def parallelize_matrixfsdp(
         raise ValueError(f"{API}.parallelize_matrixfsdp: the model has no layers")
     # Activation checkpointing wraps each layer; its recomputation runs the *inner* module (the
     # wrapper's hooks do not fire), so the inner module is the block we shard.
-    layers = [getattr(layer, "_checkpoint_wrapped_module", layer) for layer in layers]
+    layers = [_block_of(layer) for layer in layers]
     block_types = tuple({type(layer) for layer in layers})
     # As torchtitan's own apply_fsdp (models/{llama3,qwen3}/parallelize.py, partial_dtensor path):
     # HSDP is the 2-D ("dp_replicate", "fsdp") mesh, dimension 0 replicating, 1 sharding.
@@ -317,6 +317,12 @@ def pp_schedules_take_microbatches() -> bool:
     return "arg_mbs" in inspect.signature(PipelineScheduleSingle.step).parameters
 
 
+def _block_of(layer: nn.Module) -> nn.Module:
+    """The module matrixfsdp shards for a torchtitan layer: the inner module of an activation
+    checkpointing wrapper (its recomputation runs the inner module, without the wrapper's hooks)."""
+    return getattr(layer, "_checkpoint_wrapped_module", layer)
+
+
 def _apply_compile(model: nn.Module, compile_config: Any, parallel_dims: Any) -> None:
     """torchtitan's ``apply_compile``: each layer compiled in place, ``fullgraph=True``. A layer
     wrapped by activation checkpointing is compiled inside its wrapper (the block matrixfsdp
@@ -324,9 +330,7 @@ def _apply_compile(model: nn.Module, compile_config: Any, parallel_dims: Any) ->
     dynamo's checkpoint operator, which cannot run them eagerly."""
     from torchtitan.distributed.compile import apply_compile
 
-    wrapped = {name: layer for name, layer in model.layers.named_children()}
-    inner = nn.ModuleDict({name: getattr(layer, "_checkpoint_wrapped_module", layer)
-                           for name, layer in wrapped.items()})
+    inner = nn.ModuleDict({name: _block_of(layer) for name, layer in model.layers.named_children()})
     shim = nn.Module()
     shim.layers = inner  # torchtitan's apply_compile reads model.layers and model.modules()
     apply_compile(shim, compile_config=compile_config, parallel_dims=parallel_dims)
