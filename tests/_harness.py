@@ -24,10 +24,12 @@ each worker uses one intra-op thread (W processes share a 2-core CI box). Rendez
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -68,6 +70,9 @@ def _worker(rank: int, world_size: int, store_path: str, conn: Any, backend: str
 
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    # on a timeout the parent sends SIGUSR1 and reports every rank's Python stacks
+    stacks = open(_stack_file(store_path, rank), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size,
@@ -88,6 +93,10 @@ def _worker(rank: int, world_size: int, store_path: str, conn: Any, backend: str
             dist.destroy_process_group()
         except Exception:
             pass
+
+
+def _stack_file(store_path: str, rank: int) -> str:
+    return os.path.join(os.path.dirname(store_path), f"stacks.{rank}")
 
 
 class DistPool:
@@ -149,6 +158,25 @@ class DistPool:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
 
+    def _stacks(self, ranks: dict[int, Any]) -> str:
+        """Every silent rank's Python stacks (faulthandler, on SIGUSR1), for the timeout report."""
+        if self._tmpdir is None:
+            return ""
+        for r in ranks:
+            try:
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+            except (OSError, AttributeError, TypeError):
+                pass
+        time.sleep(1.0)
+        out = []
+        for r in sorted(ranks):
+            try:
+                with open(_stack_file(os.path.join(self._tmpdir, "store"), r)) as f:
+                    out.append(f"\n----- rank {r} stacks -----\n{f.read()}")
+            except OSError:
+                pass
+        return "".join(out)
+
     def __enter__(self) -> "DistPool":
         return self
 
@@ -194,6 +222,7 @@ class DistPool:
             if errors:
                 deadline = min(deadline, time.monotonic() + self.grace)
         if errors or pending:
+            stacks = self._stacks(pending) if pending and not errors else ""
             self._kill()
             if errors:
                 for r in pending:
@@ -201,7 +230,7 @@ class DistPool:
                 raise DistributedTestError(errors)
             raise DistributedTestTimeout(
                 f"{getattr(fn, '__name__', fn)}: ranks {sorted(pending)} did not answer within "
-                f"{timeout:.0f}s; all workers were killed"
+                f"{timeout:.0f}s; all workers were killed{stacks}"
             )
         return [results[r] for r in range(self.world_size)]
 

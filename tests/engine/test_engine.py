@@ -268,6 +268,44 @@ def test_owner_meshes_of_meshes_differing_only_in_names_stay_apart():
     assert get_pool(2).run(_owned_on_meshes_named_differently) == [[True, True, True]] * 2
 
 
+_KEEP: list = []
+
+
+def _equal_mesh_with_other_groups_kept_on_some_ranks() -> list:
+    """Two (2, 2) meshes over the same ranks with their own process groups; the first one's model
+    (and its cached sub-meshes) is kept alive on ranks 0 and 2 only, as the garbage collector may
+    leave it. The second model's full values must broadcast over the second mesh's groups on
+    every rank (rank 0 used the first mesh's shard group and rank 1 the second's: a hang)."""
+    from torch.distributed.tensor import Replicate
+
+    out = []
+    for i in range(2):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+        matrixfsdp.fully_shard(m, mesh=mesh)
+        out.append([torch.equal(p.full_tensor(), q) for p, q in
+                    zip(m.parameters(), (w.weight for w in _seeded_pair()))])
+        if i == 0 and dist.get_rank() in (0, 2):
+            _KEEP.append(m)
+        del m, mesh
+        gc.collect()
+    _KEEP.clear()
+    return out
+
+
+def _seeded_pair() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+
+
+def test_sub_meshes_of_an_equal_mesh_with_other_groups_are_not_shared():
+    """The owner meshes' caches are keyed by the process groups too: whether a dropped equal mesh
+    is still alive (garbage-collector timing, rank by rank) cannot choose the group a broadcast
+    uses (CI hung in a full state dict after an earlier test's model on an equal mesh)."""
+    assert get_pool(4).run(_equal_mesh_with_other_groups_kept_on_some_ranks, timeout=60) == [[[True] * 2] * 2] * 4
+
+
 def _dropin_after_a_model_collected_on_one_rank_only() -> list:
     """A drop-in model dropped in a reference cycle (module <-> its state), collected by rank 0
     only: the next model's call tallies the earlier call on rank 1 alone."""

@@ -204,10 +204,11 @@ def _refuse_plain_write_target(func: Any, args: Any) -> None:
 def _refuse_mixed_owner_meshes(func: Any, args: Any, kwargs: Any) -> None:
     """DTensor refuses ops on tensors of different meshes; say why owned ones have different
     meshes and what computes the usual cross-parameter reductions instead."""
-    meshes = {id(a._spec.mesh): a._spec.mesh for a in tree_flatten((args, kwargs or {}))[0]
-              if isinstance(a, DTensor)}
+    # by value, as DTensor compares meshes: owner meshes of two equal data-parallel meshes with
+    # their own process groups are distinct objects (see [Note: mesh caches die with their meshes])
+    meshes = {a._spec.mesh for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, DTensor)}
     if len(meshes) > 1:
-        names = sorted(str(m.mesh_dim_names or m) for m in meshes.values())
+        names = sorted(str(m.mesh_dim_names or m) for m in meshes)
         raise ValueError(
             f"matrixfsdp: {func._schema.name} combines DTensors on different meshes {names}: "
             "owned parameters (and their gradients) live whole on one-rank owner meshes, one per "

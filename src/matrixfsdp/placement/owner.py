@@ -182,14 +182,21 @@ def set_owner(t: Any, info: Owned) -> None:
 # carries a _MeshCache of the sub-meshes made from it, and each sub-mesh carries the mesh its full
 # value is broadcast over (and its owner's index there), plus, for a TP-row mesh, this rank's TP
 # mesh. These are ordinary references, so a model's parameters keep their sub-meshes (and those
-# their data-parallel mesh) alive, and once model and mesh are dropped the whole graph is
-# garbage (cycles included). Meshes are compared by value (init_device_mesh, a slice, a default
-# mesh: a new object per call, equal to the last), and equal meshes must get the *same*
-# sub-mesh objects (an op mixing two owner meshes of one owner is refused by identity): caches
-# are found by value through _CACHES, whose values are held weakly and whose keys are plain
-# tuples, so nothing in it keeps a mesh alive. The attributes travel with a mesh's __dict__ when
-# it is pickled or copied (DeviceMesh.__getstate__), so a copy still answers owner_source(); a
-# cache itself is not copied (it becomes None, and the copy looks its value up again).
+# their data-parallel mesh) alive, and once model and mesh are dropped the whole graph is garbage
+# (cycles included). A slice or a default mesh is a new object per call, equal to the last and
+# resolving the same process groups; such meshes share one cache, found by value through _CACHES,
+# whose values are held weakly and whose keys are plain tuples, so nothing in it keeps a mesh alive.
+# The value includes the names of the process groups the mesh resolves: sub-meshes carry the mesh
+# their full value is broadcast over, so two meshes over the same ranks with other groups (two
+# init_device_mesh calls) must not share them; their sub-meshes are distinct objects that compare
+# equal, so ops between their owned tensors (loading one model's state dict into the other) are
+# DTensor ops on one mesh, as DTensor compares meshes by value. When a dropped mesh's cache dies is
+# up to the garbage collector, which runs at different times on different ranks; had an equal mesh
+# with other groups found it alive on some ranks only, those ranks would broadcast over the old
+# groups and the others over the new ones, and the broadcast would hang. The attributes travel with
+# a mesh's __dict__ when it is pickled or copied (DeviceMesh.__getstate__), so a copy still answers
+# owner_source(); a cache itself is not copied (it becomes None, and the copy looks its value up
+# again).
 _CACHE_ATTR = "_matrixfsdp_mesh_cache"
 _SOURCE_ATTR = "_matrixfsdp_owner_source"
 _TP_ATTR = "_matrixfsdp_tp_mesh"
@@ -204,7 +211,7 @@ class _MeshCache:
         self.owner: tuple[DeviceMesh, ...] | None = None
         self.step: tuple[tuple[DeviceMesh, ...], ...] | None = None
         self.one_rank: dict[str, tuple[DeviceMesh, ...]] = {}
-        self.owner_tp: dict[DeviceMesh, tuple[DeviceMesh, ...]] = {}
+        self.owner_tp: dict[tuple, tuple[DeviceMesh, ...]] = {}
         self.scratch: dict[str, Any] = {}
 
     def __reduce__(self) -> tuple:
@@ -220,12 +227,19 @@ def _cache(mesh: DeviceMesh) -> _MeshCache:
     """``mesh``'s cache: its own, or the one of an equal mesh still alive (made once per value)."""
     c = mesh.__dict__.get(_CACHE_ATTR)
     if c is None:
-        key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape), mesh.mesh_dim_names)
+        key = _identity(mesh)
         c = _CACHES.get(key)
         if c is None:
             c = _CACHES[key] = _MeshCache()
         setattr(mesh, _CACHE_ATTR, c)
     return c
+
+
+def _identity(mesh: DeviceMesh) -> tuple:
+    """What makes two meshes interchangeable here: their value *and* the process groups they
+    resolve (see [Note: mesh caches die with their meshes])."""
+    return (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape), mesh.mesh_dim_names,
+            tuple(getattr(mesh, "_dim_group_names", None) or ()))
 
 
 def mesh_scratch(mesh: DeviceMesh) -> dict[str, Any]:
@@ -335,7 +349,7 @@ def owner_tp_meshes(dp: DeviceMesh, tp: DeviceMesh) -> tuple[DeviceMesh, ...]:
     replica's shard group)."""
     dp = shard_dim_mesh(dp)
     cache = _cache(dp)
-    subs = cache.owner_tp.get(tp)
+    subs = cache.owner_tp.get(_identity(tp))
     if subs is None:
         pair = dp_tp_mesh(dp, tp)
         grid = pair.mesh.tolist()
@@ -350,7 +364,7 @@ def owner_tp_meshes(dp: DeviceMesh, tp: DeviceMesh) -> tuple[DeviceMesh, ...]:
             setattr(sub, _SOURCE_ATTR, (dp, s))
             setattr(sub, _TP_ATTR, tp)  # the full value's TP all-gather runs on this rank's TP mesh
             out.append(sub)
-        subs = cache.owner_tp[tp] = tuple(out)
+        subs = cache.owner_tp[_identity(tp)] = tuple(out)
     return subs
 
 
