@@ -118,3 +118,20 @@ def check_segment_collectives(seed: int) -> dict:
 def test_segment_collectives(W):
     res = get_pool(W).run(check_segment_collectives, seed=W)
     assert all(r == {"all_to_all": "ok", "p2p": "ok", "two_phase": "ok"} for r in res)
+
+
+def test_agreement_on_a_process_group_that_moves_no_data_keeps_this_ranks_entry():
+    """Under torch's fake process group (the dry run) every peer looks like this rank: digests
+    agree and this rank's own error still raises (receive buffers start as its own entry)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from matrixfsdp.comm.agree import agree
+
+    dist.init_process_group("fake", rank=3, world_size=8, store=FakeStore())
+    try:
+        assert agree(fingerprint="abc") == ["abc"] * 8
+        with pytest.raises(ValueError, match="boom"):
+            agree(error="ValueError|boom")
+    finally:
+        dist.destroy_process_group()

@@ -80,7 +80,10 @@ def all_gather_strings(msg: str | None, group: Any = None, device: torch.device 
     world = dist.get_world_size(group)
     data = b"" if msg is None else b"\x01" + msg.encode()
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    # receive buffers start as this rank's own entry: a collective that moves no data (torch's
+    # fake process group, see [Note: dry runs]) then shows every peer agreeing with this rank,
+    # and this rank's own error still raises
+    sizes = [size.clone() for _ in range(world)]
     dist.all_gather(sizes, size, group=group)
     lengths = torch.cat(sizes).cpu().tolist()
     n = max(1, max(lengths))
@@ -88,7 +91,7 @@ def all_gather_strings(msg: str | None, group: Any = None, device: torch.device 
     if data:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     buf = buf.to(device)
-    outs = [torch.zeros(n, dtype=torch.uint8, device=device) for _ in range(world)]
+    outs = [buf.clone() for _ in range(world)]
     dist.all_gather(outs, buf, group=group)
     rows = [None if k == 0 else bytes(o[1:k].cpu().tolist()).decode() for k, o in zip(lengths, outs)]
     _wait_released([size, *sizes, buf, *outs])

@@ -1,0 +1,90 @@
+"""python -m matrixfsdp.dryrun: sampled ranks of a W-rank job through the real code (fake process group).
+
+    python -m matrixfsdp.dryrun --model qwen3-8b --world 1024
+    python -m matrixfsdp.dryrun --model qwen3-8b --world 1024 --replicas 128      # HSDP 128 x 8
+    python -m matrixfsdp.dryrun --model tiny --world 64 --front-end replicate --json
+
+Per sampled rank (the plan's most loaded, a median one, rank 0): local parameter, gradient and
+optimizer-state bytes against FSDP2's even share, peak tensor memory, collective bytes per phase,
+and planning / sharding time. No data moves: see [Note: dry runs] in matrixfsdp/dryrun/rank.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from . import FRONT_ENDS, OPTIMIZERS, ROLES, RankReport, dry_run
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_MIB = 2.0**20
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..models import MOE_PRESETS, PRESETS
+
+    p = argparse.ArgumentParser(prog="python -m matrixfsdp.dryrun", description=__doc__.split("\n")[0],
+                                epilog="\n".join(__doc__.split("\n")[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", choices=sorted({**PRESETS, **MOE_PRESETS}),
+                   help="built-in preset (default: %(default)s)")
+    p.add_argument("--world", type=int, required=True, help="data-parallel world size (ranks)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="HSDP replicas: a (replicas, world/replicas) mesh (default: 1, flat)")
+    p.add_argument("--front-end", default="fully_shard", choices=FRONT_ENDS, help="default: %(default)s")
+    p.add_argument("--optimizer", default="muon", choices=OPTIMIZERS,
+                   help="muon (fp32 Newton-Schulz) or adamw for every parameter (default: %(default)s)")
+    p.add_argument("--roles", nargs="+", default=list(ROLES), choices=ROLES, help="ranks to sample")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES),
+                   help="parameter dtype (default: %(default)s, the released Qwen3 weights')")
+    p.add_argument("--seq-len", type=int, default=16, help="tokens in the one-sequence batch (default: %(default)s)")
+    p.add_argument("--ns-steps", type=int, default=5, help="Muon's Newton-Schulz iterations (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=2,
+                   help="training steps; the table shows the last one's collectives (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="one JSON object per sampled rank instead of the table")
+    return p
+
+
+def format_table(reports: list[RankReport]) -> str:
+    head = ("role", "rank", "params MiB", "/even", "grads MiB", "state MiB", "held/FSDP2", "peak MiB",
+            "fwd MiB", "bwd MiB", "step MiB", "plan s", "shard s")
+    rows = [head]
+    for r in reports:
+        rows.append((r.role, str(r.rank), f"{r.param_bytes / _MIB:.2f}", f"{r.param_ratio:.2f}",
+                     f"{r.grad_bytes / _MIB:.2f}", f"{r.state_bytes / _MIB:.2f}", f"{r.held_ratio:.2f}",
+                     f"{r.peak_bytes / _MIB:.2f}", *(f"{r.phase_bytes(ph) / _MIB:.2f}" for ph in
+                                                     ("forward", "backward", "step")),
+                     f"{r.seconds['plan']:.2f}", f"{r.seconds['shard']:.2f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        reports = dry_run(args.model, args.world, replicas=args.replicas, front_end=args.front_end,
+                          optimizer=args.optimizer, roles=tuple(args.roles), dtype=_DTYPES[args.dtype],
+                          seq_len=args.seq_len, ns_steps=args.ns_steps, steps=args.steps)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        for r in reports:
+            print(json.dumps(r.as_dict()))
+        return 0
+    r0 = reports[0]
+    mesh = f"{args.replicas} x {args.world // args.replicas}" if args.replicas > 1 else f"{args.world}"
+    print(f"{args.model}, {args.front_end}, mesh {mesh}, {args.dtype}, {args.optimizer}, "
+          f"one sequence of {args.seq_len} tokens (fake process group: no data moved)")
+    print(format_table(reports))
+    print(f"\neven share (FSDP2) of the parameters: {r0.even_param_bytes / _MIB:.2f} MiB per rank; "
+          "bytes per phase are what the sampled rank sends")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

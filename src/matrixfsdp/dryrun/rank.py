@@ -1,0 +1,221 @@
+"""One sampled rank of a W-rank job, run through the real code on torch's fake process group.
+
+[Note: dry runs]
+torch's fake process group lets one process play rank ``r`` of ``W``: every collective returns at
+once and moves no data (receive buffers keep what they held), but every shape, buffer and call
+is the one the real job makes. So this module runs the real planner, the real front-end
+(``fully_shard`` per layer and on the root, or ``replicate``) on a ``meta``-device model that is
+then materialized with ``to_empty``, and one forward, backward and optimizer step on a short
+batch. What it measures is exact for the sampled rank: the bytes of its local parameters,
+gradients and optimizer state, its peak tensor memory (torch's ``MemTracker``), and the calls and
+bytes of every collective the front-end issues, per phase, from the project's own counters. The
+*values* it computes are not (received buffers hold garbage), so it reports no loss; the
+optimizer step runs on whatever arrived, which costs what a real step costs.
+
+Agreement exchanges (plan digests, layouts) keep this rank's own entry in every receive buffer
+(``comm/agree.py``), so a check that fails on the sampled rank still raises here, and peers look
+like it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["RankReport", "run_rank", "FRONT_ENDS", "OPTIMIZERS"]
+
+FRONT_ENDS = ("fully_shard", "replicate")
+OPTIMIZERS = ("muon", "adamw")
+_PHASES = ("forward", "backward", "step")
+
+
+@dataclass
+class RankReport:
+    """What one sampled rank holds, peaks at and sends (see [Note: dry runs])."""
+
+    model: str
+    front_end: str
+    world_size: int
+    replicas: int
+    rank: int
+    role: str
+    #: bytes of this rank's local parameters, gradients (after backward) and optimizer state
+    param_bytes: int
+    grad_bytes: int
+    state_bytes: int
+    #: FSDP2's even share of the parameters' bytes on this mesh (total / shard ranks)
+    even_param_bytes: float
+    #: what the plan predicts for this rank (``OwnerPlan.rank_stats``)
+    planned_param_bytes: float
+    planned_state_bytes: float
+    #: the peak of live tensor bytes over forward, backward and step (``MemTracker``)
+    peak_bytes: int
+    #: per phase, per collective: ``{"calls": n, "sent": bytes, "recv": bytes}``
+    comm: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    #: seconds: planning, sharding (front-end calls), ``to_empty``, and each phase on this CPU
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def param_ratio(self) -> float:
+        """Local parameter bytes over FSDP2's even share."""
+        return self.param_bytes / self.even_param_bytes if self.even_param_bytes else 1.0
+
+    @property
+    def held_ratio(self) -> float:
+        """Parameter + gradient + state bytes over FSDP2's (even shares of the same three)."""
+        even = self.even_param_bytes * 2 + self.planned_state_even
+        return (self.param_bytes + self.grad_bytes + self.state_bytes) / even if even else 1.0
+
+    #: FSDP2's even share of the optimizer state (total planned state / shard ranks)
+    planned_state_even: float = 0.0
+
+    def phase_bytes(self, phase: str) -> int:
+        return sum(v["sent"] for v in self.comm.get(phase, {}).values())
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["param_ratio"], d["held_ratio"] = self.param_ratio, self.held_ratio
+        return d
+
+
+def _counters(model: nn.Module, front_end: str, hsdp: bool) -> list[Any]:
+    roles = ("shard", "replicate") if hsdp else ("shard",)
+    if front_end == "fully_shard":
+        from .._fully_shard import comm_counter
+
+        return [comm_counter(model, role) for role in roles]
+    return [model.comm_counter(role) for role in roles]  # type: ignore[operator]
+
+
+def _take(counters: list[Any]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for c in counters:
+        for op, n in c.calls.items():
+            e = out.setdefault(op, {"calls": 0, "sent": 0, "recv": 0})
+            e["calls"] += n
+            e["sent"] += c.bytes_sent.get(op, 0)
+            e["recv"] += c.bytes_recv.get(op, 0)
+        c.reset()
+    return out
+
+
+def _local_nbytes(t: torch.Tensor | None) -> int:
+    if t is None:
+        return 0
+    local = getattr(t, "_local_tensor", t)
+    return local.numel() * local.element_size()
+
+
+def _state_nbytes(opt: torch.optim.Optimizer) -> int:
+    return sum(_local_nbytes(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+
+
+def _optimizer(name: str, model: nn.Module, ns_steps: int) -> torch.optim.Optimizer:
+    from ..optim import Muon
+
+    if name == "muon":
+        # fp32 Newton-Schulz: bf16 matmuls are 25x slower than fp32 on CPUs without AMX
+        return Muon(model, lr=1e-3, ns_steps=ns_steps, ns_dtype=torch.float32)
+    return Muon([{"params": list(model.parameters()), "algorithm": "adamw"}], lr=1e-3)
+
+
+def run_rank(build: Any, *, name: str, world_size: int, rank: int, role: str, replicas: int = 1,
+             front_end: str = "fully_shard", optimizer: str = "muon", seq_len: int = 16,
+             ns_steps: int = 5, steps: int = 2, plan_kwargs: dict[str, Any] | None = None) -> RankReport:
+    """Rank ``rank`` of a ``world_size``-rank job on the fake process group (see [Note: dry
+    runs]). ``build()`` returns ``(model, layer_types, vocab_size)`` for a model built on the
+    current default device (``meta`` here). Runs ``steps`` training steps and reports the last
+    one's collectives (a parameter exchange of ``replicate`` or HSDP ``split`` runs in the forward
+    after a step). Initializes and destroys the default process group."""
+    if steps < 1:
+        raise ValueError(f"matrixfsdp.dryrun: steps must be >= 1, got {steps}")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .._fully_shard import fully_shard
+    from .._replicate import replicate
+    from ..planner.owners import plan_owners
+
+    if dist.is_initialized():
+        raise ValueError("matrixfsdp.dryrun: a process group is already initialized in this process; "
+                         "run the dry run in a process of its own (python -m matrixfsdp.dryrun)")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        hsdp = replicas > 1
+        mesh = (init_device_mesh("cpu", (replicas, world_size // replicas),
+                                 mesh_dim_names=("dp_replicate", "dp_shard")) if hsdp
+                else init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",)))
+        seconds: dict[str, float] = {}
+        with torch.device("meta"):
+            model, layer_types, vocab = build()
+        t = time.perf_counter()
+        plan = plan_owners(model, mesh, block_types=layer_types, **(plan_kwargs or {}))
+        seconds["plan"] = time.perf_counter() - t
+        if front_end == "replicate":
+            # replicate keeps every parameter whole on every rank: it wraps a materialized model
+            model.to_empty(device="cpu")
+        t = time.perf_counter()
+        if front_end == "fully_shard":
+            for m in list(model.modules()):
+                if isinstance(m, layer_types):
+                    fully_shard(m, mesh=mesh, plan=plan)
+            fully_shard(model, mesh=mesh, plan=plan)
+        else:
+            model = replicate(model, mesh=mesh, plan=plan)
+        seconds["shard"] = time.perf_counter() - t
+        t = time.perf_counter()
+        if front_end == "fully_shard":
+            model.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in model.parameters():
+                getattr(p, "_local_tensor", p).normal_(0.0, 0.02)
+            for b in model.buffers():
+                b.zero_()
+        seconds["to_empty"] = time.perf_counter() - t
+        counters = _counters(model, front_end, hsdp)
+        _take(counters)
+        opt = _optimizer(optimizer, model, ns_steps)
+        tokens = torch.randint(0, vocab, (1, seq_len))
+        comm: dict[str, dict[str, dict[str, int]]] = {}
+        grad_bytes = 0
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        with tracker:
+            for _ in range(steps):  # the last step's figures: the first has no parameter exchange
+                tracker.reset_mod_stats()  # per-module stats are per iteration; the peak is kept
+                comm = {}
+                t = time.perf_counter()
+                out = model(tokens)
+                loss = (out.logits if hasattr(out, "logits") else out).float().mean()
+                seconds["forward"] = time.perf_counter() - t
+                comm["forward"] = _take(counters)
+                t = time.perf_counter()
+                loss.backward()
+                seconds["backward"] = time.perf_counter() - t
+                comm["backward"] = _take(counters)
+                grad_bytes = sum(_local_nbytes(p.grad) for p in model.parameters())
+                t = time.perf_counter()
+                opt.step()
+                seconds["step"] = time.perf_counter() - t
+                comm["step"] = _take(counters)
+                opt.zero_grad()
+        peak = int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+        shard = rank % (world_size // replicas)
+        stats = plan.rank_stats
+        total_bytes = sum(p.nbytes for p in plan.params)
+        total_state = sum(s.state_nbytes for s in stats)
+        return RankReport(
+            model=name, front_end=front_end, world_size=world_size, replicas=replicas, rank=rank, role=role,
+            param_bytes=sum(_local_nbytes(p) for p in model.parameters()), grad_bytes=grad_bytes,
+            state_bytes=_state_nbytes(opt), even_param_bytes=total_bytes / plan.world_size,
+            planned_param_bytes=stats[shard].nbytes, planned_state_bytes=stats[shard].state_nbytes,
+            planned_state_even=total_state / plan.world_size, peak_bytes=peak, comm=comm, seconds=seconds,
+        )
+    finally:
+        dist.destroy_process_group()

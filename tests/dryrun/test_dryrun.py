@@ -1,0 +1,105 @@
+"""The dry run (issue 28): sampled ranks of W-rank jobs through the real code on torch's fake
+process group, as a user runs it (``python -m matrixfsdp.dryrun``, one process per command).
+
+Anchored on the plan: what the sampled rank holds is what ``OwnerPlan.rank_stats`` predicts,
+its gradients match its parameters, and the step makes no collective."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from matrixfsdp.dryrun import REPLICATE_PLAN, preset_builder, sample_ranks
+from matrixfsdp.planner.owners import plan_owners
+
+
+def _dryrun(*args: str, timeout: float = 300) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "matrixfsdp.dryrun", "--json", *args], capture_output=True,
+                         text=True, timeout=timeout, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def _plan(world: int, replicas: int = 1, **kw):
+    with torch.device("meta"):
+        model, layers, _ = preset_builder("tiny", torch.float32)()
+    S = world // replicas
+    return plan_owners(model, (replicas, S) if replicas > 1 else S, block_types=layers, **kw)
+
+
+@pytest.mark.parametrize("world", [64, 1024])
+def test_flat_fully_shard_holds_what_the_plan_says_and_steps_without_collectives(world):
+    rows = _dryrun("--world", str(world), "--dtype", "float32")
+    plan = _plan(world)
+    stats = plan.rank_stats
+    assert [r["role"] for r in rows][0] == "most_loaded" and len({r["rank"] for r in rows}) == len(rows)
+    for r in rows:
+        assert r["param_bytes"] == stats[r["rank"]].nbytes, r  # exact: the plan is what ran
+        assert r["grad_bytes"] == r["param_bytes"], r  # every tiny parameter trains
+        assert r["comm"]["step"] == {}, r  # owners step what they hold: zero communication
+        assert sum(v["sent"] + v["recv"] for v in r["comm"]["forward"].values()) > 0, r
+        assert r["peak_bytes"] >= r["param_bytes"] + r["grad_bytes"], r
+    worst = rows[0]
+    # the most loaded rank by plan is the one the table names
+    load = [s.nbytes + s.state_nbytes for s in stats]
+    assert load[worst["rank"]] == max(load)
+    assert worst["param_ratio"] == pytest.approx(stats[worst["rank"]].nbytes / (sum(p.nbytes for p in plan.params) / world))
+
+
+def test_hsdp_dry_run_matches_the_plan_per_shard_coordinate():
+    rows = _dryrun("--world", "64", "--replicas", "8", "--dtype", "float32")
+    stats = _plan(64, 8).rank_stats
+    for r in rows:
+        assert r["replicas"] == 8 and r["param_bytes"] == stats[r["rank"] % 8].nbytes, r
+        assert r["comm"]["step"] == {}, r
+        assert "all_gather_tensors" in r["comm"]["forward"] or r["comm"]["forward"], r
+
+
+def test_replicate_dry_run_holds_every_parameter_and_steps_without_collectives():
+    rows = _dryrun("--world", "8", "--front-end", "replicate", "--dtype", "float32", "--roles", "most_loaded")
+    plan = _plan(8, **REPLICATE_PLAN)
+    total = sum(p.nbytes for p in plan.params)
+    (r,) = rows
+    assert r["param_bytes"] == total and r["param_ratio"] == pytest.approx(8.0), r
+    assert r["comm"]["step"] == {}, r
+    # the second step's forward brings the owners' new values: replicate's parameter exchange
+    assert sum(v["recv"] for v in r["comm"]["forward"].values()) > 0, r
+
+
+def test_sampled_ranks_follow_the_planned_load():
+    build = preset_builder("tiny", torch.float32)
+    picks = sample_ranks(build, 64)
+    load = [s.nbytes + s.state_nbytes for s in _plan(64).rank_stats]
+    assert load[picks["most_loaded"]] == max(load) and picks["rank0"] == 0
+    assert sorted(load)[32] == load[picks["median"]]
+
+
+def test_bad_input_is_refused_with_the_value_seen():
+    out = subprocess.run([sys.executable, "-m", "matrixfsdp.dryrun", "--world", "64", "--replicas", "5"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "world size must be a positive multiple of the replicas, got world_size=64, replicas=5" in out.stderr
+    with pytest.raises(ValueError, match="unknown model 'qwen9'"):
+        preset_builder("qwen9")
+    with pytest.raises(ValueError, match=r"unknown roles \['slowest'\]"):
+        sample_ranks(preset_builder("tiny"), 8, roles=("slowest",))
+
+
+def test_a_dry_run_refuses_a_process_with_a_process_group():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from matrixfsdp.dryrun import run_rank
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        with pytest.raises(ValueError, match="a process group is already initialized in this process"):
+            run_rank(preset_builder("tiny"), name="tiny", world_size=2, rank=0, role="rank0")
+    finally:
+        dist.destroy_process_group()
