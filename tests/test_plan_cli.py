@@ -8,6 +8,10 @@ import pytest
 
 from matrixfsdp import OwnerPlan
 from matrixfsdp.plan import main
+import torch
+
+from matrixfsdp.models import PRESETS, Decoder, DecoderLayer
+from matrixfsdp.planner.owners import plan_owners
 
 QWEN3_0_6B_HF = {  # the published Qwen/Qwen3-0.6B config.json, shape fields
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
@@ -191,3 +195,23 @@ def test_tiny_moe_json_carries_the_expert_counts(capsys):
 
     text = build_parser().format_help()
     assert "qwen3-30b-a3b" in text and "deepseek-v3" in text and "tiny-moe-mla" in text
+
+
+def test_a_poor_plan_warns_and_names_the_replicas_that_fix_it(capsys):
+    """plan/bound 1.000 at W=1024 hid 736 idle ranks and a rank at ~6x an even share: the report
+    says so, and the CLI names the fewest HSDP replicas whose plan has no warning."""
+    from matrixfsdp.planner.report import plan_warnings
+
+    assert main(["--model", "qwen3-8b", "--world", "1024", "--no-ranks", "--no-blocks"]) == 0
+    out = capsys.readouterr().out
+    assert "736 of 1024 shard ranks own no tensor" in out
+    assert "the most loaded rank holds 5.94x an even share" in out and "267.1x" in out
+    assert "# suggestion: --replicas 16 (owners planned among 64 ranks" in out
+    assert max(len(line) for line in out.splitlines()) <= 120
+    # the suggested HSDP plan, and a flat W=64 one, have nothing to warn about
+    assert main(["--model", "qwen3-8b", "--world", "1024", "--replicas", "16", "--no-ranks", "--no-blocks"]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING" not in out and "suggestion" not in out
+    with torch.device("meta"):
+        model = Decoder(PRESETS["qwen3-8b"]).to(torch.bfloat16)
+    assert plan_warnings(plan_owners(model, 64, block_types=(DecoderLayer,))) == []

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -25,17 +26,22 @@ from .models.moe import MOE_PRESETS, MoEDecoder, MoEDecoderLayer
 from .planner.owners import ELEMENTWISE, POLICIES, plan_owners
 from .planner.owner_plan import REPLICA_STEPS
 from .planner.cost import COST_MODELS, OPTIMIZERS
-from .planner.report import natural_key
+from .planner.report import natural_key, plan_warnings
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in the help, and the examples (HSDP among them) laid out as written."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m matrixfsdp.plan",
         description=__doc__.split("\n")[0] + " Without --model or --hf-config, plans qwen3-32b.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Formatter,
+        epilog="examples:\n" + "\n".join(line for line in __doc__.splitlines() if "python -m" in line),
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="qwen3-32b", choices=sorted({**PRESETS, **MOE_PRESETS}, key=natural_key),
@@ -128,7 +134,24 @@ def _run(args: argparse.Namespace) -> int:
     active = f" ({cfg.num_active_params / 1e9:.2f}B active)" if moe else ""
     print(f"# {name}: {cfg.num_params / 1e9:.2f}B parameters{active} in {dtype_name}, planned in {ms:.1f} ms")
     print(plan.report(per_rank=not args.no_ranks, per_block=not args.no_blocks))
+    if plan_warnings(plan) and args.replicas == 1 and args.tp == 1:
+        source = f"--hf-config {args.hf_config}" if hf else f"--model {args.model}"
+        fit = _fitting_replicas(model, args.world, (MoEDecoderLayer,) if moe else (DecoderLayer,), args, source)
+        print("\n" + "\n".join(textwrap.wrap(f"# suggestion: {fit}", 120, subsequent_indent="#   ")))
     return 0
+
+
+def _fitting_replicas(model: torch.nn.Module, world: int, layers: tuple, args: argparse.Namespace,
+                      source: str) -> str:
+    """The fewest HSDP replicas whose plan has no warning (replicas dividing ``world``)."""
+    for R in (r for r in range(2, world + 1) if world % r == 0):
+        plan = plan_owners(model, (R, world // R), block_types=layers, policy=args.policy, cost=args.cost,
+                           optimizer=args.optimizer, elementwise=args.elementwise, alpha=args.alpha,
+                           bucket_numel=args.bucket_numel, replica_step=args.replica_step)
+        if not plan_warnings(plan):
+            return (f"--replicas {R} (owners planned among {world // R} ranks; HSDP example: python -m "
+                    f"matrixfsdp.plan {source} --world {world} --replicas {R})")
+    return "no HSDP replica count removes the warnings; shard this model evenly (torch's fully_shard)"
 
 
 def main(argv: list[str] | None = None) -> int:

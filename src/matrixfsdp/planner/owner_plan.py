@@ -710,7 +710,16 @@ class OwnerPlan:
         return plan
 
     def report(self, *, per_rank: bool = True, per_block: bool = True) -> str:
-        """A human-readable report: who owns what, imbalances next to their bounds, gamma_B."""
+        """A human-readable report: who owns what, imbalances next to their bounds, gamma_B, and
+        a WARNING section when the plan is poor in absolute terms whatever its bounds (idle ranks,
+        a rank above ``MEMORY_BUDGET`` times an even share, a block's gamma_B above
+        ``GAMMA_BUDGET``; see ``planner/report.py:plan_warnings``), naming HSDP as the remedy.
+
+        Example::
+
+            plan = matrixfsdp.plan_owners(model, mesh)
+            print(plan.report(per_rank=False))   # the CLI: python -m matrixfsdp.plan --help
+        """
         from .report import format_plan
 
         return format_plan(self, per_rank=per_rank, per_block=per_block)

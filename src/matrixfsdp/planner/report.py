@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import re
+import textwrap
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .owner_plan import OwnerPlan
 
-__all__ = ["format_plan", "human_bytes", "natural_key"]
+__all__ = ["format_plan", "plan_warnings", "human_bytes", "natural_key", "MEMORY_BUDGET", "GAMMA_BUDGET"]
+
+#: A plan whose most loaded rank holds more than this many times an even share of the parameter
+#: (+ optimizer-state) bytes gets a warning: FSDP2's even sharding holds 1.0x, so such a rank can
+#: run out of memory where FSDP2 fits.
+MEMORY_BUDGET = 1.25
+#: ... and one whose worst block's collective moves this many times the bytes of an even one on
+#: its most loaded rank. Owners send whole matrices, so gamma_B grows as W over a block's matrix
+#: count (16.7 for Qwen3-8B at W=64, where prefetching hides it); far beyond that one rank's
+#: link is the block's collective.
+GAMMA_BUDGET = 32.0
 
 #: Rows are kept within this many columns (the per-rank "owns" list is cut to fit).
 WIDTH = 120
@@ -40,6 +51,29 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def plan_warnings(plan: "OwnerPlan") -> list[str]:
+    """What makes a plan poor in absolute terms, however close it is to its own lower bound:
+    ranks that own nothing, a rank far above an even share of the bytes, a block whose collective
+    is far slower than an even one. Empty for a plan without those problems. Pure."""
+    W, stats = plan.world_size, plan.rank_stats
+    out = []
+    idle = sum(1 for st in stats if st.num_owned == 0)
+    if idle and any(p.owner is not None for p in plan.params):
+        out.append(f"{idle} of {W} shard ranks own no tensor: they step nothing while the others "
+                   "step whole matrices")
+    held = plan.state_imbalance
+    if held > MEMORY_BUDGET:
+        out.append(f"the most loaded rank holds {held:.2f}x an even share of parameter + optimizer-state "
+                   f"bytes (FSDP2's even sharding: 1.00x; budget {MEMORY_BUDGET:.2f}x): it can run out of "
+                   "memory where FSDP2 fits")
+    gamma = max((b.gamma for b in plan.block_stats), default=1.0)
+    if gamma > GAMMA_BUDGET:
+        out.append(f"the worst block's collective moves {gamma:.1f}x the bytes of an even one on its most "
+                   f"loaded rank (gamma_B; budget {GAMMA_BUDGET:.0f}x; fully_shard(..., collectives=\"two_phase\") "
+                   "bounds its traffic at 2x a ring's)")
+    return out
+
+
 def format_plan(plan: "OwnerPlan", *, per_rank: bool = True, per_block: bool = True) -> str:
     s = plan.summary()
     total = sum(p.nbytes for p in plan.params)
@@ -64,6 +98,14 @@ def format_plan(plan: "OwnerPlan", *, per_rank: bool = True, per_block: bool = T
         "    gamma_B: a block's most loaded owner's bytes / (block bytes / W), i.e. its collective's "
         "slowdown vs even",
     ]
+    warnings = plan_warnings(plan)
+    if warnings:
+        lines += ["", "  WARNING: a poor plan in absolute terms (plan/bound compares it with its own bound only)"]
+        for w in warnings:
+            lines += textwrap.wrap(w, WIDTH, initial_indent="    - ", subsequent_indent="      ")
+        lines += textwrap.wrap("remedy: HSDP, owners planned within smaller groups (plan_owners(model, (R, W // R)), "
+                               "an (R, W // R) mesh; CLI: --replicas R)", WIDTH, initial_indent="    ",
+                               subsequent_indent="      ")
     if plan.has_experts:
         lines += _format_experts(plan, s)
     if plan.replicas > 1:
