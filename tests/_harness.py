@@ -28,6 +28,7 @@ import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import pickle
 import shutil
 import signal
 import tempfile
@@ -38,7 +39,13 @@ from typing import Any, Callable
 
 __all__ = ["DistPool", "DistributedTestError", "DistributedTestTimeout", "run_distributed", "get_pool"]
 
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
+# matrixfsdp imports torch._dynamo (via its hooks): preloading it once in the forkserver saves every
+# worker the import, which on a loaded 2-core box took longer than some tests' whole timeout
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+            "torch._dynamo", "matrixfsdp"]
+# how long the ranks may take to start and unpickle a function (importing its test module) before
+# the test's own timeout starts counting
+_STARTUP_S = 300.0
 _CTX: Any = None
 
 
@@ -80,10 +87,18 @@ def _worker(rank: int, world_size: int, store_path: str, conn: Any, backend: str
     )
     try:
         while True:
-            msg = conn.recv()
+            raw = conn.recv_bytes()
+            try:
+                msg = pickle.loads(raw)  # imports the function's module
+            except BaseException as e:  # noqa: BLE001 - a test module that fails to import
+                conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+                continue
             if msg is None:
                 break
             fn, args, kwargs = msg
+            conn.send(("started", None))
+            if conn.recv() is None:  # the parent's go, once every rank has started
+                break
             try:
                 conn.send(("ok", fn(*args, **kwargs)))
             except BaseException as e:  # noqa: BLE001 - report everything to the parent
@@ -177,6 +192,38 @@ class DistPool:
                 pass
         return "".join(out)
 
+    def _barrier(self, fn: Callable[..., Any]) -> None:
+        """Wait until every rank has unpickled ``fn`` (imported its module), then let all run it.
+
+        Imports under load must neither count against the test's timeout nor leave the fast ranks
+        waiting in a collective for a rank that is still importing.
+        """
+        waiting = dict(enumerate(self._conns))
+        deadline = time.monotonic() + _STARTUP_S
+        failed: dict[int, str] = {}
+        while waiting and not failed:
+            ready = mpc.wait(list(waiting.values()), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for conn in ready:
+                rank = next(r for r, c in waiting.items() if c is conn)
+                del waiting[rank]
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    status, payload = "err", f"rank {rank} died (exit code {self._procs[rank].exitcode})"
+                if status != "started":
+                    failed[rank] = payload
+        if waiting or failed:
+            self._kill()
+            if failed:
+                raise DistributedTestError(failed)
+            raise DistributedTestTimeout(
+                f"{getattr(fn, '__name__', fn)}: ranks {sorted(waiting)} did not start within "
+                f"{_STARTUP_S:.0f}s; all workers were killed")
+        for c in self._conns:
+            c.send(True)
+
     def __enter__(self) -> "DistPool":
         return self
 
@@ -195,6 +242,7 @@ class DistPool:
         timeout = self.timeout if timeout is None else timeout
         for c in self._conns:
             c.send((fn, args, kwargs))
+        self._barrier(fn)
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         pending = dict(enumerate(self._conns))
@@ -239,7 +287,7 @@ _POOLS: dict[int, DistPool] = {}
 
 
 def get_pool(world_size: int) -> DistPool:
-    """A process-wide shared pool per world size (closed at interpreter exit)."""
+    """A shared pool per world size (closed after each test module by conftest.py, and at exit)."""
     pool = _POOLS.get(world_size)
     if pool is None:
         pool = _POOLS[world_size] = DistPool(world_size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import time
 
 import pytest
@@ -293,10 +294,26 @@ def meta_models():
 
 
 def test_qwen3_32b_at_256_ranks_plans_under_50ms(meta_models):
+    """17 ms on the development box (AMD EPYC, 2 cores). CI machines differ in speed and load, so the
+    bound is relative: planning must take under 1.2x a fixed pure-Python reference workload
+    (0.4x on the development box, where the reference takes 42 ms), each the best of interleaved
+    runs so both see the same load."""
     model = meta_models["qwen3-32b"]
     plan_owners(model, 256, block_types=DecoderLayer)  # warm-up
-    best = min(_timed(lambda: plan_owners(model, 256, block_types=DecoderLayer)) for _ in range(5))
-    assert best < 0.050, f"planning took {best * 1e3:.1f} ms"
+    plan_s = ref_s = float("inf")
+    for _ in range(10):
+        plan_s = min(plan_s, _timed(lambda: plan_owners(model, 256, block_types=DecoderLayer)))
+        ref_s = min(ref_s, _timed(_reference_workload))
+    assert plan_s < 1.2 * ref_s, (
+        f"planning took {plan_s * 1e3:.1f} ms, {plan_s / ref_s:.2f}x the reference workload "
+        f"({ref_s * 1e3:.1f} ms)")
+
+
+def _reference_workload() -> float:
+    rng = random.Random(0)
+    xs = [rng.random() for _ in range(200_000)]
+    xs.sort()
+    return sum(x * x for x in xs)
 
 
 def _timed(fn):

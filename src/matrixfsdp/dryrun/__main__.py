@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=16, help="tokens in the one-sequence batch (default: %(default)s)")
     p.add_argument("--ns-steps", type=int, default=5, help="Muon's Newton-Schulz iterations (default: %(default)s)")
     p.add_argument("--steps", type=int, default=2,
-                   help="training steps; the table shows the last one's collectives (default: %(default)s)")
+                   help="training steps; the table shows the last one's collectives; 0: planning, sharding "
+                        "and to_empty only (init time at large W) (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="one JSON object per sampled rank instead of the table")
     return p
 
@@ -57,7 +58,7 @@ def format_table(reports: list[RankReport]) -> str:
                      f"{r.grad_bytes / _MIB:.2f}", f"{r.state_bytes / _MIB:.2f}", f"{r.held_ratio:.2f}",
                      f"{r.peak_bytes / _MIB:.2f}", *(f"{r.phase_bytes(ph) / _MIB:.2f}" for ph in
                                                      ("forward", "backward", "step")),
-                     f"{r.seconds['plan']:.2f}", f"{r.seconds['shard']:.2f}"))
+                     f"{r.seconds['plan']:.3f}", f"{r.seconds['shard']:.3f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])

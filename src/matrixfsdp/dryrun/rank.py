@@ -131,9 +131,9 @@ def run_rank(build: Any, *, name: str, world_size: int, rank: int, role: str, re
     runs]). ``build()`` returns ``(model, layer_types, vocab_size)`` for a model built on the
     current default device (``meta`` here). Runs ``steps`` training steps and reports the last
     one's collectives (a parameter exchange of ``replicate`` or HSDP ``split`` runs in the forward
-    after a step). Initializes and destroys the default process group."""
-    if steps < 1:
-        raise ValueError(f"matrixfsdp.dryrun: steps must be >= 1, got {steps}")
+    after a step); ``steps=0`` measures planning, sharding and ``to_empty`` alone. Initializes and destroys the default process group."""
+    if steps < 0:
+        raise ValueError(f"matrixfsdp.dryrun: steps must be >= 0 (0: planning and sharding only), got {steps}")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -190,11 +190,18 @@ class BlockLayout:
 
     @functools.cached_property
     def _by_rank(self) -> tuple[tuple[Piece, ...], ...]:
-        return tuple(tuple(q for q in self.pieces if q.rank == r) for r in range(self.world_size))
+        # one pass (a scan per rank would make sharding O(W^2) at thousands of ranks)
+        out: list[list[Piece]] = [[] for _ in range(self.world_size)]
+        for q in self.pieces:
+            out[q.rank].append(q)
+        return tuple(map(tuple, out))
 
     @functools.cached_property
     def _by_param(self) -> tuple[tuple[Piece, ...], ...]:
-        return tuple(tuple(q for q in self.pieces if q.param == i) for i in range(len(self.params)))
+        out: list[list[Piece]] = [[] for _ in self.params]
+        for q in self.pieces:
+            out[q.param].append(q)
+        return tuple(map(tuple, out))
 
     def pieces_of_rank(self, rank: int) -> tuple[Piece, ...]:
         """Rank ``rank``'s pieces in chunk order."""

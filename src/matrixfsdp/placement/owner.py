@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -208,9 +209,9 @@ class _MeshCache:
     __slots__ = ("owner", "step", "one_rank", "owner_tp", "scratch", "__weakref__")
 
     def __init__(self) -> None:
-        self.owner: tuple[DeviceMesh, ...] | None = None
-        self.step: tuple[tuple[DeviceMesh, ...], ...] | None = None
-        self.one_rank: dict[str, tuple[DeviceMesh, ...]] = {}
+        self.owner: Sequence[DeviceMesh] | None = None
+        self.step: tuple[Sequence[DeviceMesh], ...] | None = None
+        self.one_rank: dict[str, Sequence[DeviceMesh]] = {}
         self.owner_tp: dict[tuple, tuple[DeviceMesh, ...]] = {}
         self.scratch: dict[str, Any] = {}
 
@@ -259,7 +260,7 @@ def _grid(mesh: DeviceMesh) -> list[list[int]]:
     return mesh.mesh.reshape(-1, int(mesh.shape[-1])).tolist()
 
 
-def owner_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
+def owner_meshes(mesh: DeviceMesh) -> Sequence[DeviceMesh]:
     """The owner sub-meshes for every shard coordinate ``s``: the ranks holding what ``s`` owns,
     one per replica (one rank on a 1-D mesh). Created once per mesh, collectively.
 
@@ -268,21 +269,23 @@ def owner_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, ...]:
     cache = _cache(mesh)
     if cache.owner is None:
         tag, grid = mesh_tag(mesh), _grid(mesh)
-        # No communicator: a [Replicate()] tensor on these meshes never communicates (W new_group
-        # calls would mean W communicator splits, with eager NCCL init, for nothing). Named after
-        # the owner, so DTensor's errors tell the meshes apart ("owned_by_rank3@...").
-        subs = tuple(_mesh_without_group(mesh.device_type, [row[s] for row in grid], f"owned_by_rank{s}@{tag}")
-                     for s in range(len(grid[0])))
         shard = mesh if mesh.get_coordinate() is None else shard_dim_mesh(mesh)
-        cache.owner = subs
-        for s, sub in enumerate(subs):
+
+        def make(s: int) -> DeviceMesh:
+            # No communicator: a [Replicate()] tensor on these meshes never communicates (W
+            # new_group calls would mean W communicator splits, with eager NCCL init, for nothing).
+            # Named after the owner, so DTensor's errors tell the meshes apart ("owned_by_rank3@...").
+            sub = _mesh_without_group(mesh.device_type, [row[s] for row in grid], f"owned_by_rank{s}@{tag}")
             setattr(sub, _SOURCE_ATTR, (shard, s))  # full_tensor broadcasts within this rank's shard group
+            return sub
+
+        cache.owner = _LazyMeshes(make, len(grid[0]))
         if mesh.ndim == 2:
             _make_step_meshes(mesh, cache)
     return cache.owner
 
 
-def step_meshes(mesh: DeviceMesh) -> tuple[tuple[DeviceMesh, ...], ...]:
+def step_meshes(mesh: DeviceMesh) -> tuple[Sequence[DeviceMesh], ...]:
     """``[replica][shard]`` one-rank meshes, on which ``split`` state is presented (HSDP only;
     created by :func:`owner_meshes`)."""
     owner_meshes(mesh)
@@ -298,23 +301,48 @@ def _make_step_meshes(mesh: DeviceMesh, cache: _MeshCache) -> None:
     if mesh.get_coordinate() is None:
         return
     subs, S = one_rank_meshes(flat_dp_mesh(mesh), "stepped_by_rank"), int(mesh.shape[-1])
-    cache.step = tuple(subs[q * S:(q + 1) * S] for q in range(int(mesh.shape[0])))
+    cache.step = tuple(_LazyMeshes(lambda s, q=q: subs[q * S + s], S) for q in range(int(mesh.shape[0])))
 
 
-def one_rank_meshes(over: DeviceMesh, label: str) -> tuple[DeviceMesh, ...]:
+def one_rank_meshes(over: DeviceMesh, label: str) -> Sequence[DeviceMesh]:
     """One-rank meshes ``{label}{i}@...``, one per rank ``i`` of the 1-D mesh ``over``, on which a
     tensor whole on that rank is presented (state dicts, DCP); its ``full_tensor()`` broadcasts
     over ``over``. No communicator (created once per ``(over, label)``; local)."""
     cache = _cache(over)
     subs = cache.one_rank.get(label)
     if subs is None:
-        tag = mesh_tag(over)
-        subs = tuple(_mesh_without_group(over.device_type, [g], f"{label}{i}@{tag}")
-                     for i, g in enumerate(over.mesh.flatten().tolist()))
-        for i, sub in enumerate(subs):
+        tag, ranks = mesh_tag(over), over.mesh.flatten().tolist()
+
+        def make(i: int) -> DeviceMesh:
+            sub = _mesh_without_group(over.device_type, [ranks[i]], f"{label}{i}@{tag}")
             setattr(sub, _SOURCE_ATTR, (over, i))
-        cache.one_rank[label] = subs
+            return sub
+
+        subs = cache.one_rank[label] = _LazyMeshes(make, len(ranks))
     return subs
+
+
+class _LazyMeshes(Sequence):
+    """A tuple of sub-meshes, each made on first access: a model uses the owner meshes of the
+    ranks that own something, and making all ``W`` costs milliseconds each (seconds of every
+    rank's init at thousands of ranks). Each is made once, so identity holds per index."""
+
+    __slots__ = ("_make", "_items")
+
+    def __init__(self, make: Callable[[int], DeviceMesh], n: int) -> None:
+        self._make = make
+        self._items: list[DeviceMesh | None] = [None] * n
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        got = self._items[i]
+        if got is None:
+            got = self._items[i] = self._make(range(len(self._items))[i])
+        return got
 
 
 def _mesh_without_group(device_type: str, ranks: list[int], name: str) -> DeviceMesh:
