@@ -192,6 +192,13 @@ class DistPool:
                 pass
         return "".join(out)
 
+    def _answer(self, rank: int) -> tuple[str, Any]:
+        """Rank ``rank``'s next message, or an error if it died."""
+        try:
+            return self._conns[rank].recv()
+        except EOFError:
+            return "err", f"rank {rank} died (exit code {self._procs[rank].exitcode})"
+
     def _barrier(self, fn: Callable[..., Any]) -> None:
         """Wait until every rank has unpickled ``fn`` (imported its module), then let all run it.
 
@@ -208,10 +215,7 @@ class DistPool:
             for conn in ready:
                 rank = next(r for r, c in waiting.items() if c is conn)
                 del waiting[rank]
-                try:
-                    status, payload = conn.recv()
-                except EOFError:
-                    status, payload = "err", f"rank {rank} died (exit code {self._procs[rank].exitcode})"
+                status, payload = self._answer(rank)
                 if status != "started":
                     failed[rank] = payload
         if waiting or failed:
@@ -259,10 +263,7 @@ class DistPool:
             for conn in ready:
                 rank = next(r for r, c in pending.items() if c is conn)
                 del pending[rank]
-                try:
-                    status, payload = conn.recv()
-                except EOFError:
-                    status, payload = "err", f"rank {rank} died (exit code {self._procs[rank].exitcode})"
+                status, payload = self._answer(rank)
                 if status == "ok":
                     results[rank] = payload
                 else:

@@ -262,7 +262,8 @@ def _grid(mesh: DeviceMesh) -> list[list[int]]:
 
 def owner_meshes(mesh: DeviceMesh) -> Sequence[DeviceMesh]:
     """The owner sub-meshes for every shard coordinate ``s``: the ranks holding what ``s`` owns,
-    one per replica (one rank on a 1-D mesh). Created once per mesh, collectively.
+    one per replica (one rank on a 1-D mesh). Called collectively (HSDP makes its step group
+    here); each sub-mesh is made, locally, on first access.
 
     Every rank must call this the first time for a given ``mesh`` (``fully_shard`` does).
     """
