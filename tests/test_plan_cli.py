@@ -202,10 +202,19 @@ def test_a_poor_plan_warns_and_names_the_replicas_that_fix_it(capsys):
     says so, and the CLI names the fewest HSDP replicas whose plan has no warning."""
     from matrixfsdp.planner.report import plan_warnings
 
+    assert main(["--model", "qwen3-8b", "--world", "1024", "--no-ranks", "--no-blocks", "--placement", "owned"]) == 0
+    out = capsys.readouterr().out
+    flat = " ".join(out.split())  # the report wraps at 120 columns
+    assert "736 of 1024 shard ranks own or host no tensor" in flat
+    assert "the most loaded rank holds 6.06x an even share of parameter + gradient + optimizer-state" in flat
+    assert "267.1x" in flat and "placement='auto' would host the matrices behind it" in flat
+    assert "# suggestion: --replicas 16 (owners planned among 64 ranks" in out
+    # the default (auto) hosts the MLP matrices: 3.45x, the rest of the excess is the hosts' whole state
     assert main(["--model", "qwen3-8b", "--world", "1024", "--no-ranks", "--no-blocks"]) == 0
     out = capsys.readouterr().out
-    assert "736 of 1024 shard ranks own no tensor" in out
-    assert "the most loaded rank holds 5.94x an even share" in out and "267.1x" in out
+    flat = " ".join(out.split())
+    assert "holds 3.45x an even share" in flat and "(108 matrices hosted, the rest owned;" in flat
+    assert "hosted: 108 matrices (10.12 GiB) stored evenly" in flat
     assert "# suggestion: --replicas 16 (owners planned among 64 ranks" in out
     assert max(len(line) for line in out.splitlines()) <= 120
     # the suggested HSDP plan, and a flat W=64 one, have nothing to warn about

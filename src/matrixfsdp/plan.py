@@ -25,6 +25,7 @@ from .models.decoder import PRESETS, Decoder, DecoderLayer, config_from_hf
 from .models.moe import MOE_PRESETS, MoEDecoder, MoEDecoderLayer
 from .planner.owners import ELEMENTWISE, POLICIES, plan_owners
 from .planner.owner_plan import REPLICA_STEPS
+from .planner.hosting import PLACEMENT_MODES
 from .planner.cost import COST_MODELS, OPTIMIZERS
 from .planner.report import natural_key, plan_warnings
 
@@ -80,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-c-max", type=int, default=None, metavar="BYTES",
                    help="most bytes of one micro-group's fused all-to-all buffer (default: "
                         "max(512 MiB, tp x the largest matrix))")
+    p.add_argument("--placement", default="auto", choices=PLACEMENT_MODES,
+                   help="auto hosts the matrices whose ownership would put a rank above --memory-budget "
+                        "(stored evenly, stepped whole on a planned host between fused all-to-alls); "
+                        "owned keeps every matrix owned (zero step communication)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="X",
+                   help="most a rank may hold under --placement auto, in even shares of parameter + "
+                        "gradient + state bytes (default 1.25, met where hosting can; an explicit "
+                        "budget that cannot be met is an error naming the smallest that can)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (OwnerPlan.to_json)")
     p.add_argument("--no-ranks", action="store_true", help="omit the per-rank table")
     p.add_argument("--no-blocks", action="store_true", help="omit the per-block gamma_B table")
@@ -125,6 +134,8 @@ def _run(args: argparse.Namespace) -> int:
         replica_step=args.replica_step,
         tp=args.tp,
         tp_c_max=args.tp_c_max,
+        placement=args.placement,
+        memory_budget=args.memory_budget,
     )
     ms = (time.perf_counter() - t0) * 1e3
     if args.json:
@@ -147,7 +158,8 @@ def _fitting_replicas(model: torch.nn.Module, world: int, layers: tuple, args: a
     for R in (r for r in range(2, world + 1) if world % r == 0):
         plan = plan_owners(model, (R, world // R), block_types=layers, policy=args.policy, cost=args.cost,
                            optimizer=args.optimizer, elementwise=args.elementwise, alpha=args.alpha,
-                           bucket_numel=args.bucket_numel, replica_step=args.replica_step)
+                           bucket_numel=args.bucket_numel, replica_step=args.replica_step,
+                           placement=args.placement)
         if not plan_warnings(plan):
             return (f"--replicas {R} (owners planned among {world // R} ranks; HSDP example: python -m "
                     f"matrixfsdp.plan {source} --world {world} --replicas {R})")

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from matrixfsdp.planner.owner_plan import rank_held_bytes
 from matrixfsdp.dryrun import REPLICATE_PLAN, preset_builder, sample_ranks
 from matrixfsdp.planner.owners import plan_owners
 
@@ -33,21 +34,28 @@ def _plan(world: int, replicas: int = 1, **kw):
     return plan_owners(model, (replicas, S) if replicas > 1 else S, block_types=layers, **kw)
 
 
-@pytest.mark.parametrize("world", [64, 1024])
-def test_flat_fully_shard_holds_what_the_plan_says_and_steps_without_collectives(world):
-    rows = _dryrun("--world", str(world), "--dtype", "float32")
-    plan = _plan(world)
+@pytest.mark.parametrize("world, placement", [(64, "owned"), (64, "auto"), (1024, "auto")])
+def test_flat_fully_shard_holds_what_the_plan_says_and_steps_as_planned(world, placement):
+    rows = _dryrun("--world", str(world), "--dtype", "float32", "--placement", placement)
+    plan = _plan(world, placement=placement)
     stats = plan.rank_stats
+    assert (plan.num_hosted > 0) == (placement == "auto")  # the tiny preset at W >= 64 is past the budget
     assert [r["role"] for r in rows][0] == "most_loaded" and len({r["rank"] for r in rows}) == len(rows)
     for r in rows:
         assert r["param_bytes"] == stats[r["rank"]].nbytes, r  # exact: the plan is what ran
         assert r["grad_bytes"] == r["param_bytes"], r  # every tiny parameter trains
-        assert r["comm"]["step"] == {}, r  # owners step what they hold: zero communication
+        # hosts keep their matrices' whole state (the plan does not size AdamW's 0-dim step counters)
+        assert 0 <= r["state_bytes"] - stats[r["rank"]].state_nbytes <= 64, r
+        if placement == "owned":
+            assert r["comm"]["step"] == {}, r  # owners step what they hold: zero communication
+        else:  # hosted matrices: two fused all-to-alls per micro-group, nothing else
+            assert set(r["comm"]["step"]) == {"all_to_all_single"}, r
+            assert r["comm"]["step"]["all_to_all_single"]["calls"] == 2 * len(plan.host_groups), r
         assert sum(v["sent"] + v["recv"] for v in r["comm"]["forward"].values()) > 0, r
         assert r["peak_bytes"] >= r["param_bytes"] + r["grad_bytes"], r
     worst = rows[0]
-    # the most loaded rank by plan is the one the table names
-    load = [s.nbytes + s.state_nbytes for s in stats]
+    # the most loaded rank by plan (parameter + gradient + state bytes) is the one the table names
+    load = rank_held_bytes(plan.params, world)
     assert load[worst["rank"]] == max(load)
     assert worst["param_ratio"] == pytest.approx(stats[worst["rank"]].nbytes / (sum(p.nbytes for p in plan.params) / world))
 
@@ -75,7 +83,8 @@ def test_replicate_dry_run_holds_every_parameter_and_steps_without_collectives()
 def test_sampled_ranks_follow_the_planned_load():
     build = preset_builder("tiny", torch.float32)
     picks = sample_ranks(build, 64)
-    load = [s.nbytes + s.state_nbytes for s in _plan(64).rank_stats]
+    plan = _plan(64)
+    load = rank_held_bytes(plan.params, 64)  # parameter + gradient + state bytes
     assert load[picks["most_loaded"]] == max(load) and picks["rank0"] == 0
     assert sorted(load)[32] == load[picks["median"]]
 

@@ -350,7 +350,8 @@ def fp16_reduce_check() -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False))
     ref = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (W,))
-    plan = matrixfsdp.plan_owners(model, mesh, block_types=(torch.nn.Linear,))
+    # owned (two matrices on up to 4 ranks would be hosted by default): the owners' whole gradients
+    plan = matrixfsdp.plan_owners(model, mesh, block_types=(torch.nn.Linear,), placement="owned")
     mp = matrixfsdp.MixedPrecisionPolicy(reduce_dtype=torch.float16)
     for m in model:
         matrixfsdp.fully_shard(m, mesh=mesh, plan=plan, mp_policy=mp)

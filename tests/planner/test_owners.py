@@ -174,7 +174,7 @@ def test_bad_input_errors(kwargs, exc, match):
 
 
 def test_from_json_rejects_tampering():
-    plan = plan_owners(Net([Block([(4, 4), (4, 2)])]), 2, block_types=Block)
+    plan = plan_owners(Net([Block([(4, 4), (4, 2)])]), 2, block_types=Block, placement="owned")
     d = json.loads(plan.to_json())
     d["params"][0]["owner"] = 1 - d["params"][0]["owner"]
     with pytest.raises(ValueError, match="OwnerPlan.from_json: digest mismatch"):
@@ -559,7 +559,7 @@ def test_plan_micro_groups_in_owner_plan(spec, W, tp, c_max):
     import dataclasses
 
     model = _net(spec)
-    flat = plan_owners(model, W, block_types=Block)
+    flat = plan_owners(model, W, block_types=Block, placement="owned")  # tp > 1 plans host nothing
     plan = plan_owners(model, W, block_types=Block, tp=tp, tp_c_max=c_max)
     assert plan.params == flat.params and plan.tp == tp and len(plan.micro_groups) == W
     for s, groups in enumerate(plan.micro_groups):

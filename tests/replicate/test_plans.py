@@ -86,7 +86,7 @@ def test_every_policy_accepted_or_hint_works_plan_level(W):
             if policy in ("alpha_balanced", "naive_static") and setup != "even":
                 assert hint is None, (setup, policy, msg)  # Canzona's rule: bucket plans keep tensors whole
             if setup == "even":
-                assert hint == {"policy": policy, "elementwise": "owned"}, msg
+                assert hint == {"policy": policy, "elementwise": "owned", "placement": "owned"}, msg
             if hint is not None:
                 refused.append((setup, policy))
     # the refusal path ran for the owner policies' "auto" too (so the hint check is not vacuous)

@@ -51,6 +51,7 @@ from ..planner.owners import plan_owners
 from ..planner.rules import DecidedRule, MatrixRule, head_rows_of
 from .param import ManagedParam, shard_param
 from .param_group import CommContext, check_one_dtype
+from .hosted import attach_dp_hosts
 from .tp_params import attach_tp_hosts, check_plan_tp, localize, tp_layout
 from .state import BlockState, RootContext
 
@@ -363,6 +364,7 @@ def _resolve(root: nn.Module, plan: OwnerPlan, info: MeshInfo) -> None:
     # first forward; here resolution already knows it, so running one block alone is fine too).
     ctx = make_root(entries[0][2], [(name, s) for name, _, s in entries], info)
     attach_tp_hosts(ctx.states, plan, mesh, rank)
+    attach_dp_hosts(ctx.states, plan, mesh)
 
 
 # ================================================================================ checks

@@ -210,15 +210,17 @@ def _stacks_owned(plan: OwnerPlan) -> OwnerPlan:
 
 
 def _check_whole(plan: OwnerPlan, named: dict[str, Any]) -> None:
-    """Refuse evenly sharded ('even') entries. The hint keeps the caller's policy and asks for
-    ``elementwise='owned'``, the one option that never yields 'even' (so never the caller's)."""
+    """Refuse evenly sharded ('even' or 'hosted') entries. The hint keeps the caller's policy and
+    asks for ``elementwise='owned'`` and ``placement='owned'``, the options that never yield them
+    (so never the caller's)."""
     even = [p.fqn for p in plan.params if p.fqn in named and p.owner is None]
     if even:
+        kinds = sorted({plan[f].placement for f in even})
         raise ValueError(
             f"{API}: every parameter must be owned whole by one rank, but the plan "
             f"(policy={plan.policy!r}, W={plan.world_size}) shards {len(even)} parameter(s) evenly "
-            f"('even' placement), e.g. {even[:3]}; rebuild it with plan_owners(..., "
-            f"policy={plan.policy!r}, elementwise='owned')"
+            f"({' and '.join(repr(k) for k in kinds)} placement), e.g. {even[:3]}; rebuild it with plan_owners(..., "
+            f"policy={plan.policy!r}, elementwise='owned', placement='owned')"
         )
 
 

@@ -669,7 +669,8 @@ def load(
                     if buf is not None:
                         _check_tensor(api, key, tmeta, buf, path)
                         state_tpl.setdefault(fqn, {})[name] = buf
-                    elif hosted_whole and (owned_of(params[fqn]) is not None or expert_rows(params[fqn]) is not None):
+                    elif hosted_whole and (owned_of(params[fqn]) is not None or expert_rows(params[fqn]) is not None
+                                           or tp_host_of(params[fqn]) is not None):
                         kept_elsewhere.setdefault(fqn, {})[name] = None
             unclaimed = sorted(set(state_keys) - claimed)
             if unclaimed and strict:

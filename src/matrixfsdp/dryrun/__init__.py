@@ -19,7 +19,7 @@ __all__ = ["RankReport", "dry_run", "sample_ranks", "preset_builder", "FRONT_END
 #: ``replicate``'s own plan (Canzona's alpha-balanced buckets, every parameter owned whole)
 REPLICATE_PLAN = {"policy": "alpha_balanced", "elementwise": "owned"}
 
-#: the ranks a dry run samples, by their planned load (parameter + optimizer-state bytes)
+#: the ranks a dry run samples, by their planned load (parameter + gradient + optimizer-state bytes)
 ROLES = ("most_loaded", "median", "rank0")
 
 
@@ -53,7 +53,9 @@ def sample_ranks(build: Callable[[], tuple[Any, tuple[type, ...], int]], world_s
         model, layer_types, _ = build()
     S = world_size // replicas
     plan = plan_owners(model, (replicas, S) if replicas > 1 else S, block_types=layer_types, **(plan_kwargs or {}))
-    load = [s.nbytes + s.state_nbytes for s in plan.rank_stats]
+    from ..planner.owner_plan import rank_held_bytes
+
+    load = rank_held_bytes(plan.params, S)  # parameter + gradient + state bytes
     order = sorted(range(S), key=lambda r: (load[r], r))
     picks = {"most_loaded": order[-1], "median": order[len(order) // 2], "rank0": 0}
     bad = [r for r in roles if r not in picks]

@@ -3,6 +3,7 @@
     python -m matrixfsdp.dryrun --model qwen3-8b --world 1024
     python -m matrixfsdp.dryrun --model qwen3-8b --world 1024 --replicas 128      # HSDP 128 x 8
     python -m matrixfsdp.dryrun --model tiny --world 64 --front-end replicate --json
+    python -m matrixfsdp.dryrun --model qwen3-8b --world 1024 --placement owned   # every matrix owned
 
 Per sampled rank (the plan's most loaded, a median one, rank 0): local parameter, gradient and
 optimizer-state bytes against FSDP2's even share, peak tensor memory, collective bytes per phase,
@@ -37,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--front-end", default="fully_shard", choices=FRONT_ENDS, help="default: %(default)s")
     p.add_argument("--optimizer", default="muon", choices=OPTIMIZERS,
                    help="muon (fp32 Newton-Schulz) or adamw for every parameter (default: %(default)s)")
+    p.add_argument("--placement", default=None, choices=("auto", "owned"),
+                   help="fully_shard's plan: auto hosts the matrices past the memory budget, owned owns every "
+                        "matrix (default: plan_owners' default, auto)")
     p.add_argument("--roles", nargs="+", default=list(ROLES), choices=ROLES, help="ranks to sample")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES),
                    help="parameter dtype (default: %(default)s, the released Qwen3 weights')")
@@ -66,10 +70,15 @@ def format_table(reports: list[RankReport]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.placement and args.front_end != "fully_shard":
+        print(f"error: --placement chooses fully_shard's plan; {args.front_end} plans its own buckets "
+              "(drop --placement)", file=sys.stderr)
+        return 2
     try:
         reports = dry_run(args.model, args.world, replicas=args.replicas, front_end=args.front_end,
                           optimizer=args.optimizer, roles=tuple(args.roles), dtype=_DTYPES[args.dtype],
-                          seq_len=args.seq_len, ns_steps=args.ns_steps, steps=args.steps)
+                          seq_len=args.seq_len, ns_steps=args.ns_steps, steps=args.steps,
+                          plan_kwargs={"placement": args.placement} if args.placement else None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -87,8 +87,12 @@ def _counters(model: nn.Module, front_end: str, hsdp: bool) -> list[Any]:
     roles = ("shard", "replicate") if hsdp else ("shard",)
     if front_end == "fully_shard":
         from .._fully_shard import comm_counter
+        from ..placement.tp_host import tp_host_of
 
-        return [comm_counter(model, role) for role in roles]
+        # the engine's collectives, and the hosted matrices' step (its executor counts its own)
+        hosts = {id(h.executor): h.executor.counter for p in model.parameters()
+                 if (h := tp_host_of(p)) is not None and h.executor is not None}
+        return [comm_counter(model, role) for role in roles] + list(hosts.values())
     return [model.comm_counter(role) for role in roles]  # type: ignore[operator]
 
 

@@ -274,7 +274,9 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
         is_dt = DTensor is not None and isinstance(p, DTensor)
         info = owned_of(p)
         if st_p.hosted and not st_p.keeps_state:
-            continue  # its TP host keeps (and loads) the state
+            if st:  # its host keeps (and loads) the state; this rank presents its keys from now on
+                opt._remote_state.add(id(p))
+            continue
         if is_dt and info is not None and not st_p.keeps_state:
             if st:  # non-owners keep no state for an owned parameter, only that its owner has some
                 opt._remote_state.add(id(p))

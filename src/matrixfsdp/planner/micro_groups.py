@@ -61,7 +61,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 __all__ = [
     "MicroGroup",
@@ -114,7 +114,8 @@ def _check_int(name: str, value: object, lo: int) -> None:
 
 
 def plan_micro_groups(matrices: Sequence[tuple[str, tuple[int, ...], float, int]],
-                      tp: int, *, c_max: int | None = None) -> tuple[MicroGroup, ...]:
+                      tp: int, *, c_max: int | None = None,
+                      hosts: Mapping[str, int] | None = None) -> tuple[MicroGroup, ...]:
     """Pack TP-split matrices into micro-groups and give each a host TP rank (see
     [Note: micro-group rule]).
 
@@ -124,6 +125,10 @@ def plan_micro_groups(matrices: Sequence[tuple[str, tuple[int, ...], float, int]
         tp: the tensor-parallel degree (host ranks ``0 .. tp-1``), ``>= 1``.
         c_max: the most bytes of one group's fused buffer (sum of member ``nbytes``), ``>= 1``;
             default :func:`default_c_max` of ``tp`` and the largest matrix.
+        hosts: ``{fqn: host rank}`` fixing every matrix's host (a planner that chose the hosts
+            itself, as the data-parallel hosting of [Note: hosted matrices] in ``owner_plan.py``
+            does): only the packing is planned, by the same rule, the makespan counting the
+            given hosts.
 
     Returns:
         The groups in execution order, ``index`` 0, 1, ...; every matrix in exactly one group.
@@ -157,6 +162,12 @@ def plan_micro_groups(matrices: Sequence[tuple[str, tuple[int, ...], float, int]
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"plan_micro_groups: nbytes must be an int >= 0, got {fqn!r} nbytes={nbytes!r}")
         items.append((fqn, float(cost), nbytes))
+    if hosts is not None:
+        for fqn, _, _ in items:
+            h = hosts.get(fqn) if isinstance(hosts, Mapping) else None
+            if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < tp:
+                raise ValueError(f"plan_micro_groups: hosts must give every matrix a host rank in [0, {tp}), "
+                                 f"got {fqn!r} -> {h!r}")
     if not items:
         return ()
     items.sort(key=lambda it: (-it[1], it[0]))
@@ -176,7 +187,7 @@ def plan_micro_groups(matrices: Sequence[tuple[str, tuple[int, ...], float, int]
 
     for fqn, cost, nbytes in items:
         if members:
-            load = heap[0][0]
+            load = fixed[hosts[fqn]] if hosts is not None else heap[0][0]
             t_total, t_largest = total + cost, max(largest, cost)
             t_makespan = max(makespan, load + cost)
             t_bound = max(t_total / tp, t_largest)
@@ -188,11 +199,17 @@ def plan_micro_groups(matrices: Sequence[tuple[str, tuple[int, ...], float, int]
         if not members:
             heap = [(0.0, carried[r], r) for r in range(tp)]
             heapq.heapify(heap)
+            fixed = [0.0] * tp
             total = largest = makespan = 0.0
             buffer = 0
-        load, _, host = heapq.heappop(heap)  # least loaded; ties: least carried, then lowest rank
+        if hosts is not None:  # the host is given: its load in this group decides the makespan
+            host = hosts[fqn]
+            load = fixed[host]
+            fixed[host] += cost
+        else:
+            load, _, host = heapq.heappop(heap)  # least loaded; ties: least carried, then lowest rank
+            heapq.heappush(heap, (load + cost, carried[host] + cost, host))
         carried[host] += cost
-        heapq.heappush(heap, (load + cost, carried[host], host))
         members.append((fqn, host))
         total += cost
         largest = max(largest, cost)

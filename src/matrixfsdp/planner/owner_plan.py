@@ -73,11 +73,14 @@ __all__ = [
     "RankStats",
     "OwnerPlan",
     "even_rows",
+    "held_bytes",
+    "rank_held_bytes",
+    "spread_rows",
     "REPLICA_STEPS",
 ]
 
-#: The three placements a parameter can have.
-PLACEMENTS = ("matrix", "tail", "even", "experts")
+#: The placements a parameter can have (``"hosted"``: see [Note: hosted matrices]).
+PLACEMENTS = ("matrix", "tail", "even", "experts", "hosted")
 #: How owned parameters combine across replicas (see [Note: replicas and step replicas]).
 REPLICA_STEPS = ("auto", "repeat", "split")
 
@@ -116,13 +119,15 @@ class ParamPlan:
     experts: tuple[int, ...] = ()
     #: matrices per expert along the rows of an expert slice (``"experts"`` placement)
     splits: int = 1
+    #: ``"hosted"`` placement: the shard rank that steps it whole (see [Note: hosted matrices])
+    host: int | None = None
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
             raise ValueError(
                 f"ParamPlan {self.fqn!r}: placement must be one of {PLACEMENTS}, got {self.placement=!r}"
             )
-        owned = self.placement not in ("even", "experts")
+        owned = self.placement not in ("even", "experts", "hosted")
         if owned != (self.owner is not None):
             raise ValueError(
                 f"ParamPlan {self.fqn!r}: {self.placement!r} placement "
@@ -134,6 +139,12 @@ class ParamPlan:
                 f"ParamPlan {self.fqn!r}: step_replica must be None or a replica index >= 0 of an "
                 f"owned parameter, got {self.step_replica=!r} with {self.placement!r} placement"
             )
+        if (self.placement == "hosted") != (self.host is not None) or (
+                self.host is not None and (isinstance(self.host, bool) or not isinstance(self.host, int) or self.host < 0)):
+            raise ValueError(f"ParamPlan {self.fqn!r}: 'hosted' placement needs a host shard rank >= 0 and "
+                             f"no other placement takes one, got {self.host=!r} with {self.placement!r}")
+        if self.placement == "hosted" and len(self.shape) != 2:
+            raise ValueError(f"ParamPlan {self.fqn!r}: 'hosted' placement needs a 2D parameter, got {self.shape=}")
         if self.placement == "even" and len(self.shape) == 0:
             raise ValueError(f"ParamPlan {self.fqn!r}: a 0-dim parameter cannot be evenly sharded")
         if self.placement == "matrix" and len(self.shape) != 2:
@@ -168,7 +179,7 @@ class ParamPlan:
     def local_rows(self, rank: int, world_size: int) -> tuple[int, int]:
         """Row range ``[start, end)`` along dim 0 that ``rank`` stores (see [Note: row segments])."""
         n = self.shape[0] if self.shape else 1
-        if self.placement == "even":
+        if self.placement in ("even", "hosted"):
             return even_rows(n, world_size, rank)
         if self.placement == "experts":
             start = sum(self.experts[:rank])
@@ -186,10 +197,51 @@ class ParamPlan:
         """Fraction of this parameter that ``rank`` stores (and updates)."""
         if self.placement == "experts":
             return self.experts[rank] / self.shape[0]
-        if self.placement != "even":
+        if self.placement not in ("even", "hosted"):
             return 1.0 if rank == self.owner else 0.0
         start, end = self.local_rows(rank, world_size)
         return (end - start) / self.shape[0] if self.shape[0] else 0.0
+
+
+def held_bytes(p: ParamPlan) -> int:
+    """Parameter + gradient + optimizer-state bytes of ``p`` (its gradient is as large as it)."""
+    return 2 * p.nbytes + p.state_nbytes
+
+
+def rank_held_bytes(params: Sequence[ParamPlan], W: int) -> list[float]:
+    """Parameter + gradient + state bytes per shard rank: owned parameters on their owner, hosted
+    ones' storage spread and their state on the host, everything else by its row share."""
+    load = [0.0] * W
+    for p in params:
+        if p.owner is not None:
+            load[p.owner] += held_bytes(p)
+        elif p.placement == "hosted":
+            _spread(load, p, 2 * p.nbytes, W)
+            load[p.host] += p.state_nbytes  # type: ignore[index]
+        else:
+            _spread(load, p, held_bytes(p), W)
+    return load
+
+
+def _spread(load: list[float], p: ParamPlan, nbytes: float, W: int) -> None:
+    """Add ``nbytes`` of ``p`` over the ranks by its row share."""
+    n = p.shape[0] if p.shape else 1
+    if p.placement == "experts":
+        for r in range(W):
+            load[r] += nbytes * p.experts[r] / n if n else 0.0
+        return
+    spread_rows(load, n, nbytes, W)
+
+
+def spread_rows(load: list[float], n: int, nbytes: float, W: int) -> None:
+    """Add ``nbytes`` over ``torch.chunk(n, W)`` rows (only ranks with rows are touched)."""
+    if not n:
+        return
+    for r in range(W):
+        start, end = even_rows(n, W, r)
+        if start >= end:
+            break
+        load[r] += nbytes * (end - start) / n
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,6 +271,8 @@ class RankStats:
     state_nbytes: float
     cost: float
     num_owned: int
+    #: matrices this rank steps whole as their host (see [Note: hosted matrices] in ``hosting.py``)
+    num_hosted: int = 0
 
 
 def _imbalance(values: list[float]) -> float:
@@ -352,6 +406,9 @@ class OwnerPlan:
     #: per data-parallel owner ``s`` (``world_size`` entries when ``tp > 1``, else empty): its
     #: matrices' micro-groups in execution order
     micro_groups: tuple[tuple[MicroGroup, ...], ...] = ()
+    #: the ``"hosted"`` matrices' micro-groups over the shard ranks, in execution order (hosts are
+    #: shard ranks; see [Note: hosted matrices] in ``planner/hosting.py``); empty when none is hosted
+    host_groups: tuple[MicroGroup, ...] = ()
     digest: str = dataclasses.field(init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -375,10 +432,13 @@ class OwnerPlan:
                     f"OwnerPlan: {p.fqn!r} step_replica must be in [0, {self.replicas}), got "
                     f"{p.step_replica=}"
                 )
+            if p.host is not None and not p.host < self.world_size:
+                raise ValueError(f"OwnerPlan: {p.fqn!r} host must be in [0, {self.world_size}), got {p.host=}")
             if p.placement == "experts" and len(p.experts) != self.world_size:
                 raise ValueError(f"OwnerPlan: expert stack {p.fqn!r} needs a count per shard rank "
                                  f"({self.world_size}), got {len(p.experts)}: {p.experts!r}")
         self._check_micro_groups()
+        self._check_host_groups()
         payload = json.dumps(self._canonical(), sort_keys=True, separators=(",", ":"))
         object.__setattr__(self, "digest", hashlib.sha256(payload.encode()).hexdigest())
 
@@ -407,6 +467,21 @@ class OwnerPlan:
             if sorted(got) != want:
                 raise ValueError(f"OwnerPlan: owner {s}'s micro-groups must hold each of its "
                                  f"{len(want)} matrices once, got {len(got)} members")
+
+    def _check_host_groups(self) -> None:
+        want = {p.fqn: p.host for p in self.params if p.placement == "hosted"}
+        got: dict[str, int] = {}
+        for i, g in enumerate(self.host_groups):
+            if not isinstance(g, MicroGroup) or g.index != i:
+                raise ValueError(f"OwnerPlan: host group {i} must be a MicroGroup with index {i}, got {g!r}")
+            for fqn, host in g.members:
+                if fqn in got or want.get(fqn) != host:
+                    raise ValueError(f"OwnerPlan: host groups must hold each hosted matrix once with its "
+                                     f"plan's host, got {fqn!r} -> {host!r} (plan: {want.get(fqn)!r})")
+                got[fqn] = host
+        if len(got) != len(want):
+            missing = sorted(set(want) - set(got))
+            raise ValueError(f"OwnerPlan: hosted matrices {missing[:3]} are in no host group")
 
     # ----------------------------------------------------------------------------- lookups
     @functools.cached_property
@@ -467,6 +542,7 @@ class OwnerPlan:
         state = [0.0] * W
         cost = [0.0] * W
         owned = [0] * W
+        hosted = [0] * W
         for p in self.params:
             if p.owner is not None:
                 nbytes[p.owner] += p.nbytes
@@ -474,13 +550,21 @@ class OwnerPlan:
                 cost[p.owner] += p.cost
                 owned[p.owner] += 1
                 continue
+            if p.host is not None:  # stored evenly, stepped and kept whole on its host
+                state[p.host] += p.state_nbytes
+                cost[p.host] += p.cost
+                hosted[p.host] += 1
             for r in range(W):
                 s = p.share(r, W)
+                if not s:
+                    continue
                 nbytes[r] += p.nbytes * s
-                state[r] += p.state_nbytes * s
-                cost[r] += p.cost * s
+                if p.host is None:
+                    state[r] += p.state_nbytes * s
+                    cost[r] += p.cost * s
         return tuple(
-            RankStats(rank=r, nbytes=nbytes[r], state_nbytes=state[r], cost=cost[r], num_owned=owned[r])
+            RankStats(rank=r, nbytes=nbytes[r], state_nbytes=state[r], cost=cost[r], num_owned=owned[r],
+                      num_hosted=hosted[r])
             for r in range(W)
         )
 
@@ -512,7 +596,8 @@ class OwnerPlan:
     def _bound(self, attr: str) -> float:
         roles = _role_loads(self.params, attr)
         W = self.world_size
-        even = [p for p in self.params if p.placement == "even"]
+        # hosted matrices: their storage is spread (base load), their cost and state atomic (roles)
+        even = [p for p in self.params if p.placement == "even" or (p.placement == "hosted" and attr == "nbytes")]
         base = [sum(getattr(p, attr) * p.share(r, W) for p in even) for r in range(W)]
         return _tight_lower_bound(list(roles.values()), base, W)
 
@@ -525,6 +610,17 @@ class OwnerPlan:
     def state_imbalance(self) -> float:
         """max/avg of per-rank parameter + optimizer-state bytes."""
         return _imbalance([s.nbytes + s.state_nbytes for s in self.rank_stats])
+
+    @property
+    def memory_imbalance(self) -> float:
+        """max/avg of per-rank parameter + gradient + optimizer-state bytes (what
+        ``memory_budget`` bounds; see [Note: hosted matrices] in ``planner/hosting.py``)."""
+        return _imbalance(rank_held_bytes(self.params, self.world_size))
+
+    @property
+    def num_hosted(self) -> int:
+        """Matrices stored evenly and stepped whole on a host (``"hosted"`` placement)."""
+        return sum(p.placement == "hosted" for p in self.params)
 
     @property
     def cost_imbalance(self) -> float:
@@ -600,6 +696,8 @@ class OwnerPlan:
             "bytes_imbalance": self.bytes_imbalance,
             "bytes_imbalance_bound": self.bytes_imbalance_bound,
             "state_imbalance": self.state_imbalance,
+            "memory_imbalance": self.memory_imbalance,
+            "hosted": self.num_hosted,
             "max_gamma": max((b.gamma for b in self.block_stats), default=1.0),
             "max_gamma_ratio": self.max_gamma_ratio,
             "digest": self.digest,
@@ -658,6 +756,8 @@ class OwnerPlan:
                     **({"step_replica": p.step_replica} if p.step_replica is not None else {}),
                     # only for expert stacks: a dense plan keeps the digest it had before experts
                     **({"experts": list(p.experts), "splits": p.splits} if p.placement == "experts" else {}),
+                    # only for hosted matrices: a plan hosting none keeps the digest it had before
+                    **({"host": p.host} if p.placement == "hosted" else {}),
                 }
                 for p in self.params
             ],
@@ -667,6 +767,7 @@ class OwnerPlan:
             **({"tp": self.tp} if self.tp != 1 else {}),
             **({"micro_groups": [[_group_json(g) for g in gs] for gs in self.micro_groups]}
                if self.micro_groups else {}),
+            **({"host_groups": [_group_json(g) for g in self.host_groups]} if self.host_groups else {}),
         }
 
     def to_json(self, **kwargs: Any) -> str:
@@ -699,6 +800,7 @@ class OwnerPlan:
                 replicas=d.get("replicas", 1),
                 tp=d.get("tp", 1),
                 micro_groups=tuple(tuple(_group_from_json(g) for g in gs) for gs in d.get("micro_groups", [])),
+                host_groups=tuple(_group_from_json(g) for g in d.get("host_groups", [])),
             )
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise ValueError(f"OwnerPlan.from_json: malformed plan: {e!r}") from None
@@ -756,6 +858,10 @@ def _role_loads(params: Iterable[ParamPlan], attr: str) -> dict[Any, float]:
             E = p.shape[0]
             for e in range(E):
                 out[(p.fqn, e)] = getattr(p, attr) / E
+            continue
+        if p.placement == "hosted":  # its step and state are atomic on the host; its bytes spread
+            if attr != "nbytes":
+                out[p.fqn] = getattr(p, attr)
             continue
         if p.owner is None:
             continue

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from ..mesh import mesh_info
+from .hosting import DEFAULT_MEMORY_BUDGET, PLACEMENT_MODES, host_over_budget
 from .cost import ParamInfo, resolve_cost, state_nbytes
 from .micro_groups import plan_micro_groups
 from .balance import _Role, balanced
@@ -232,6 +233,8 @@ def plan_owners(
     replica_step: str = "auto",
     tp: int = 1,
     tp_c_max: int | None = None,
+    placement: str = "auto",
+    memory_budget: float | None = None,
 ) -> OwnerPlan:
     """Plan which data-parallel rank owns each parameter of ``model``.
 
@@ -285,6 +288,18 @@ def plan_owners(
             into micro-groups with a host TP rank each (Canzona Algorithm 2; see
             [Note: micro-group rule]), stored in ``plan.micro_groups``. This is the planning half
             of TP only: owners are planned exactly as with ``tp=1``; the runtime is separate.
+        placement: ``"auto"`` (default) or ``"owned"``. ``"auto"``: where owning whole matrices
+            would put a rank above ``memory_budget`` even shares of parameter + gradient +
+            optimizer-state bytes (large ``W`` on a flat mesh), the matrices that cause it are
+            *hosted*: stored evenly sharded as FSDP2 does, stepped whole on a planned host
+            between fused all-to-alls (see [Note: hosted matrices] in ``planner/hosting.py``);
+            where owning fits (few ranks per matrix), the plan is the owned plan, digest
+            included. ``"owned"``: every matrix owned whatever the memory (zero step
+            communication). The bucket policies (``replicate``) and ``tp > 1`` plans host nothing.
+        memory_budget: the most a rank may hold, in even shares of parameter + gradient + state
+            bytes, under ``placement="auto"`` (default ``DEFAULT_MEMORY_BUDGET`` = 1.25, met where
+            hosting can meet it). An explicit budget that hosting cannot meet raises a
+            ``ValueError`` naming the smallest one it can.
     Returns:
         A frozen :class:`OwnerPlan`.
 
@@ -311,6 +326,18 @@ def plan_owners(
         raise ValueError(f"plan_owners: elementwise must be one of {ELEMENTWISE}, got {elementwise=!r}")
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"plan_owners: tp must be an int >= 1, got {tp=!r}")
+    if placement not in PLACEMENT_MODES:
+        raise ValueError(f"plan_owners: placement must be one of {PLACEMENT_MODES}, got {placement=!r}")
+    if memory_budget is not None:
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not memory_budget >= 1.0 \
+                or memory_budget == float("inf"):
+            raise ValueError(f"plan_owners: memory_budget must be a finite number >= 1.0 (even shares of "
+                             f"parameter + gradient + state bytes; FSDP2 holds 1.0), got {memory_budget=!r}")
+        if placement != "auto" or policy in BUCKET_POLICIES or tp > 1:
+            why = (f"placement={placement!r}" if placement != "auto" else f"policy={policy!r} (replicate's buckets)"
+                   if policy in BUCKET_POLICIES else f"tp={tp} (TP matrices are hosted within TP)")
+            raise ValueError(f"plan_owners: memory_budget applies to placement='auto' on a tp=1 plan of the "
+                             f"balanced policies, got it with {why}; drop memory_budget")
     if tp_c_max is not None and tp == 1:
         raise ValueError(f"plan_owners: tp_c_max needs tp > 1, got {tp_c_max=!r} with tp=1")
     rule = check_rule(matrix_rule, "plan_owners")
@@ -391,6 +418,11 @@ def plan_owners(
             params += [make(s, role.placement, owners[role.key]) for s in role.members]
         params += [make(s, "experts", None, counts_of(s, owners)) for s in stacks.values()]
     params.sort(key=lambda p: p.fqn)
+    host_groups: tuple[Any, ...] = ()
+    if placement == "auto" and policy not in BUCKET_POLICIES and tp == 1:
+        budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else float(memory_budget)
+        params, host_groups = host_over_budget(params, W, budget, strict=memory_budget is not None,
+                                               owned=frozenset(s.fqn for s in specs if s.tp))
     if R > 1:
         params = _assign_step_replicas(params, R, replica_step)
         meta = (*meta, ("replica_step", replica_step))
@@ -412,6 +444,7 @@ def plan_owners(
         replicas=R,
         tp=tp,
         micro_groups=micro_groups,
+        host_groups=host_groups,
     )
 
 

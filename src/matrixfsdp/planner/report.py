@@ -57,15 +57,18 @@ def plan_warnings(plan: "OwnerPlan") -> list[str]:
     is far slower than an even one. Empty for a plan without those problems. Pure."""
     W, stats = plan.world_size, plan.rank_stats
     out = []
-    idle = sum(1 for st in stats if st.num_owned == 0)
-    if idle and any(p.owner is not None for p in plan.params):
-        out.append(f"{idle} of {W} shard ranks own no tensor: they step nothing while the others "
+    idle = sum(1 for st in stats if st.num_owned == 0 and st.num_hosted == 0)
+    if idle and any(p.owner is not None or p.host is not None for p in plan.params):
+        out.append(f"{idle} of {W} shard ranks own or host no tensor: they step nothing while the others "
                    "step whole matrices")
-    held = plan.state_imbalance
+    held = plan.memory_imbalance
     if held > MEMORY_BUDGET:
-        out.append(f"the most loaded rank holds {held:.2f}x an even share of parameter + optimizer-state "
-                   f"bytes (FSDP2's even sharding: 1.00x; budget {MEMORY_BUDGET:.2f}x): it can run out of "
-                   "memory where FSDP2 fits")
+        how = (f"{plan.num_hosted} matrices hosted, the rest owned; a host keeps a hosted matrix's whole state"
+               if plan.num_hosted else "placement='auto' would host the matrices behind it"
+               if plan.policy not in ("alpha_balanced", "naive_static") and plan.tp == 1 else "")
+        out.append(f"the most loaded rank holds {held:.2f}x an even share of parameter + gradient + "
+                   f"optimizer-state bytes (FSDP2's even sharding: 1.00x; budget {MEMORY_BUDGET:.2f}x): it "
+                   f"can run out of memory where FSDP2 fits" + (f" ({how})" if how else ""))
     gamma = max((b.gamma for b in plan.block_stats), default=1.0)
     if gamma > GAMMA_BUDGET:
         out.append(f"the worst block's collective moves {gamma:.1f}x the bytes of an even one on its most "
@@ -94,6 +97,7 @@ def format_plan(plan: "OwnerPlan", *, per_rank: bool = True, per_block: bool = T
         f"    parameter bytes    {s['bytes_imbalance']:8.3f}  {s['bytes_imbalance_bound']:11.3f}  "
         f"{s['bytes_imbalance'] / s['bytes_imbalance_bound']:10.3f}",
         f"    params + state     {s['state_imbalance']:8.3f}",
+        f"    params+grads+state {s['memory_imbalance']:8.3f}   (memory: FSDP2's even sharding is 1.000)",
         f"    worst gamma_B / bound: {s['max_gamma_ratio']:.3f}  (max gamma_B {s['max_gamma']:.2f})",
         "    gamma_B: a block's most loaded owner's bytes / (block bytes / W), i.e. its collective's "
         "slowdown vs even",
@@ -104,8 +108,10 @@ def format_plan(plan: "OwnerPlan", *, per_rank: bool = True, per_block: bool = T
         for w in warnings:
             lines += textwrap.wrap(w, WIDTH, initial_indent="    - ", subsequent_indent="      ")
         lines += textwrap.wrap("remedy: HSDP, owners planned within smaller groups (plan_owners(model, (R, W // R)), "
-                               "an (R, W // R) mesh; CLI: --replicas R)", WIDTH, initial_indent="    ",
-                               subsequent_indent="      ")
+                               "an (R, W // R) mesh; CLI: --replicas R)" + (
+                                   "; or placement='auto' (CLI: --placement auto), which hosts the matrices "
+                                   "past the memory budget" if plan.num_hosted == 0 and plan.tp == 1 else ""),
+                               WIDTH, initial_indent="    ", subsequent_indent="      ")
     if plan.has_experts:
         lines += _format_experts(plan, s)
     if plan.replicas > 1:
@@ -121,6 +127,8 @@ def format_plan(plan: "OwnerPlan", *, per_rank: bool = True, per_block: bool = T
         ]
     if plan.tp > 1:
         lines += _format_micro_groups(plan)
+    if plan.host_groups:
+        lines += _format_hosted(plan)
     if per_rank:
         # the experts column only for plans that have experts: dense reports stay as they were
         experts = plan.expert_matrices if plan.has_experts else None
@@ -162,6 +170,28 @@ def _format_experts(plan: "OwnerPlan", s: dict) -> list[str]:
     ]
     lines += [f"    {label:<38} {e:11.3f}  {c:8.3f}  {b:8.3f}  {g:8.3f}" for label, e, c, b, g in rows]
     lines.append("    baselines: the same dense weights re-planned (balanced) around the baseline's experts")
+    return lines
+
+
+def _format_hosted(plan: "OwnerPlan") -> list[str]:
+    """The hosted section: what ``placement='auto'`` hosts, where, and what its step moves."""
+    W = plan.world_size
+    hosted = [p for p in plan.params if p.placement == "hosted"]
+    nbytes = sum(p.nbytes for p in hosted)
+    hosts = sorted({p.host for p in hosted})
+    owned = sum(p.placement == "matrix" for p in plan.params)
+    # every rank sends its rows of each hosted gradient to the host and receives its rows of the update
+    moved = 2 * nbytes * (W - 1) / W / W
+    text = [
+        f"hosted: {len(hosted)} matrices ({human_bytes(nbytes)}) stored evenly and stepped whole on "
+        f"{len(hosts)} host ranks, {owned} matrices owned (no step communication)",
+        f"{len(plan.host_groups)} micro-groups: two fused all-to-alls each per step, about "
+        f"{human_bytes(moved)} sent per rank and step (DistMuon's all-to-all sends 2 (W-1)/W of every matrix)",
+    ]
+    lines = [""]
+    for i, t in enumerate(text):
+        indent = "  " if i == 0 else "    "
+        lines += textwrap.wrap(t, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ")
     return lines
 
 

@@ -227,8 +227,11 @@ def _offsets(n: int, tp: int) -> list[int]:
 
 
 def _shard_dim(p: Any) -> int:
-    if not isinstance(p, DTensor) or len(p.placements) != 1 or not isinstance(p.placements[0], Shard):
+    # one Shard(d) on the host mesh; on a 2-D (HSDP) data-parallel mesh the other dimension
+    # replicates it (a hosted matrix of fully_shard: (Replicate(), Shard(0)))
+    shards = [pl for pl in getattr(p, "placements", ()) if isinstance(pl, Shard)]
+    if not isinstance(p, DTensor) or len(shards) != 1 or len(p.placements) - 1 != sum(
+            pl.is_replicate() for pl in p.placements):
         raise ValueError(f"matrixfsdp.tp: a hosted matrix must be a DTensor with one Shard(d) placement "
-                         f"on the tp mesh, got {getattr(p, 'placements', type(p).__name__)}")
-    d = p.placements[0].dim
-    return d % p.ndim
+                         f"on the host mesh, got {getattr(p, 'placements', type(p).__name__)}")
+    return shards[0].dim % p.ndim

@@ -1,0 +1,119 @@
+"""Adaptive placement: matrices whose ownership would overload a rank are hosted instead.
+
+[Note: hosted matrices]
+Owning whole matrices balances well while there are many more matrices than ranks. Past that
+(Qwen3-8B on a flat mesh of 1024 ranks has 252 matrices) most ranks own nothing and the owners
+hold several times an even share of the memory. ``plan_owners(..., placement="auto")`` (the
+default) then *hosts* matrices, one at a time, until every rank holds at most ``memory_budget``
+times an even share of parameter + gradient + optimizer-state bytes:
+
+* a hosted matrix is stored evenly sharded (``Shard(0)``, ``torch.chunk`` rows, as FSDP2 and the
+  ``"even"`` placement): it is gathered and reduce-scattered like any evenly sharded tensor;
+* its step runs whole on one *host* shard rank, between two fused all-to-alls per micro-group
+  (gradient shards to the hosts, update shards back), pipelined over micro-groups: the TP host
+  step of ``tp/host_step.py`` run over the data-parallel shard group. The host keeps its whole
+  optimizer state; the other ranks keep none of it;
+* matrices that fit stay owned and step with no communication.
+
+The rule (pure, deterministic): start from the owned plan; while the most loaded rank (ties: the
+lowest) is above the budget, host its largest owned matrix (ties: the first fqn). Its storage is
+spread over every rank as ``torch.chunk`` rows; its host is the rank with the least optimizer cost
+among those whose memory stays within the budget (or, when none can, below the current peak)
+with its state added (ties: least memory, then the lowest rank), else the least loaded rank. The loop stops when the budget holds or the most
+loaded rank owns no matrix left to host. Then the hosted matrices are packed into micro-groups
+(``plan_micro_groups`` with the chosen hosts: one fused all-to-all each way per group).
+
+Where owning fits the budget, nothing is hosted and the plan (and its digest) is the owned plan.
+An explicit ``memory_budget`` that the rule cannot meet raises a ``ValueError`` naming the
+smallest budget it can meet; the default budget (:data:`DEFAULT_MEMORY_BUDGET`) is met where it
+can be and otherwise approached as far as hosting goes, and the report says so. Since a host keeps
+a hosted matrix's whole state, that limit is about the largest matrix's state over an even share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .micro_groups import MicroGroup, default_c_max, plan_micro_groups
+from .owner_plan import ParamPlan, held_bytes, rank_held_bytes, spread_rows
+
+__all__ = ["PLACEMENT_MODES", "DEFAULT_MEMORY_BUDGET", "host_over_budget"]
+
+#: ``plan_owners(placement=...)``: ``"auto"`` hosts matrices past the memory budget, ``"owned"``
+#: keeps every matrix owned whatever the memory (zero step communication)
+PLACEMENT_MODES = ("auto", "owned")
+#: default most a rank may hold, in even shares of parameter + gradient + state bytes (FSDP2: 1.0)
+DEFAULT_MEMORY_BUDGET = 1.25
+
+
+def host_over_budget(params: list[ParamPlan], W: int, budget: float, *, strict: bool,
+                     owned: frozenset[str] = frozenset(),
+                     api: str = "plan_owners") -> tuple[list[ParamPlan], tuple[MicroGroup, ...]]:
+    """Host the matrices that put a rank above ``budget`` even shares (see [Note: hosted
+    matrices]); returns the parameters (hosted ones replaced) and the hosts' micro-groups.
+    ``strict``: raise when the budget cannot be met. ``owned``: fqns that stay owned whatever
+    the budget (DTensor parameters of a TP mesh: their owner's TP row steps them)."""
+    hosted, load = _greedy(params, W, budget, owned)
+    total = sum(held_bytes(p) for p in params)
+    even = total / W if total else 1.0
+    reached = max(load) / even if total else 1.0
+    if strict and reached > budget * (1 + 1e-9):
+        _, floor = _greedy(params, W, 0.0, owned)
+        raise ValueError(
+            f"{api}: memory_budget={budget!r} cannot be met: hosting matrices brings the most loaded rank "
+            f"down to {max(floor) / even:.3f}x an even share of parameter + gradient + state bytes at best "
+            f"(a host keeps a hosted matrix's whole state); pass memory_budget >= {max(floor) / even:.3f}, "
+            "or plan for HSDP (smaller owner groups: plan_owners(model, (R, W // R)))"
+        )
+    if not hosted:
+        return params, ()
+    by_fqn = {p.fqn: p for p in params}
+    out = [dataclasses.replace(p, placement="hosted", owner=None, host=hosted[p.fqn], step_replica=None)
+           if p.fqn in hosted else p for p in params]
+    items = [(f, by_fqn[f].shape, by_fqn[f].cost, by_fqn[f].nbytes) for f in sorted(hosted)]
+    # one fused buffer holds what the hosts receive at once; the floor of TP's default bounds it
+    c_max = default_c_max(1, max(n for _, _, _, n in items))
+    groups = plan_micro_groups(items, W, c_max=c_max, hosts=hosted)
+    return out, groups
+
+
+def _greedy(params: list[ParamPlan], W: int, budget: float,
+            owned: frozenset[str] = frozenset()) -> tuple[dict[str, int], list[float]]:
+    """The hosting loop of the Note: ``({fqn: host}, final per-rank held bytes)``."""
+    load = rank_held_bytes(params, W)
+    total = sum(load)
+    if not total:
+        return {}, load
+    cap = budget * total / W
+    cost = [0.0] * W
+    for p in params:
+        if p.owner is not None or p.placement == "hosted":
+            cost[p.owner if p.owner is not None else p.host] += p.cost  # type: ignore[index]
+        else:
+            for r in range(W):
+                cost[r] += p.cost * p.share(r, W)
+    # each rank's owned matrices, largest first (ties: fqn), as candidates to host
+    mats: dict[int, list[ParamPlan]] = {}
+    for p in sorted((p for p in params if p.placement == "matrix" and p.fqn not in owned),
+                    key=lambda p: (-held_bytes(p), p.fqn)):
+        mats.setdefault(p.owner, []).append(p)  # type: ignore[arg-type]
+    hosted: dict[str, int] = {}
+    while True:
+        top = max(range(W), key=lambda r: (load[r], -r))
+        if load[top] <= cap * (1 + 1e-12) or not mats.get(top):
+            break
+        p = mats[top].pop(0)
+        load[top] -= held_bytes(p)
+        cost[top] -= p.cost
+        spread_rows(load, p.shape[0], 2 * p.nbytes, W)
+        # a host that keeps the state within the budget, or at least below the current peak
+        limit = max(cap, max(load)) * (1 + 1e-12)
+        fits = [r for r in range(W) if load[r] + p.state_nbytes <= limit]
+        if fits:
+            h = min(fits, key=lambda r: (cost[r], load[r], r))
+        else:
+            h = min(range(W), key=lambda r: (load[r], r))
+        load[h] += p.state_nbytes
+        cost[h] += p.cost
+        hosted[p.fqn] = h
+    return hosted, load

@@ -1,0 +1,99 @@
+"""Adaptive placement (``plan_owners(..., placement="auto")``, planner/hosting.py): hypothesis
+properties of hosted plans, the budget's contract and its errors, and the Qwen3 presets at scale."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from matrixfsdp import OwnerPlan, plan_owners
+from matrixfsdp.models import PRESETS, Decoder, DecoderLayer
+from matrixfsdp.planner.hosting import DEFAULT_MEMORY_BUDGET
+from matrixfsdp.planner.owner_plan import even_rows, rank_held_bytes
+from planner.test_owners import Block, _net, blocks_st
+
+
+def _mats(plan: OwnerPlan) -> list:
+    return [p for p in plan.params if len(p.shape) == 2 and p.placement in ("matrix", "hosted")]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=blocks_st, W=st.integers(1, 12), budget=st.one_of(st.none(), st.floats(1.0, 4.0)))
+def test_every_matrix_is_owned_or_evenly_sharded_with_a_host(spec, W, budget):
+    model = _net(spec)
+    owned = plan_owners(model, W, block_types=Block, placement="owned")
+    try:
+        plan = plan_owners(model, W, block_types=Block, memory_budget=budget)
+    except ValueError as e:  # an explicit budget below what hosting reaches: the message names it
+        assert budget is not None and "cannot be met" in str(e)
+        floor = float(str(e).split("pass memory_budget >= ")[1].split(",")[0])
+        assert floor > budget
+        plan = plan_owners(model, W, block_types=Block, memory_budget=floor + 1e-3)
+        budget = floor + 1e-3
+    cap = DEFAULT_MEMORY_BUDGET if budget is None else budget
+    # the same matrices, each owned whole or hosted: stored in torch.chunk rows, one host shard rank
+    assert [p.fqn for p in _mats(plan)] == [p.fqn for p in _mats(owned)]
+    for p in plan.params:
+        if p.placement == "hosted":
+            assert p.owner is None and 0 <= p.host < W and len(p.shape) == 2
+            assert [p.local_rows(r, W) for r in range(W)] == [even_rows(p.shape[0], W, r) for r in range(W)]
+        else:
+            assert p.host is None
+    # nothing hosted where owning fits: the owned plan, digest included
+    if owned.memory_imbalance <= cap:
+        assert plan.num_hosted == 0 and plan.digest == owned.digest
+    # the bound holds when the budget was explicit (strict), and hosting never makes the peak worse
+    if budget is not None:
+        assert plan.memory_imbalance <= cap * (1 + 1e-9)
+    assert max(rank_held_bytes(plan.params, W)) <= max(rank_held_bytes(owned.params, W)) * (1 + 1e-9)
+    # host groups hold each hosted matrix once with its host; JSON round trip; digest covers hosts
+    members = sorted((f, h) for g in plan.host_groups for f, h in g.members)
+    assert members == sorted((p.fqn, p.host) for p in plan.params if p.placement == "hosted")
+    assert OwnerPlan.from_json(plan.to_json()) == plan
+    if plan.num_hosted and W > 1:
+        d = json.loads(plan.to_json())
+        i = next(i for i, p in enumerate(d["params"]) if p["placement"] == "hosted")
+        d["params"][i]["host"] = (d["params"][i]["host"] + 1) % W
+        for g in d["host_groups"]:
+            g["members"] = [[f, d["params"][i]["host"] if f == d["params"][i]["fqn"] else h] for f, h in g["members"]]
+        with pytest.raises(ValueError, match="digest mismatch"):
+            OwnerPlan.from_json(json.dumps(d))
+
+
+def test_bad_budgets_raise_naming_the_constraint():
+    model = _net([([(8, 8), (8, 8)], 0)])
+    with pytest.raises(ValueError, match=r"memory_budget must be a finite number >= 1.0 .* got memory_budget=0.5"):
+        plan_owners(model, 4, block_types=Block, memory_budget=0.5)
+    with pytest.raises(ValueError, match=r"placement must be one of \('auto', 'owned'\), got placement='even'"):
+        plan_owners(model, 4, block_types=Block, placement="even")
+    with pytest.raises(ValueError, match="memory_budget applies to placement='auto'.*placement='owned'"):
+        plan_owners(model, 4, block_types=Block, placement="owned", memory_budget=2.0)
+    with pytest.raises(ValueError, match="memory_budget applies to placement='auto'.*policy='alpha_balanced'"):
+        plan_owners(model, 4, block_types=Block, policy="alpha_balanced", memory_budget=2.0)
+    # two 8x8 matrices on 4 ranks: a host keeps a whole matrix's state, so 1.0 cannot be met
+    with pytest.raises(ValueError, match=r"memory_budget=1.0 cannot be met: .* pass memory_budget >= (\d+\.\d+)") as e:
+        plan_owners(model, 4, block_types=Block, memory_budget=1.0)
+    floor = float(str(e.value).split("pass memory_budget >= ")[1].split(",")[0])
+    assert plan_owners(model, 4, block_types=Block, memory_budget=floor + 1e-3).memory_imbalance <= floor + 1e-3
+
+
+@pytest.fixture(scope="module")
+def qwen3_8b():
+    with torch.device("meta"):
+        return Decoder(PRESETS["qwen3-8b"]).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("W, owned_x, auto_x, hosted", [(64, 1.065, 1.065, 0), (256, 1.674, 1.251, 108),
+                                                       (1024, 6.061, 3.445, 108)])
+def test_qwen3_8b_memory_owned_vs_auto(qwen3_8b, W, owned_x, auto_x, hosted):
+    """Parameter + gradient + state bytes of the most loaded rank over an even share (FSDP2: 1.0),
+    Muon state: the default hosts the MLP matrices once owning passes the budget."""
+    owned = plan_owners(qwen3_8b, W, block_types=DecoderLayer, placement="owned")
+    auto = plan_owners(qwen3_8b, W, block_types=DecoderLayer)
+    assert owned.memory_imbalance == pytest.approx(owned_x, abs=1e-3)
+    assert auto.memory_imbalance == pytest.approx(auto_x, abs=1e-3)
+    assert auto.num_hosted == hosted
