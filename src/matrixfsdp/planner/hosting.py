@@ -79,7 +79,9 @@ def host_over_budget(params: list[ParamPlan], W: int, budget: float, *, strict: 
 
 def _greedy(params: list[ParamPlan], W: int, budget: float,
             owned: frozenset[str] = frozenset()) -> tuple[dict[str, int], list[float]]:
-    """The hosting loop of the Note: ``({fqn: host}, final per-rank held bytes)``."""
+    """The hosting loop of the Note: ``({fqn: host}, per-rank held bytes)`` of the first point
+    where the budget holds, else of the point with the lowest peak (the fewest hosted on ties):
+    hosting never leaves the most loaded rank worse off than owning."""
     load = rank_held_bytes(params, W)
     total = sum(load)
     if not total:
@@ -98,9 +100,14 @@ def _greedy(params: list[ParamPlan], W: int, budget: float,
                     key=lambda p: (-held_bytes(p), p.fqn)):
         mats.setdefault(p.owner, []).append(p)  # type: ignore[arg-type]
     hosted: dict[str, int] = {}
+    best = (max(load), 0, list(load))  # (peak, hosted count, loads) of the best point so far
     while True:
         top = max(range(W), key=lambda r: (load[r], -r))
-        if load[top] <= cap * (1 + 1e-12) or not mats.get(top):
+        if load[top] < best[0]:
+            best = (load[top], len(hosted), list(load))
+        if load[top] <= cap * (1 + 1e-12):
+            return hosted, load
+        if not mats.get(top):
             break
         p = mats[top].pop(0)
         load[top] -= held_bytes(p)
@@ -116,4 +123,5 @@ def _greedy(params: list[ParamPlan], W: int, budget: float,
         load[h] += p.state_nbytes
         cost[h] += p.cost
         hosted[p.fqn] = h
-    return hosted, load
+    _, n, load = best  # stuck above the budget: the best point reached (dicts keep insertion order)
+    return dict(list(hosted.items())[:n]), load
