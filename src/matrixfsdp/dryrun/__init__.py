@@ -46,6 +46,7 @@ def sample_ranks(build: Callable[[], tuple[Any, tuple[type, ...], int]], world_s
                  roles: tuple[str, ...] = ROLES, plan_kwargs: dict[str, Any] | None = None) -> dict[str, int]:
     """``{role: global rank}``: the plan's most loaded shard rank, a median one and rank 0 (in
     replica 0). Pure: plans on the ``meta`` device, no process group."""
+    from ..planner.owner_plan import rank_held_bytes
     from ..planner.owners import plan_owners
 
     _check_world(world_size, replicas)
@@ -53,8 +54,6 @@ def sample_ranks(build: Callable[[], tuple[Any, tuple[type, ...], int]], world_s
         model, layer_types, _ = build()
     S = world_size // replicas
     plan = plan_owners(model, (replicas, S) if replicas > 1 else S, block_types=layer_types, **(plan_kwargs or {}))
-    from ..planner.owner_plan import rank_held_bytes
-
     load = rank_held_bytes(plan.params, S)  # parameter + gradient + state bytes
     order = sorted(range(S), key=lambda r: (load[r], r))
     picks = {"most_loaded": order[-1], "median": order[len(order) // 2], "rank0": 0}

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 
 from .micro_groups import MicroGroup, default_c_max, plan_micro_groups
-from .owner_plan import ParamPlan, held_bytes, rank_held_bytes, spread_rows
+from .owner_plan import ParamPlan, held_bytes, rank_loads, spread_rows
 
 __all__ = ["PLACEMENT_MODES", "DEFAULT_MEMORY_BUDGET", "host_over_budget"]
 
@@ -82,18 +82,12 @@ def _greedy(params: list[ParamPlan], W: int, budget: float,
     """The hosting loop of the Note: ``({fqn: host}, per-rank held bytes)`` of the first point
     where the budget holds, else of the point with the lowest peak (the fewest hosted on ties):
     hosting never leaves the most loaded rank worse off than owning."""
-    load = rank_held_bytes(params, W)
+    nbytes, state, cost, _, _ = rank_loads(params, W)
+    load = [2 * n + st for n, st in zip(nbytes, state)]  # rank_held_bytes, with the costs alongside
     total = sum(load)
     if not total:
         return {}, load
     cap = budget * total / W
-    cost = [0.0] * W
-    for p in params:
-        if p.owner is not None or p.placement == "hosted":
-            cost[p.owner if p.owner is not None else p.host] += p.cost  # type: ignore[index]
-        else:
-            for r in range(W):
-                cost[r] += p.cost * p.share(r, W)
     # each rank's owned matrices, largest first (ties: fqn), as candidates to host
     mats: dict[int, list[ParamPlan]] = {}
     for p in sorted((p for p in params if p.placement == "matrix" and p.fqn not in owned),

@@ -126,7 +126,7 @@ def plan_micro_groups(matrices: Sequence[tuple[str, tuple[int, ...], float, int]
         c_max: the most bytes of one group's fused buffer (sum of member ``nbytes``), ``>= 1``;
             default :func:`default_c_max` of ``tp`` and the largest matrix.
         hosts: ``{fqn: host rank}`` fixing every matrix's host (a planner that chose the hosts
-            itself, as the data-parallel hosting of [Note: hosted matrices] in ``owner_plan.py``
+            itself, as the data-parallel hosting of [Note: hosted matrices] in ``hosting.py``
             does): only the packing is planned, by the same rule, the makespan counting the
             given hosts.
 

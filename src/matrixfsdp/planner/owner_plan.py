@@ -74,6 +74,7 @@ __all__ = [
     "OwnerPlan",
     "even_rows",
     "held_bytes",
+    "rank_loads",
     "rank_held_bytes",
     "spread_rows",
     "REPLICA_STEPS",
@@ -208,29 +209,40 @@ def held_bytes(p: ParamPlan) -> int:
     return 2 * p.nbytes + p.state_nbytes
 
 
-def rank_held_bytes(params: Sequence[ParamPlan], W: int) -> list[float]:
-    """Parameter + gradient + state bytes per shard rank: owned parameters on their owner, hosted
-    ones' storage spread and their state on the host, everything else by its row share."""
-    load = [0.0] * W
+def rank_loads(params: Sequence[ParamPlan], W: int) -> tuple[list[float], list[float], list[float], list[int], list[int]]:
+    """``(parameter bytes, state bytes, cost, owned count, hosted count)`` per shard rank: owned
+    parameters on their owner; hosted ones' storage by row share, their state and cost on the host
+    (see [Note: hosted matrices] in ``hosting.py``); everything else by its row share. The one
+    per-rank accounting of a plan (``OwnerPlan.rank_stats``, the hosting loop)."""
+    nbytes, state, cost = [0.0] * W, [0.0] * W, [0.0] * W
+    owned, hosted = [0] * W, [0] * W
     for p in params:
         if p.owner is not None:
-            load[p.owner] += held_bytes(p)
-        elif p.placement == "hosted":
-            _spread(load, p, 2 * p.nbytes, W)
-            load[p.host] += p.state_nbytes  # type: ignore[index]
-        else:
-            _spread(load, p, held_bytes(p), W)
-    return load
-
-
-def _spread(load: list[float], p: ParamPlan, nbytes: float, W: int) -> None:
-    """Add ``nbytes`` of ``p`` over the ranks by its row share."""
-    n = p.shape[0] if p.shape else 1
-    if p.placement == "experts":
+            nbytes[p.owner] += p.nbytes
+            state[p.owner] += p.state_nbytes
+            cost[p.owner] += p.cost
+            owned[p.owner] += 1
+            continue
+        if p.host is not None:  # stored evenly, stepped and kept whole on its host
+            state[p.host] += p.state_nbytes
+            cost[p.host] += p.cost
+            hosted[p.host] += 1
         for r in range(W):
-            load[r] += nbytes * p.experts[r] / n if n else 0.0
-        return
-    spread_rows(load, n, nbytes, W)
+            sh = p.share(r, W)
+            if not sh:
+                continue
+            nbytes[r] += p.nbytes * sh
+            if p.host is None:
+                state[r] += p.state_nbytes * sh
+                cost[r] += p.cost * sh
+    return nbytes, state, cost, owned, hosted
+
+
+def rank_held_bytes(params: Sequence[ParamPlan], W: int) -> list[float]:
+    """Parameter + gradient + state bytes per shard rank (a gradient is as large as its
+    parameter; see :func:`rank_loads`)."""
+    nbytes, state, _, _, _ = rank_loads(params, W)
+    return [2 * n + st for n, st in zip(nbytes, state)]
 
 
 def spread_rows(load: list[float], n: int, nbytes: float, W: int) -> None:
@@ -537,35 +549,11 @@ class OwnerPlan:
     # ----------------------------------------------------------------------------- statistics
     @functools.cached_property
     def rank_stats(self) -> tuple[RankStats, ...]:
-        W = self.world_size
-        nbytes = [0.0] * W
-        state = [0.0] * W
-        cost = [0.0] * W
-        owned = [0] * W
-        hosted = [0] * W
-        for p in self.params:
-            if p.owner is not None:
-                nbytes[p.owner] += p.nbytes
-                state[p.owner] += p.state_nbytes
-                cost[p.owner] += p.cost
-                owned[p.owner] += 1
-                continue
-            if p.host is not None:  # stored evenly, stepped and kept whole on its host
-                state[p.host] += p.state_nbytes
-                cost[p.host] += p.cost
-                hosted[p.host] += 1
-            for r in range(W):
-                s = p.share(r, W)
-                if not s:
-                    continue
-                nbytes[r] += p.nbytes * s
-                if p.host is None:
-                    state[r] += p.state_nbytes * s
-                    cost[r] += p.cost * s
+        nbytes, state, cost, owned, hosted = rank_loads(self.params, self.world_size)
         return tuple(
             RankStats(rank=r, nbytes=nbytes[r], state_nbytes=state[r], cost=cost[r], num_owned=owned[r],
                       num_hosted=hosted[r])
-            for r in range(W)
+            for r in range(self.world_size)
         )
 
     @functools.cached_property
@@ -615,7 +603,7 @@ class OwnerPlan:
     def memory_imbalance(self) -> float:
         """max/avg of per-rank parameter + gradient + optimizer-state bytes (what
         ``memory_budget`` bounds; see [Note: hosted matrices] in ``planner/hosting.py``)."""
-        return _imbalance(rank_held_bytes(self.params, self.world_size))
+        return _imbalance([2 * st.nbytes + st.state_nbytes for st in self.rank_stats])
 
     @property
     def num_hosted(self) -> int:

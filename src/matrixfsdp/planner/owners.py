@@ -33,13 +33,12 @@ from .cost import ParamInfo, resolve_cost, state_nbytes
 from .micro_groups import plan_micro_groups
 from .balance import _Role, balanced
 from .owner_plan import REPLICA_STEPS, OwnerPlan, ParamPlan, even_rows
-from .partition import partition_buckets, partition_replicas
+from .partition import BUCKET_POLICIES, partition_buckets, partition_replicas
 from .rules import MatrixRule, ParamKind, check_rule, default_matrix_filter, head_rows_of
 
 __all__ = ["plan_owners", "POLICIES", "ELEMENTWISE", "default_matrix_filter"]
 
 POLICIES = ("balanced", "role_greedy", "scope_greedy", "alpha_balanced", "naive_static")
-BUCKET_POLICIES = ("alpha_balanced", "naive_static")
 ELEMENTWISE = ("auto", "owned", "even")
 
 
@@ -333,9 +332,10 @@ def plan_owners(
                 or memory_budget == float("inf"):
             raise ValueError(f"plan_owners: memory_budget must be a finite number >= 1.0 (even shares of "
                              f"parameter + gradient + state bytes; FSDP2 holds 1.0), got {memory_budget=!r}")
-        if placement != "auto" or policy in BUCKET_POLICIES or tp > 1:
-            why = (f"placement={placement!r}" if placement != "auto" else f"policy={policy!r} (replicate's buckets)"
-                   if policy in BUCKET_POLICIES else f"tp={tp} (TP matrices are hosted within TP)")
+        why = (f"placement={placement!r}" if placement != "auto" else
+               f"policy={policy!r} (replicate's buckets)" if policy in BUCKET_POLICIES else
+               f"tp={tp} (TP matrices are hosted within TP)" if tp > 1 else None)
+        if why is not None:
             raise ValueError(f"plan_owners: memory_budget applies to placement='auto' on a tp=1 plan of the "
                              f"balanced policies, got it with {why}; drop memory_budget")
     if tp_c_max is not None and tp == 1:

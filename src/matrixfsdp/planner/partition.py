@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["partition_buckets", "make_buckets", "partition_replicas"]
+__all__ = ["partition_buckets", "make_buckets", "partition_replicas", "BUCKET_POLICIES"]
+
+#: the ``plan_owners`` policies that are ZeRO-1 bucket partitions (``replicate``'s plans)
+BUCKET_POLICIES = ("alpha_balanced", "naive_static")
 
 
 def make_buckets(numels: list[int], bucket_numel: int) -> list[tuple[int, int]]:

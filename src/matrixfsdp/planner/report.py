@@ -6,6 +6,8 @@ import re
 import textwrap
 from typing import TYPE_CHECKING
 
+from .partition import BUCKET_POLICIES
+
 if TYPE_CHECKING:
     from .owner_plan import OwnerPlan
 
@@ -63,9 +65,11 @@ def plan_warnings(plan: "OwnerPlan") -> list[str]:
                    "step whole matrices")
     held = plan.memory_imbalance
     if held > MEMORY_BUDGET:
-        how = (f"{plan.num_hosted} matrices hosted, the rest owned; a host keeps a hosted matrix's whole state"
-               if plan.num_hosted else "placement='auto' would host the matrices behind it"
-               if plan.policy not in ("alpha_balanced", "naive_static") and plan.tp == 1 else "")
+        how = ""
+        if plan.num_hosted:
+            how = f"{plan.num_hosted} matrices hosted, the rest owned; a host keeps a hosted matrix's whole state"
+        elif plan.policy not in BUCKET_POLICIES and plan.tp == 1:
+            how = "placement='auto' would host the matrices behind it"
         out.append(f"the most loaded rank holds {held:.2f}x an even share of parameter + gradient + "
                    f"optimizer-state bytes (FSDP2's even sharding: 1.00x; budget {MEMORY_BUDGET:.2f}x): it "
                    f"can run out of memory where FSDP2 fits" + (f" ({how})" if how else ""))

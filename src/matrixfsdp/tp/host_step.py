@@ -97,10 +97,10 @@ class TPHostStep:
         return self.counter.bytes_sent.get("all_to_all_single", 0)
 
     # ----------------------------------------------------------------------------- the step
-    # Eager under torch.compile(opt.step), as FSDP2 runs its hooks (disabled at definition): dynamo
-    # traced the asynchronous all-to-alls and their waits, and the compiled step drifted from the
-    # eager one by 1e-3 in 3 steps (tests/fully_shard/test_hosted.py); a graph break here costs
-    # one per step, and the step is two collectives and a few matmuls per micro-group anyway.
+    # Eager under torch.compile, as FSDP2 runs its hooks (disabled at definition): the step is
+    # collectives between ranks and a few matmuls per micro-group. matrixfsdp's optimizers step
+    # eagerly anyway once they hold a hosted matrix (MatrixOptimizer._eager_step: a traced step
+    # around this one drifted 1e-3 from eager); this covers a caller that compiles its own call.
     @torch._dynamo.disable(recursive=True, reason="matrixfsdp host step: collectives run eagerly")
     @torch.no_grad()
     def step(self, items: Any, state: Any, params: Sequence[Any] | None = None) -> None:
