@@ -261,3 +261,50 @@ def test_capturable_groups_refuse_hosted_matrices_and_compiled_steps_match_eager
     for r in results:
         assert "holds hosted matrices" in r["capturable"] and "placement='owned'" in r["capturable"]
         assert r["compiled_vs_eager"] == 0.0, r  # the compiled step runs the hosted optimizer eagerly
+
+
+def hf_moe_hosted_check() -> dict:
+    """Hugging Face Qwen3-MoE (tiny, built in code) with hosted attention matrices next to expert
+    stacks: Muon(model) and torch's full model state dict (DCP's ``get_model_state_dict``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
+
+    from integrations.test_hf_moe import build, tokens
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    model = build()
+    ref = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (W,))
+    plan = matrixfsdp.plan_owners(model, mesh, block_types=(Qwen3MoeDecoderLayer,), memory_budget=1.01)
+    for layer in model.model.layers:
+        matrixfsdp.fully_shard(layer, mesh=mesh, plan=plan)
+    matrixfsdp.fully_shard(model, mesh=mesh, plan=plan)
+    kw = dict(lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, adamw_lr=3e-3)
+    opt, ref_opt = matrixfsdp.optim.Muon(model, **kw), matrixfsdp.optim.Muon(ref, **kw)
+    matrix = {id(p) for g in ref_opt.param_groups if g["algorithm"] != "adamw" for p in g["params"]}
+    per = BATCH // W
+    out = {"hosted": sorted(p.fqn for p in plan.params if p.placement == "hosted"), "grad": 0.0}
+    for step in range(3):
+        ids = tokens(step, rows=BATCH)
+        model(input_ids=ids[rank * per:(rank + 1) * per], labels=ids[rank * per:(rank + 1) * per]).loss.backward()
+        sum(ref(input_ids=ids[r * per:(r + 1) * per], labels=ids[r * per:(r + 1) * per]).loss
+            for r in range(W)).div(W).backward()
+        out["grad"] = max(out["grad"], compare_to_ref(model, ref, plan, rank, W, "grad"))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    refp = dict(ref.named_parameters())
+    out["matrix_param"] = max((full[f] - refp[f].detach()).abs().max().item() for f in refp if id(refp[f]) in matrix)
+    out["adamw_param"] = max((full[f] - refp[f].detach()).abs().max().item() for f in refp if id(refp[f]) not in matrix)
+    return out
+
+
+def test_hf_moe_with_hosted_matrices_and_a_full_state_dict():
+    pytest.importorskip("transformers")
+    results = get_pool(W).run(hf_moe_hosted_check, timeout=300)
+    for r in results:
+        assert len(r["hosted"]) == 6 and all("self_attn" in f for f in r["hosted"]), r["hosted"]
+        assert r["grad"] <= TOL and r["matrix_param"] <= TOL, r
+        assert r["adamw_param"] <= 10 * TOL, r  # AdamW's lr / eps slope (see test_hf_moe_training_parity)
