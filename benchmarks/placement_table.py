@@ -3,7 +3,7 @@
     python benchmarks/placement_table.py [--out benchmarks/results/scaling/placement]
 
 Per (model, mesh, placement): the most loaded rank's parameter + gradient + Muon-state bytes over
-an even share (FSDP2's even sharding: 1.00), the hosted matrices and their micro-groups, the step's
+an even share and over FSDP2's most loaded rank on the same mesh, the hosted matrices and their micro-groups, the step's
 bytes sent by the busiest rank against DistMuon's (torchtitan's all-to-all to a step owner:
 every rank sends its shard of every matrix, ``(W-1)/W`` of the matrices' bytes over ``W``, and
 receives as much back), and the planning time. Pure planning (``plan_owners`` on ``meta``
@@ -61,6 +61,9 @@ def row(model: str, R: int, S: int, placement: str) -> dict:
     return {
         "model": model, "world": R * S, "replicas": R, "shard": S, "placement": placement,
         "memory_x_even": round(plan.memory_imbalance, 3), "params_x_even": round(plan.bytes_imbalance, 3),
+        # FSDP2 on this mesh (OwnerPlan.fsdp2_memory_imbalance: torch.chunk rows of every tensor)
+        "fsdp2_memory_x_even": round(plan.fsdp2_memory_imbalance, 3),
+        "memory_x_fsdp2": round(plan.memory_vs_fsdp2, 3),
         "hosted": plan.num_hosted, "owned_matrices": sum(p.placement == "matrix" for p in plan.params),
         "host_groups": len(plan.host_groups), "step_bytes_busiest": busiest,
         "step_bytes_mean": mean, "distmuon_bytes_per_rank": distmuon,
@@ -81,11 +84,12 @@ def main() -> int:
                 print(json.dumps(r), flush=True)
                 rows.append(r)
     mib = 2.0**20
-    md = ["| model | mesh | placement | held / even | hosted | groups | step MiB busiest | step MiB mean | DistMuon MiB | plan s |",
-          "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    md = ["| model | mesh | placement | held / even | FSDP2 / even | held / FSDP2 | hosted | groups | step MiB busiest | step MiB mean | DistMuon MiB | plan s |",
+          "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         mesh = f"{r['world']}" if r["replicas"] == 1 else f"{r['replicas']} x {r['shard']}"
-        md.append(f"| {r['model']} | {mesh} | {r['placement']} | {r['memory_x_even']:.2f} | {r['hosted']} | "
+        md.append(f"| {r['model']} | {mesh} | {r['placement']} | {r['memory_x_even']:.2f} | "
+                  f"{r['fsdp2_memory_x_even']:.2f} | {r['memory_x_fsdp2']:.2f} | {r['hosted']} | "
                   f"{r['host_groups']} | {r['step_bytes_busiest'] / mib:.1f} | {r['step_bytes_mean'] / mib:.1f} | {r['distmuon_bytes_per_rank'] / mib:.1f} | "
                   f"{r['plan_s']:.2f} |")
     print("\n".join(md))
@@ -96,7 +100,10 @@ def main() -> int:
         head = (f"# Owned vs adaptive placement\n\nCommand: `python benchmarks/placement_table.py --out {args.out}`  \n"
                 f"Date: {datetime.date.today()}; torch {torch.__version__}; Python {platform.python_version()}; "
                 f"{platform.processor() or platform.machine()}\n\nheld / even: the most loaded rank's parameter + "
-                "gradient + Muon-state bytes (bf16) over an even share (FSDP2: 1.00). Step MiB: bytes the busiest "
+                "gradient + Muon-state bytes (bf16) over an even share (total / shard ranks). FSDP2 / even: the "
+                "same for FSDP2 on this mesh (every tensor Shard(0) in torch.chunk rows: a matrix with fewer rows "
+                "than ranks lands on its first ranks, so FSDP2 exceeds 1.00 at large W); held / FSDP2: the ratio "
+                "of the two, the issue's goal (<= 1.25). Step MiB: bytes the busiest "
                 "rank sends in the optimizer step (hosted matrices' all-to-alls; 0 when every matrix is owned; the host "
                 "of a large matrix scatters nearly all of it), and the mean over ranks; "
                 "DistMuon MiB: what each rank sends in DistMuon's all-to-all to a step owner and back.\n\n")

@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(stored evenly, stepped whole on a planned host between fused all-to-alls); "
                         "owned keeps every matrix owned (zero step communication)")
     p.add_argument("--memory-budget", type=float, default=None, metavar="X",
-                   help="most a rank may hold under --placement auto, in even shares of parameter + "
-                        "gradient + state bytes (default 1.25, met where hosting can; an explicit "
+                   help="most a rank may hold under --placement auto, in multiples of FSDP2's most "
+                        "loaded rank on the mesh, parameter + gradient + state bytes (default 1.25, met where hosting can; an explicit "
                         "budget that cannot be met is an error naming the smallest that can)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (OwnerPlan.to_json)")
     p.add_argument("--no-ranks", action="store_true", help="omit the per-rank table")

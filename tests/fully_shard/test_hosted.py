@@ -113,9 +113,9 @@ def test_the_forced_budget_hosts_some_matrices_and_owns_others():
     owned = [p for p in plan.params if p.placement == "matrix"]
     hosted = [p for p in plan.params if p.placement == "hosted"]
     assert hosted and owned, (len(hosted), len(owned))
-    assert plan.memory_imbalance <= BUDGET
+    assert plan.memory_vs_fsdp2 <= BUDGET
     owned_plan = matrixfsdp.plan_owners(TinyDecoder(TinyConfig(), seed=0), W, block_types=(Block,))
-    assert owned_plan.num_hosted == 0 and owned_plan.memory_imbalance > BUDGET
+    assert owned_plan.num_hosted == 0 and owned_plan.memory_vs_fsdp2 > BUDGET
 
 
 @pytest.mark.parametrize("name", list(HPARAMS))
@@ -182,6 +182,56 @@ def test_checkpoints_between_hosted_and_owned_plans_bitwise(tmp_path):
         for key in ("auto_to_owned", "owned_to_auto"):
             ok, n = r[key]
             assert ok and n > 20, (key, r[key])
+
+
+def w_state_where_planned() -> dict:
+    """Where each optimizer keeps a hosted matrix's state after two steps, and how many bytes of
+    state each rank holds against the plan's own accounting (``rank_stats``)."""
+    rank = dist.get_rank()
+    out = {}
+    # Shampoo's larger state balances the owned plan better: a lower budget hosts some
+    for name, optimizer, budget in (("Muon", "muon", BUDGET), ("Shampoo", "shampoo", 1.01)):
+        model = TinyDecoder(TinyConfig(), seed=0)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+        plan = matrixfsdp.plan_owners(model, mesh, block_types=(Block,), memory_budget=budget, optimizer=optimizer)
+        for block in model.blocks:
+            matrixfsdp.fully_shard(block, mesh=mesh, plan=plan)
+        matrixfsdp.fully_shard(model, mesh=mesh, plan=plan)
+        opt = getattr(matrixfsdp.optim, name)(_groups(model, plan), **HPARAMS[name])
+        for step in range(2):
+            x, y = make_batch(model.cfg, step, BATCH)
+            model.loss(x, y, use_extra=True).backward()  # every parameter has a gradient: state
+            opt.step()
+            opt.zero_grad()
+        held = 0
+        where = {}
+        for fqn, p in model.named_parameters():
+            st = opt.state.get(p, {})
+            held += sum(v.numel() * v.element_size() for k, v in st.items() if isinstance(v, torch.Tensor) and k != "step")
+            if plan[fqn].placement == "hosted":
+                shapes = {k: tuple(v.shape) for k, v in st.items() if isinstance(v, torch.Tensor) and v.ndim}
+                where[fqn] = (plan[fqn].host == rank, tuple(p._local_tensor.shape), tuple(p.shape), shapes,
+                              opt.state_on_shards(p))
+        out[name] = {"held": held, "planned": plan.rank_stats[rank].state_nbytes, "where": where,
+                     "hosted": plan.num_hosted}
+    return out
+
+
+def test_hosted_state_lives_where_the_rule_allows_and_the_plan_counts():
+    """Muon's momentum of a hosted matrix: this rank's rows on every rank, nothing whole on the
+    host, every rank's state bytes exactly the plan's; Shampoo's factors: whole on the host alone."""
+    results = get_pool(W).run(w_state_where_planned)
+    for r in results:
+        muon, shampoo = r["Muon"], r["Shampoo"]
+        assert muon["hosted"] and shampoo["hosted"]
+        assert muon["held"] == muon["planned"], (muon["held"], muon["planned"])
+        for fqn, (is_host, local, whole, shapes, on_shards) in muon["where"].items():
+            assert on_shards and shapes == ({"momentum_buffer": local} if local[0] else {}), (fqn, local, shapes)
+        for fqn, (is_host, local, whole, shapes, on_shards) in shampoo["where"].items():
+            assert not on_shards
+            assert bool(shapes) == is_host and all(v[-1] in whole for v in shapes.values()), (fqn, is_host, shapes)
+            if is_host:
+                assert any(v == whole for v in shapes.values()), shapes
 
 
 def train_hsdp_hosted() -> dict:
@@ -275,7 +325,9 @@ def hf_moe_hosted_check() -> dict:
     model = build()
     ref = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (W,))
-    plan = matrixfsdp.plan_owners(model, mesh, block_types=(Qwen3MoeDecoderLayer,), memory_budget=1.01)
+    # the tiny model's narrow tensors put FSDP2's own peak at 1.34x an even share, which owning
+    # already beats (0.77x of it): a budget below 1 of FSDP2's peak forces hosting
+    plan = matrixfsdp.plan_owners(model, mesh, block_types=(Qwen3MoeDecoderLayer,), memory_budget=0.76)
     for layer in model.model.layers:
         matrixfsdp.fully_shard(layer, mesh=mesh, plan=plan)
     matrixfsdp.fully_shard(model, mesh=mesh, plan=plan)

@@ -113,3 +113,34 @@ def test_init_state_is_the_state_a_first_step_starts_from(cls):
         opt_state = copy.deepcopy(opt.rule_for(p).init_state(p.detach()))
         assert st.keys() == opt_state.keys() and st
         assert all(v.shape == opt_state[k].shape for k, v in st.items())
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_prepare_on_blocks_then_finish_is_update_bitwise(nesterov, dim):
+    """[Note: state on the shards]: Muon's state is element-wise, so ``prepare`` on uneven
+    blocks (an empty one included) with block-shaped state, then ``finish`` on
+    the assembled matrix, is ``update`` on the whole gradient: the same update and momentum bits."""
+    w, _ = _model()
+    opt = Muon([w], lr=0.02, nesterov=nesterov, **FAST[Muon])
+    rule = opt.rule_for(w)
+    assert rule.shards_state
+    whole: dict = {}
+    blocks: list[dict] = [{} for _ in range(4)]
+    for (g, _) in _grads(3):
+        want = rule.update(g.clone(), whole, dtype=torch.float32)
+        parts = torch.tensor_split(g.clone(), [5, 5, 9 - dim], dim=dim)  # uneven, an empty one
+        prepared = [rule.prepare(p, st) for p, st in zip(parts, blocks)]
+        got = rule.finish(torch.cat(prepared, dim=dim), dtype=torch.float32)
+        assert torch.equal(got, want)
+        assert torch.equal(torch.cat([st["momentum_buffer"] for st in blocks], dim=dim), whole["momentum_buffer"])
+
+
+@pytest.mark.parametrize("cls", [Shampoo, SOAP])
+def test_rules_with_whole_matrix_state_do_not_split(cls):
+    w, b = _model()
+    opt = cls([w, b], lr=0.02, **FAST[cls])
+    assert not opt.rule_for(w).shards_state and not opt.rule_for(b).shards_state
+    with pytest.raises(TypeError, match=r"prepare: this rule keeps whole-matrix state .*update\(\)"):
+        opt.rule_for(w).prepare(torch.zeros(12, 8), {})
+    assert not Muon([w, b]).rule_for(b).shards_state  # AdamW keeps its moments with the host's step

@@ -6,9 +6,11 @@ exactly as an ``"even"`` one: a ``Shard(0)`` DTensor on the data-parallel mesh (
 Shard(0))`` on an HSDP mesh), ``torch.chunk`` rows. What differs is its step: the TP host step
 (``tp/host_step.py``, [Note: TP hosts]) runs over the shard group instead of a TP group, with
 the plan's ``host_groups`` as its micro-groups. There is one executor per root, and every hosted
-matrix gets a host descriptor (``tp_host_of``): optimizers hand it their hosted matrices with
-their update rules, state dicts present the host's whole state on a one-rank mesh of the shard
-group (the same keys on every rank).
+matrix gets a host descriptor (``tp_host_of``, with ``shard_state``): optimizers hand it their
+hosted matrices with their update rules. A rule with element-wise state (Muon) keeps it on every
+rank's rows, presented in state dicts like an even parameter's, and the host keeps nothing
+([Note: state on the shards] in ``optim/rule.py``); other rules (Shampoo, SOAP) keep it whole
+on the host, presented on a one-rank mesh of the shard group (the same keys on every rank).
 
 On an HSDP mesh every replica's shard group runs the same host step on the same (all-reduced)
 gradients: each replica's host keeps identical state, presented within its replica (DCP writes
@@ -48,4 +50,4 @@ def attach_dp_hosts(states: list[Any], plan: "OwnerPlan", dp: DeviceMesh, *, pip
     shard = shard_dim_mesh(dp)
     rows = [[(g.index, [(f, hosted[f].sharded, h) for f, h in g.members]) for g in plan.host_groups]]
     hosts = row_hosts([shard.mesh.flatten().tolist()], shard)
-    return attach_hosts(shard, rows, 0, hosts, pipeline=pipeline)
+    return attach_hosts(shard, rows, 0, hosts, pipeline=pipeline, shard_state=True)

@@ -340,7 +340,8 @@ def _state_template(api: str, p: torch.Tensor, fqn: str, name: str, tmeta: Tenso
     step counter, as torch's optimizers keep them. ``hosted_whole``: the optimizer steps TP-hosted
     matrices on their hosts (``matrixfsdp.optim``), whose state is whole there; a stock optimizer
     (``torch.optim.AdamW``) steps them shard by shard on the owner's TP row, state like the
-    parameter."""
+    parameter, as does a matrixfsdp optimizer that keeps a hosted matrix's state on the shards
+    (``state_on_shards``)."""
     shape, dtype = tuple(tmeta.size), tmeta.properties.dtype
     local = local_tensor(p)
     if not isinstance(p, DTensor):
@@ -665,11 +666,12 @@ def load(
                         buf: Any = None  # a non-tensor state value: loaded as bytes
                         state_tpl.setdefault(fqn, {})[name] = buf
                         continue
-                    buf = _state_template(api, params[fqn], fqn, name, tmeta, hosted_whole)
+                    whole = hosted_whole and not optimizer.state_on_shards(params[fqn])
+                    buf = _state_template(api, params[fqn], fqn, name, tmeta, whole)
                     if buf is not None:
                         _check_tensor(api, key, tmeta, buf, path)
                         state_tpl.setdefault(fqn, {})[name] = buf
-                    elif hosted_whole and (owned_of(params[fqn]) is not None or expert_rows(params[fqn]) is not None
+                    elif whole and (owned_of(params[fqn]) is not None or expert_rows(params[fqn]) is not None
                                            or tp_host_of(params[fqn]) is not None):
                         kept_elsewhere.setdefault(fqn, {})[name] = None
             unclaimed = sorted(set(state_keys) - claimed)

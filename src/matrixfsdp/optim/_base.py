@@ -148,6 +148,23 @@ class _GroupRule:
             return self._opt._adamw_lr_wd(self._group)
         return self._group["lr"], self._group.get("weight_decay", 0.0)
 
+    @property
+    def shards_state(self) -> bool:
+        return self.name != "adamw" and self._opt.shards_matrix_state
+
+    def prepare(self, grad: Tensor, state: dict[str, Any]) -> Tensor:
+        self._require_split("prepare")
+        return self._opt._matrix_prepare(grad, state, self._group)
+
+    def finish(self, prepared: Tensor, *, dtype: torch.dtype | None = None) -> Tensor:
+        self._require_split("finish")
+        return self._opt._matrix_finish(prepared, dtype or prepared.dtype, self._group)
+
+    def _require_split(self, what: str) -> None:
+        if not self.shards_state:
+            raise TypeError(f"{self!r}.{what}: this rule keeps whole-matrix state (shards_state is False); "
+                            "step it with update() on the whole gradient")
+
 
 class MatrixOptimizer(Optimizer):
     """Base class: routes each parameter to ``_matrix_step`` or to AdamW (see module docstring).
@@ -159,6 +176,9 @@ class MatrixOptimizer(Optimizer):
 
     rule: ClassVar[str]
     wide_state: ClassVar[bool] = False
+    #: the matrix rule's state is element-wise and ``_matrix_prepare``/``_matrix_finish`` split
+    #: its update (see [Note: state on the shards] in ``optim/rule.py``)
+    shards_matrix_state: ClassVar[bool] = False
     #: State keys that appear later in training, ``{key: key it accompanies}``; see
     #: [Note: optimizer state in state dicts].
     _state_placeholders: ClassVar[dict[str, str]] = {}
@@ -381,6 +401,22 @@ class MatrixOptimizer(Optimizer):
     def _rule(self, group: dict[str, Any], route: str) -> _GroupRule:
         return _GroupRule(self, group, route)
 
+    def _stepping(self, p: Tensor, group: dict[str, Any] | None = None, route: str | None = None) -> Any:
+        """``stepping_of(p)`` as this optimizer steps ``p``: its rule says whether a hosted
+        matrix's state may stay on the shards (see [Note: state on the shards] in ``optim/rule.py``)."""
+        if route is None:
+            if group is None:
+                group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+            route = self._route(group, p)
+        return stepping_of(p, elementwise_state=route != "adamw" and self.shards_matrix_state)
+
+    def state_on_shards(self, param: Tensor) -> bool:
+        """Whether ``param`` is a hosted matrix whose state this optimizer keeps on every rank's
+        shard, like an evenly sharded parameter's (Muon's momentum under ``fully_shard``'s
+        adaptive placement), rather than whole on its host (see [Note: state on the shards] in
+        ``optim/rule.py``). Checkpoint loaders shape their buffers by it."""
+        return self._stepping(param).state_on_shards
+
     def rule_for(self, param: Tensor) -> "UpdateRule":
         """The update rule that steps ``param`` (its param group's matrix rule or AdamW, as
         routed), as an :class:`~matrixfsdp.optim.UpdateRule`; see [Note: update-rule protocol].
@@ -454,11 +490,13 @@ class MatrixOptimizer(Optimizer):
         rules = {name: self._rule(group, name) for name in ("adamw", self.rule)}
         for p in group["params"]:
             route = self._route(group, p)
-            st = stepping_of(p)
+            st = self._stepping(p, route=route)
             if st.executor is not None:
                 # either rule: the host steps the whole matrix and keeps its whole state (an
                 # "adamw" group's TP matrices too: stepped shard by shard here, only the host's
-                # shard would move, the host keeping the only, shard-shaped, state)
+                # shard would move, the host keeping the only, shard-shaped, state); Muon under
+                # fully_shard's hosting keeps its momentum on every rank's rows instead
+                # (st.state_on_shards; [Note: state on the shards] in optim/rule.py)
                 hosted.setdefault(id(st.executor), (st.executor, []))[1].append((p, rules[route]))
             if st.hosted or not st.keeps_state:  # stepped by its TP host, or by its owner
                 # reduced_elsewhere: under HSDP split this rank holds it but got no gradient
@@ -650,13 +688,13 @@ class MatrixOptimizer(Optimizer):
 
     def _init_states(self) -> None:
         for _, group, p, route in self._routed():
-            st = stepping_of(p)
+            st = self._stepping(p, route=route)
             if not st.keeps_state:
                 if p.grad is not None or st.reduced_elsewhere:
                     self._note_remote(p, st)
                 continue
             param = local_tensor(p)
-            if st.hosted:
+            if st.hosted and not st.state_on_shards:
                 # a TP-hosted matrix, either rule: its host keeps whole-matrix state, not its
                 # shard's (the initializers read only shape, dtype and device)
                 param = param.new_empty(tuple(p.shape))
@@ -709,6 +747,14 @@ class MatrixOptimizer(Optimizer):
 
     def _matrix_init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         """Create the state a first ``_matrix_step`` would start from (see the Note above)."""
+        raise NotImplementedError
+
+    def _matrix_prepare(self, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> Tensor:
+        """The element-wise half of the matrix rule (``shards_matrix_state`` rules only)."""
+        raise NotImplementedError
+
+    def _matrix_finish(self, prepared: Tensor, dtype: torch.dtype, group: dict[str, Any]) -> Tensor:
+        """The whole-matrix half of the matrix rule, without decay (``shards_matrix_state`` rules only)."""
         raise NotImplementedError
 
     @staticmethod

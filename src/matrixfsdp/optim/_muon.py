@@ -228,19 +228,36 @@ class Muon(MatrixOptimizer):
         state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
     def _matrix_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-        buf = state["momentum_buffer"]
-        momentum, lr = group["momentum"], group["lr"]
-        buf.lerp_(grad, 1 - momentum)
-        update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+        update = self._matrix_prepare(grad, state, group)
         ortho = zeropower_via_newtonschulz(
             update, group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"]
         )
         # The local tensor is the whole matrix here, so its shape is the global one.
+        lr = group["lr"]
         step_lr = adjusted_lr(lr, group["adjust_lr_fn"], param.shape)
         param.mul_(1 - lr * group["weight_decay"])
         param.add_(ortho, alpha=-step_lr)
+
+    # Momentum is element-wise: a hosted matrix keeps it on its row shards ([Note: state on the
+    # shards] in optim/rule.py). prepare + finish is update() bit for bit: the same ops, the
+    # element-wise ones on blocks.
+    shards_matrix_state = True
+
+    def _matrix_prepare(self, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> Tensor:
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"]
+        momentum = group["momentum"]
+        buf.lerp_(grad, 1 - momentum)
+        return grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+    def _matrix_finish(self, prepared: Tensor, dtype: torch.dtype, group: dict[str, Any]) -> Tensor:
+        ortho = zeropower_via_newtonschulz(
+            prepared, group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"]
+        )
+        out = torch.zeros(tuple(prepared.shape), dtype=dtype, device=prepared.device)
+        # as update() computes it (the step on zeros): the same rounding as a whole-state host
+        return out.add_(ortho, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], prepared.shape))
 
     def _capturable_matrix_step(
         self, p: Tensor, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]

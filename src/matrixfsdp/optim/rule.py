@@ -19,6 +19,18 @@ is the whole contract between optimizers and runtimes:
   ``W * (1 - lr * wd) + update(G)`` with ``(lr, wd) = decay()`` in exact arithmetic (the rounding
   differs: ``step`` is op for op the documented rule, e.g. bitwise ``torch.optim.Muon``).
 
+[Note: state on the shards]
+A rule may declare ``shards_state = True``: its state is *element-wise* in the gradient (Muon's
+momentum), and its update is a stateless whole-matrix map of one element-wise quantity. Then
+``update(G)`` equals ``finish(cat(prepare(G_i, state_i)))`` for any split of ``G`` into row (or
+column) blocks ``G_i`` with state ``state_i`` of the same shape, bitwise: ``prepare`` advances a
+block's state and returns that block of the quantity (Muon: the Nesterov blend of gradient and
+momentum), ``finish`` maps the assembled whole quantity to the update (Muon: Newton-Schulz and
+the shape's learning rate). A host step may then keep the state on the shards, like an evenly
+sharded parameter's, and move the prepared blocks instead of the gradient's: the host holds no
+state at all (``matrixfsdp/tp/host_step.py``). Rules without it (Shampoo, SOAP: factors of the
+whole matrix; AdamW) keep their state whole on the host.
+
 One known gap: SOAP's first call only gathers statistics and its own step does not decay;
 ``update`` is zero then, but ``decay()`` (which ranks without the state must be able to call)
 returns the group's decay, so the TP host step decays that first step once (relative
@@ -70,4 +82,19 @@ class UpdateRule(Protocol):
     def decay(self) -> tuple[Any, Any]:
         """``(lr, weight_decay)`` of the decoupled decay ``W <- W * (1 - lr * weight_decay)``
         that goes with :meth:`update` (``lr`` may be a 0-dim tensor in capturable groups)."""
+        ...
+
+    #: the state is element-wise: :meth:`prepare` and :meth:`finish` split :meth:`update`
+    #: (see [Note: state on the shards]); ``False`` rules need not implement them
+    shards_state: bool
+
+    def prepare(self, grad: Tensor, state: dict[str, Any]) -> Tensor:
+        """The element-wise half of :meth:`update` on a block of the matrix: advances the block's
+        ``state`` (shaped like ``grad``; empty on a first step) and returns the block of what
+        :meth:`finish` takes (valid until the next call with this state)."""
+        ...
+
+    def finish(self, prepared: Tensor, *, dtype: torch.dtype | None = None) -> Tensor:
+        """The whole-matrix half of :meth:`update`: the additive update (a new tensor of ``dtype``,
+        default ``prepared``'s) from the assembled output of :meth:`prepare`; stateless."""
         ...

@@ -15,7 +15,8 @@ parameter as a DTensor (:func:`present_state`), and ``load_state_dict`` accepts 
   optimizer's state initializer run on a ``meta`` tensor), so all ranks hold the same keys (DCP's
   full state dict gathers them key by key) and DCP writes each one once, as one full chunk, from
   the owner;
-* **evenly sharded (``Shard(0)``) or any other DTensor parameter** (also stock FSDP2's): a state
+* **evenly sharded (``Shard(0)``) or any other DTensor parameter** (also stock FSDP2's, and a
+  hosted matrix whose state stays on the shards, ``opt.state_on_shards(p)``): a state
   tensor with the local shard's shape becomes a DTensor with the parameter's mesh, placements and
   global shape; DCP writes each rank's rows;
 * a parameter whose local tensor is empty (an owned one on a non-owner) gets an empty state
@@ -58,7 +59,6 @@ from torch import Tensor
 from ..placement.experts import expert_rows, wrap_expert_tensor
 from ..placement.owned_tensor import empty_local, local_tensor, owned_of, wrap_dtensor
 from ..placement.owner import owner_of, tp_mesh_of
-from ..placement.stepping import stepping_of  # owner and TP host, asked once (placement/stepping.py)
 
 if TYPE_CHECKING:
     from ._base import MatrixOptimizer
@@ -77,12 +77,13 @@ def _replicated(p: Tensor) -> Any:
     return info if info is not None and info.storage == "replicated" else None
 
 
-def _as_dtensor(opt_name: str, key: str, p: Tensor, value: Any) -> Any:
-    """``value`` (a local state tensor of DTensor parameter ``p``) as a DTensor; see the Note."""
+def _as_dtensor(opt_name: str, key: str, p: Tensor, value: Any, host_mesh: Any) -> Any:
+    """``value`` (a local state tensor of DTensor parameter ``p``) as a DTensor; see the Note.
+    ``host_mesh``: where its TP host presents a hosted matrix's whole state (``None``: not
+    hosted, or hosted with its state on the shards, presented like an even parameter's)."""
     if not isinstance(value, Tensor) or isinstance(value, DTensor):
         return value
     info = owned_of(p)
-    host_mesh = stepping_of(p).host_mesh
     if host_mesh is not None:  # whole on its TP host (placement/tp_host.py)
         # counters too: every other rank presents the same keys on the host's mesh (_remote_entry),
         # so a full state dict gathers each from the host alone
@@ -145,7 +146,8 @@ def present_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
             if key not in st and isinstance(st.get(dep), Tensor):
                 st[key] = torch.zeros_like(st[dep])
         if DTensor is not None and isinstance(p, DTensor):
-            st = {k: _as_dtensor(name, f"state[{idx}][{k!r}]", p, v) for k, v in st.items()}
+            host_mesh = opt._stepping(p).host_mesh
+            st = {k: _as_dtensor(name, f"state[{idx}][{k!r}]", p, v, host_mesh) for k, v in st.items()}
         state[idx] = st
     # A DTensor parameter whose local tensor is empty (an owned parameter on a non-owner, an
     # empty even shard), an owned one held outside its HSDP split step replica, or one never
@@ -163,7 +165,7 @@ def present_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
             continue
         if idx not in state and DTensor is not None and isinstance(p, DTensor) and p.requires_grad:
             info = owned_of(p)
-            st = stepping_of(p)
+            st = opt._stepping(p)
             # a TP-hosted matrix: the ranks of its TP group other than the host (and, under
             # fully_shard + TP, every other row) present the host's keys
             hosted_elsewhere = st.host_mesh is not None and not st.keeps_state
@@ -182,7 +184,7 @@ def present_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
 def _remote_entry(opt: "MatrixOptimizer", p: Tensor, info: Any) -> dict[str, Any]:
     """The keys and global shapes of the owner's state of ``p``, as empty owned DTensors."""
     schema = _schema(opt, p)
-    host_mesh = stepping_of(p).host_mesh
+    host_mesh = opt._stepping(p).host_mesh
     mesh = host_mesh if host_mesh is not None else info.owner_mesh
     local = local_tensor(p)
     out: dict[str, Any] = {}
@@ -255,7 +257,7 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
             continue
         out: dict[str, Any] = {}
         replica = _replicated(p)
-        st_p = stepping_of(p)
+        st_p = opt._stepping(p)
         if replica is not None:  # matrixfsdp.replicate: only the owner keeps state
             if st_p.keeps_state:
                 state[key] = {k: local_tensor(v) if isinstance(v, Tensor) else v for k, v in st.items()
@@ -287,7 +289,7 @@ def accept_state(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
                     v = v.full_tensor()  # a sharded state dict into a plain parameter
                 else:
                     v = _check_local(name, key, k, p, v, st_p.host_mesh)
-            elif is_dt and isinstance(v, Tensor) and v.ndim > 0 and info is None and not st_p.hosted:
+            elif is_dt and isinstance(v, Tensor) and v.ndim > 0 and info is None and st_p.host_mesh is None:
                 local = local_tensor(p)
                 if tuple(v.shape) != tuple(local.shape):
                     raise ValueError(

@@ -53,6 +53,9 @@ class Stepping(NamedTuple):
     #: reduced gradient, so its state exists there as if this rank had a ``.grad`` (see [Note:
     #: step receipts] in ``owner.py``)
     reduced_elsewhere: bool = False
+    #: hosted, with its (element-wise) state on every rank's shard like an evenly sharded
+    #: parameter's: the host keeps none of it (see [Note: state on the shards] in ``optim/rule.py``)
+    state_on_shards: bool = False
 
 
 def planned_kind(p: Any) -> str | None:
@@ -75,12 +78,18 @@ def expert_splits_of(p: Any) -> int:
     return info.splits if info is not None else 0
 
 
-def stepping_of(p: Any) -> Stepping:
-    """The :class:`Stepping` descriptor of parameter ``p`` on this rank."""
+def stepping_of(p: Any, *, elementwise_state: bool = False) -> Stepping:
+    """The :class:`Stepping` descriptor of parameter ``p`` on this rank. ``elementwise_state``:
+    the rule that steps ``p`` can keep its state on the shards (``UpdateRule.shards_state``); a
+    hosted matrix whose host step does so (``TPHosted.shard_state``) then keeps its state like an
+    evenly sharded parameter: on every rank of the shard group, none on the host alone."""
     info, host = owner_of(p), tp_host_of(p)
     owned = info is not None and info.storage == "sharded"
     # under fully_shard + TP only the owner's TP row steps a hosted matrix
     executor = host.executor if host is not None and (info is None or info.is_local) else None
+    if host is not None and host.shard_state and elementwise_state and not owned:
+        return Stepping(planned="matrix", keeps_state=executor is not None, single_keeper=False, hosted=True,
+                        executor=executor, host_mesh=None, state_on_shards=True)
     return Stepping(
         planned=planned_kind(p),
         keeps_state=keeps_state(p),

@@ -13,7 +13,9 @@ steps it), ``is_local`` (this rank is the host: it keeps the state) and ``execut
 object an optimizer hands its hosted parameters to with their update rules and its state
 (``executor.step([(param, rule), ...], state)``, a collective within the TP group; see
 ``matrixfsdp/tp/host_step.py`` and [Note: update-rule protocol] in ``optim/rule.py``). ``host_mesh`` is the
-one-rank mesh the host's state is presented on in state dicts.
+one-rank mesh the host's state is presented on in state dicts. With ``shard_state`` (data-parallel
+hosting) a rule whose state is element-wise keeps it on every rank's shard instead, and only the
+update's whole-matrix half runs on the host ([Note: state on the shards] in ``optim/rule.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ class TPHosted:
     mesh: DeviceMesh = field(compare=False, repr=False)
     executor: Any = field(default=None, compare=False, repr=False)
     host_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    #: the host step keeps element-wise state on the shards (rules with ``shards_state``; see
+    #: [Note: state on the shards] in ``optim/rule.py``): a hosted matrix under ``fully_shard``'s
+    #: adaptive placement. ``False`` (TP): the host keeps every rule's state whole
+    shard_state: bool = field(default=False, compare=False)
 
     @property
     def is_local(self) -> bool:

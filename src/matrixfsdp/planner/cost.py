@@ -19,10 +19,15 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["ParamInfo", "OPTIMIZERS", "COST_MODELS", "state_nbytes", "param_cost", "resolve_cost"]
+__all__ = ["ParamInfo", "OPTIMIZERS", "COST_MODELS", "ELEMENTWISE_STATE", "state_nbytes", "param_cost",
+           "resolve_cost"]
 
 #: Optimizers whose state the planner can size; the element-wise rule is always AdamW.
 OPTIMIZERS = ("muon", "shampoo", "soap", "adamw")
+#: Matrix rules whose state is element-wise (Muon's momentum): a hosted matrix keeps it on its
+#: row shards, not on its host (see [Note: state on the shards] in ``optim/rule.py``); Shampoo's
+#: and SOAP's factors are whole-matrix state, kept on the host
+ELEMENTWISE_STATE = frozenset({"muon"})
 #: Built-in cost models; a callable ``f(ParamInfo) -> float`` is accepted too.
 COST_MODELS = ("flops", "bytes", "numel")
 

@@ -61,7 +61,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from .balance import three_term_bound as _three_term_bound
 from .micro_groups import MicroGroup
@@ -76,6 +76,7 @@ __all__ = [
     "held_bytes",
     "rank_loads",
     "rank_held_bytes",
+    "fsdp2_held_bytes",
     "spread_rows",
     "REPLICA_STEPS",
 ]
@@ -122,6 +123,9 @@ class ParamPlan:
     splits: int = 1
     #: ``"hosted"`` placement: the shard rank that steps it whole (see [Note: hosted matrices])
     host: int | None = None
+    #: ``"hosted"`` placement: its optimizer state is element-wise and stays on the row shards
+    #: (Muon's momentum); ``False``: whole on the host (Shampoo, SOAP)
+    state_on_shards: bool = False
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -144,6 +148,9 @@ class ParamPlan:
                 self.host is not None and (isinstance(self.host, bool) or not isinstance(self.host, int) or self.host < 0)):
             raise ValueError(f"ParamPlan {self.fqn!r}: 'hosted' placement needs a host shard rank >= 0 and "
                              f"no other placement takes one, got {self.host=!r} with {self.placement!r}")
+        if self.state_on_shards is not False and (self.state_on_shards is not True or self.placement != "hosted"):
+            raise ValueError(f"ParamPlan {self.fqn!r}: state_on_shards is a bool of the 'hosted' placement, "
+                             f"got {self.state_on_shards=!r} with {self.placement!r}")
         if self.placement == "hosted" and len(self.shape) != 2:
             raise ValueError(f"ParamPlan {self.fqn!r}: 'hosted' placement needs a 2D parameter, got {self.shape=}")
         if self.placement == "even" and len(self.shape) == 0:
@@ -211,9 +218,10 @@ def held_bytes(p: ParamPlan) -> int:
 
 def rank_loads(params: Sequence[ParamPlan], W: int) -> tuple[list[float], list[float], list[float], list[int], list[int]]:
     """``(parameter bytes, state bytes, cost, owned count, hosted count)`` per shard rank: owned
-    parameters on their owner; hosted ones' storage by row share, their state and cost on the host
-    (see [Note: hosted matrices] in ``hosting.py``); everything else by its row share. The one
-    per-rank accounting of a plan (``OwnerPlan.rank_stats``, the hosting loop)."""
+    parameters on their owner; hosted ones' storage by row share, their cost on the host and their
+    state on the host or, ``state_on_shards``, by row share (see [Note: hosted matrices] in
+    ``hosting.py``); everything else by its row share. The one per-rank accounting of a plan
+    (``OwnerPlan.rank_stats``, the hosting loop)."""
     nbytes, state, cost = [0.0] * W, [0.0] * W, [0.0] * W
     owned, hosted = [0] * W, [0] * W
     for p in params:
@@ -223,8 +231,9 @@ def rank_loads(params: Sequence[ParamPlan], W: int) -> tuple[list[float], list[f
             cost[p.owner] += p.cost
             owned[p.owner] += 1
             continue
-        if p.host is not None:  # stored evenly, stepped and kept whole on its host
-            state[p.host] += p.state_nbytes
+        if p.host is not None:  # stored evenly, stepped whole on its host
+            if not p.state_on_shards:
+                state[p.host] += p.state_nbytes
             cost[p.host] += p.cost
             hosted[p.host] += 1
         for r in range(W):
@@ -232,8 +241,9 @@ def rank_loads(params: Sequence[ParamPlan], W: int) -> tuple[list[float], list[f
             if not sh:
                 continue
             nbytes[r] += p.nbytes * sh
-            if p.host is None:
+            if p.host is None or p.state_on_shards:
                 state[r] += p.state_nbytes * sh
+            if p.host is None:
                 cost[r] += p.cost * sh
     return nbytes, state, cost, owned, hosted
 
@@ -243,6 +253,34 @@ def rank_held_bytes(params: Sequence[ParamPlan], W: int) -> list[float]:
     parameter; see :func:`rank_loads`)."""
     nbytes, state, _, _, _ = rank_loads(params, W)
     return [2 * n + st for n, st in zip(nbytes, state)]
+
+
+def fsdp2_held_bytes(params: Sequence[ParamPlan], W: int) -> list[float]:
+    """Parameter + gradient + state bytes per shard rank had FSDP2 sharded every tensor
+    (``Shard(0)``, ``torch.chunk`` rows; a 0-dim tensor on rank 0), the same state sharded like
+    its parameter: the reference ``memory_budget`` is measured against. Its peak is ``total / W``
+    while every tensor has at least ``W`` rows; past that the low ranks hold a row of every
+    narrow tensor (Qwen3-0.6B at W=4096: 2.10x ``total / W``)."""
+    # full chunks of c rows on ranks [0, n // c), the rest on the next: a difference array over
+    # ranks, O(1) per tensor (plans of 4096 ranks and a thousand tensors stay fast)
+    diff, tail = [0.0] * (W + 1), [0.0] * W
+    for p in params:
+        held = held_bytes(p)
+        n = p.shape[0] if p.shape else 0
+        if not n:
+            tail[0] += held if not p.shape else 0.0
+            continue
+        c = -(-n // W)
+        full, rest = divmod(n, c)
+        diff[0] += held * c / n
+        diff[full] -= held * c / n
+        if rest:
+            tail[full] += held * rest / n
+    load, acc = [], 0.0
+    for r in range(W):
+        acc += diff[r]
+        load.append(acc + tail[r])
+    return load
 
 
 def spread_rows(load: list[float], n: int, nbytes: float, W: int) -> None:
@@ -584,8 +622,10 @@ class OwnerPlan:
     def _bound(self, attr: str) -> float:
         roles = _role_loads(self.params, attr)
         W = self.world_size
-        # hosted matrices: their storage is spread (base load), their cost and state atomic (roles)
-        even = [p for p in self.params if p.placement == "even" or (p.placement == "hosted" and attr == "nbytes")]
+        # hosted matrices: their storage is spread (base load), their cost and state atomic (roles),
+        # unless that state stays on the shards
+        even = [p for p in self.params if p.placement == "even" or (p.placement == "hosted" and (
+            attr == "nbytes" or (attr == "state_nbytes" and p.state_on_shards)))]
         base = [sum(getattr(p, attr) * p.share(r, W) for p in even) for r in range(W)]
         return _tight_lower_bound(list(roles.values()), base, W)
 
@@ -604,6 +644,18 @@ class OwnerPlan:
         """max/avg of per-rank parameter + gradient + optimizer-state bytes (what
         ``memory_budget`` bounds; see [Note: hosted matrices] in ``planner/hosting.py``)."""
         return _imbalance([2 * st.nbytes + st.state_nbytes for st in self.rank_stats])
+
+    @functools.cached_property
+    def fsdp2_memory_imbalance(self) -> float:
+        """:attr:`memory_imbalance` of FSDP2 on the same shard mesh (:func:`fsdp2_held_bytes`):
+        1.0 unless some tensor has fewer rows than there are shard ranks."""
+        return _imbalance(fsdp2_held_bytes(self.params, self.world_size))
+
+    @property
+    def memory_vs_fsdp2(self) -> float:
+        """The most loaded rank's parameter + gradient + state bytes over FSDP2's most loaded
+        rank on the same shard mesh: what ``memory_budget`` bounds (see [Note: hosted matrices])."""
+        return self.memory_imbalance / self.fsdp2_memory_imbalance
 
     @property
     def num_hosted(self) -> int:
@@ -685,6 +737,7 @@ class OwnerPlan:
             "bytes_imbalance_bound": self.bytes_imbalance_bound,
             "state_imbalance": self.state_imbalance,
             "memory_imbalance": self.memory_imbalance,
+            "fsdp2_memory_imbalance": self.fsdp2_memory_imbalance,
             "hosted": self.num_hosted,
             "max_gamma": max((b.gamma for b in self.block_stats), default=1.0),
             "max_gamma_ratio": self.max_gamma_ratio,
@@ -746,6 +799,7 @@ class OwnerPlan:
                     **({"experts": list(p.experts), "splits": p.splits} if p.placement == "experts" else {}),
                     # only for hosted matrices: a plan hosting none keeps the digest it had before
                     **({"host": p.host} if p.placement == "hosted" else {}),
+                    **({"state_on_shards": True} if p.state_on_shards else {}),
                 }
                 for p in self.params
             ],
@@ -847,8 +901,8 @@ def _role_loads(params: Iterable[ParamPlan], attr: str) -> dict[Any, float]:
             for e in range(E):
                 out[(p.fqn, e)] = getattr(p, attr) / E
             continue
-        if p.placement == "hosted":  # its step and state are atomic on the host; its bytes spread
-            if attr != "nbytes":
+        if p.placement == "hosted":  # its step (and whole state) atomic on the host; its bytes spread
+            if attr == "cost" or (attr == "state_nbytes" and not p.state_on_shards):
                 out[p.fqn] = getattr(p, attr)
             continue
         if p.owner is None:

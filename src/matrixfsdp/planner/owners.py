@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from ..mesh import mesh_info
 from .hosting import DEFAULT_MEMORY_BUDGET, PLACEMENT_MODES, host_over_budget
-from .cost import ParamInfo, resolve_cost, state_nbytes
+from .cost import ELEMENTWISE_STATE, ParamInfo, resolve_cost, state_nbytes
 from .micro_groups import plan_micro_groups
 from .balance import _Role, balanced
 from .owner_plan import REPLICA_STEPS, OwnerPlan, ParamPlan, even_rows
@@ -288,15 +288,17 @@ def plan_owners(
             [Note: micro-group rule]), stored in ``plan.micro_groups``. This is the planning half
             of TP only: owners are planned exactly as with ``tp=1``; the runtime is separate.
         placement: ``"auto"`` (default) or ``"owned"``. ``"auto"``: where owning whole matrices
-            would put a rank above ``memory_budget`` even shares of parameter + gradient +
-            optimizer-state bytes (large ``W`` on a flat mesh), the matrices that cause it are
+            would put a rank above ``memory_budget`` times FSDP2's most loaded rank on the same
+            mesh (parameter + gradient + optimizer-state bytes; an even share while every tensor
+            has at least ``W`` rows), at large ``W`` on a flat mesh, the matrices that cause it are
             *hosted*: stored evenly sharded as FSDP2 does, stepped whole on a planned host
             between fused all-to-alls (see [Note: hosted matrices] in ``planner/hosting.py``);
             where owning fits (few ranks per matrix), the plan is the owned plan, digest
             included. ``"owned"``: every matrix owned whatever the memory (zero step
             communication). The bucket policies (``replicate``) and ``tp > 1`` plans host nothing.
-        memory_budget: the most a rank may hold, in even shares of parameter + gradient + state
-            bytes, under ``placement="auto"`` (default ``DEFAULT_MEMORY_BUDGET`` = 1.25, met where
+        memory_budget: the most a rank may hold, in multiples of FSDP2's most loaded rank on
+            this mesh (``OwnerPlan.memory_vs_fsdp2``; parameter + gradient + state bytes), under
+            ``placement="auto"`` (default ``DEFAULT_MEMORY_BUDGET`` = 1.25, met where
             hosting can meet it). An explicit budget that hosting cannot meet raises a
             ``ValueError`` naming the smallest one it can.
     Returns:
@@ -328,10 +330,10 @@ def plan_owners(
     if placement not in PLACEMENT_MODES:
         raise ValueError(f"plan_owners: placement must be one of {PLACEMENT_MODES}, got {placement=!r}")
     if memory_budget is not None:
-        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not memory_budget >= 1.0 \
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not memory_budget > 0 \
                 or memory_budget == float("inf"):
-            raise ValueError(f"plan_owners: memory_budget must be a finite number >= 1.0 (even shares of "
-                             f"parameter + gradient + state bytes; FSDP2 holds 1.0), got {memory_budget=!r}")
+            raise ValueError(f"plan_owners: memory_budget must be a finite number > 0 (multiples of FSDP2's "
+                             f"most loaded rank's parameter + gradient + state bytes), got {memory_budget=!r}")
         why = (f"placement={placement!r}" if placement != "auto" else
                f"policy={policy!r} (replicate's buckets)" if policy in BUCKET_POLICIES else
                f"tp={tp} (TP matrices are hosted within TP)" if tp > 1 else None)
@@ -422,7 +424,8 @@ def plan_owners(
     if placement == "auto" and policy not in BUCKET_POLICIES and tp == 1:
         budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else float(memory_budget)
         params, host_groups = host_over_budget(params, W, budget, strict=memory_budget is not None,
-                                               owned=frozenset(s.fqn for s in specs if s.tp))
+                                               owned=frozenset(s.fqn for s in specs if s.tp),
+                                               state_on_shards=optimizer in ELEMENTWISE_STATE)
     if R > 1:
         params = _assign_step_replicas(params, R, replica_step)
         meta = (*meta, ("replica_step", replica_step))

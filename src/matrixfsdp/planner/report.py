@@ -13,9 +13,9 @@ if TYPE_CHECKING:
 
 __all__ = ["format_plan", "plan_warnings", "human_bytes", "natural_key", "MEMORY_BUDGET", "GAMMA_BUDGET"]
 
-#: A plan whose most loaded rank holds more than this many times an even share of the parameter
-#: (+ optimizer-state) bytes gets a warning: FSDP2's even sharding holds 1.0x, so such a rank can
-#: run out of memory where FSDP2 fits.
+#: A plan whose most loaded rank holds more than this many times the parameter + gradient +
+#: optimizer-state bytes of FSDP2's most loaded rank on the same mesh gets a warning: such a rank
+#: can run out of memory where FSDP2 fits.
 MEMORY_BUDGET = 1.25
 #: ... and one whose worst block's collective moves this many times the bytes of an even one on
 #: its most loaded rank. Owners send whole matrices, so gamma_B grows as W over a block's matrix
@@ -63,15 +63,17 @@ def plan_warnings(plan: "OwnerPlan") -> list[str]:
     if idle and any(p.owner is not None or p.host is not None for p in plan.params):
         out.append(f"{idle} of {W} shard ranks own or host no tensor: they step nothing while the others "
                    "step whole matrices")
-    held = plan.memory_imbalance
+    held = plan.memory_vs_fsdp2
     if held > MEMORY_BUDGET:
         how = ""
         if plan.num_hosted:
-            how = f"{plan.num_hosted} matrices hosted, the rest owned; a host keeps a hosted matrix's whole state"
+            how = f"{plan.num_hosted} matrices hosted, the rest owned" + (
+                "" if all(p.state_on_shards for p in plan.params if p.placement == "hosted")
+                else "; a host keeps a hosted Shampoo/SOAP matrix's whole state")
         elif plan.policy not in BUCKET_POLICIES and plan.tp == 1:
             how = "placement='auto' would host the matrices behind it"
-        out.append(f"the most loaded rank holds {held:.2f}x an even share of parameter + gradient + "
-                   f"optimizer-state bytes (FSDP2's even sharding: 1.00x; budget {MEMORY_BUDGET:.2f}x): it "
+        out.append(f"the most loaded rank holds {held:.2f}x the parameter + gradient + optimizer-state "
+                   f"bytes of FSDP2's most loaded rank on this mesh (budget {MEMORY_BUDGET:.2f}x): it "
                    f"can run out of memory where FSDP2 fits" + (f" ({how})" if how else ""))
     gamma = max((b.gamma for b in plan.block_stats), default=1.0)
     if gamma > GAMMA_BUDGET:
@@ -101,7 +103,8 @@ def format_plan(plan: "OwnerPlan", *, per_rank: bool = True, per_block: bool = T
         f"    parameter bytes    {s['bytes_imbalance']:8.3f}  {s['bytes_imbalance_bound']:11.3f}  "
         f"{s['bytes_imbalance'] / s['bytes_imbalance_bound']:10.3f}",
         f"    params + state     {s['state_imbalance']:8.3f}",
-        f"    params+grads+state {s['memory_imbalance']:8.3f}   (memory: FSDP2's even sharding is 1.000)",
+        f"    params+grads+state {s['memory_imbalance']:8.3f}   (memory; FSDP2 on this mesh: "
+        f"{s['fsdp2_memory_imbalance']:.3f})",
         f"    worst gamma_B / bound: {s['max_gamma_ratio']:.3f}  (max gamma_B {s['max_gamma']:.2f})",
         "    gamma_B: a block's most loaded owner's bytes / (block bytes / W), i.e. its collective's "
         "slowdown vs even",
@@ -188,7 +191,9 @@ def _format_hosted(plan: "OwnerPlan") -> list[str]:
     moved = 2 * nbytes * (W - 1) / W / W
     text = [
         f"hosted: {len(hosted)} matrices ({human_bytes(nbytes)}) stored evenly and stepped whole on "
-        f"{len(hosts)} host ranks, {owned} matrices owned (no step communication)",
+        f"{len(hosts)} host ranks, {owned} matrices owned (no step communication); their optimizer "
+        + ("state stays on the row shards (element-wise), the hosts keep none"
+           if all(p.state_on_shards for p in hosted) else "state is kept whole on the hosts"),
         f"{len(plan.host_groups)} micro-groups: two fused all-to-alls each per step, about "
         f"{human_bytes(moved)} sent per rank and step (DistMuon's all-to-all sends 2 (W-1)/W of every matrix)",
     ]

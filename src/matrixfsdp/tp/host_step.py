@@ -18,6 +18,11 @@ collectives and arithmetic, so the same parameters bitwise; for benchmarks).
 
 So a step makes exactly two all-to-alls per micro-group, within the TP group, and moves the
 gradient shards once and the update shards once; optimizer state stays on the hosts, whole.
+With ``shard_state`` (data-parallel hosting under ``fully_shard``) a rule whose state is
+element-wise (Muon) keeps it on every rank's shard instead: each rank runs the rule's
+``prepare`` on its gradient shard (momentum) and sends that, the host runs ``finish``
+(Newton-Schulz) and keeps nothing ([Note: state on the shards] in ``optim/rule.py``): the same
+bytes moved, the same bits.
 Shards follow DTensor's ``Shard(d)`` (``torch.chunk``) sizes, so widths not divisible by the TP
 degree work exactly.
 """
@@ -67,9 +72,11 @@ class TPHostStep:
     """Runs the hosted matrices' optimizer step for one TP mesh (see module docstring)."""
 
     def __init__(self, mesh: DeviceMesh, groups: Sequence[Sequence[tuple[str, Any, int]]], *,
-                 pipeline: bool = True):
+                 pipeline: bool = True, shard_state: bool = False):
         self.mesh = mesh
         self.pipeline = bool(pipeline)  #: False: no overlap between micro-groups
+        #: rules with element-wise state keep it on the shards (see [Note: state on the shards])
+        self.shard_state = bool(shard_state)
         self.group = mesh.get_group()
         self.tp = mesh.size()
         self.rank = mesh.get_local_rank()
@@ -120,6 +127,7 @@ class TPHostStep:
 
     def _step(self, items: Sequence[tuple[Any, "UpdateRule"]], state: MutableMapping[Any, dict[str, Any]]) -> None:
         rules: dict[int, Any] = {}
+        split: set[int] = set()  # state on the shards: prepare here, finish on the host
         for p, rule in items:
             if not (callable(getattr(rule, "update", None)) and callable(getattr(rule, "decay", None))):
                 raise TypeError("matrixfsdp.tp.TPHostStep.step: every hosted parameter needs an update rule "
@@ -127,47 +135,55 @@ class TPHostStep:
                                 f"opt.rule_for(p)), got {type(rule).__name__}")
             if p.grad is not None:
                 rules[id(p)] = rule
+                if self.shard_state and getattr(rule, "shards_state", False):
+                    split.add(id(p))
         stages = [[m for m in g if id(m.param) in rules] for g in self.groups]
         stages = [g for g in stages if g]
         if not stages:
             return
+        ctx = (rules, split, state)
         if not self.pipeline:  # sequential micro-groups: nothing of group k+1 starts before k is applied
             for members in stages:
-                work, recv = self._gather(members)
+                work, recv = self._gather(ctx, members)
                 work.wait()
-                updates = self._host_steps(rules, state, members, recv)
+                updates = self._host_steps(ctx, members, recv)
                 self._apply(rules, members, *self._scatter(members, updates))
             return
-        pending = self._gather(stages[0])
+        pending = self._gather(ctx, stages[0])
         scattered: list[tuple[list[_Member], Any, torch.Tensor]] = []
         for k, members in enumerate(stages):
             work, recv = pending
             work.wait()
             if k + 1 < len(stages):
-                pending = self._gather(stages[k + 1])  # overlaps this group's host steps
-            updates = self._host_steps(rules, state, members, recv)
+                pending = self._gather(ctx, stages[k + 1])  # overlaps this group's host steps
+            updates = self._host_steps(ctx, members, recv)
             scattered.append((members, *self._scatter(members, updates)))
             if len(scattered) > 1:  # the previous group's scatter has had this group's compute
                 self._apply(rules, *scattered.pop(0))
         for item in scattered:
             self._apply(rules, *item)
 
-    def _gather(self, members: list[_Member]) -> tuple[Any, torch.Tensor]:
+    def _gather(self, ctx: tuple[Any, ...], members: list[_Member]) -> tuple[Any, torch.Tensor]:
+        """Each member's gradient shard to its host, or with its state on the shards, the rule's
+        ``prepare`` of it (advancing this shard's state; an empty shard has none)."""
+        rules, split, state = ctx
         T, r = self.tp, self.rank
         send_parts, in_splits = [], [0] * T
         for h in range(T):
             for m in members:
                 if m.host == h:
                     g = m.param.grad._local_tensor
+                    if id(m.param) in split and g.numel():
+                        g = rules[id(m.param)].prepare(g, state.setdefault(m.param, {}))
                     send_parts.append(g.reshape(-1))
                     in_splits[h] += g.numel()
         out_splits = [sum(m.shard_numel(q, T) for m in members if m.host == r) for q in range(T)]
         return self._all_to_all(send_parts, in_splits, out_splits, members[0].param.grad._local_tensor)
 
-    def _host_steps(self, rules: dict[int, Any], state: MutableMapping[Any, dict[str, Any]],
-                    members: list[_Member], recv: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The whole gradients this rank hosts (assembled from ``recv``, rank-major), stepped:
-        the update of each, by fqn."""
+    def _host_steps(self, ctx: tuple[Any, ...], members: list[_Member], recv: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The whole gradients (or prepared matrices) this rank hosts, assembled from ``recv``
+        (rank-major), stepped: the update of each, by fqn."""
+        rules, split, state = ctx
         T, r = self.tp, self.rank
         mine = [m for m in members if m.host == r]
         pieces: dict[str, list[torch.Tensor]] = {m.fqn: [] for m in mine}
@@ -179,8 +195,12 @@ class TPHostStep:
                 off += n
         out = {}
         for m in mine:
-            grad = torch.cat(pieces[m.fqn], dim=m.dim)
-            out[m.fqn] = rules[id(m.param)].update(grad, state.setdefault(m.param, {}), dtype=m.param.dtype)
+            whole = torch.cat(pieces[m.fqn], dim=m.dim)
+            rule = rules[id(m.param)]
+            if id(m.param) in split:  # stateless here: the state stayed on the shards
+                out[m.fqn] = rule.finish(whole, dtype=m.param.dtype)
+            else:
+                out[m.fqn] = rule.update(whole, state.setdefault(m.param, {}), dtype=m.param.dtype)
             self.host_steps += 1
         return out
 
