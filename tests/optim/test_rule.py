@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from matrixfsdp.optim import SOAP, Muon, Shampoo, UpdateRule
+from matrixfsdp.optim import SOAP, Muon, ShardedStateRule, Shampoo, UpdateRule
 
 FAST = {
     Muon: {"ns_dtype": torch.float32, "weight_decay": 0.1},
@@ -124,7 +124,7 @@ def test_prepare_on_blocks_then_finish_is_update_bitwise(nesterov, dim):
     w, _ = _model()
     opt = Muon([w], lr=0.02, nesterov=nesterov, **FAST[Muon])
     rule = opt.rule_for(w)
-    assert rule.shards_state
+    assert rule.shards_state and isinstance(rule, ShardedStateRule)
     whole: dict = {}
     blocks: list[dict] = [{} for _ in range(4)]
     for (g, _) in _grads(3):
@@ -144,3 +144,13 @@ def test_rules_with_whole_matrix_state_do_not_split(cls):
     with pytest.raises(TypeError, match=r"prepare: this rule keeps whole-matrix state .*update\(\)"):
         opt.rule_for(w).prepare(torch.zeros(12, 8), {})
     assert not Muon([w, b]).rule_for(b).shards_state  # AdamW keeps its moments with the host's step
+
+    class OldRule:  # a rule written against UpdateRule alone is still one
+        name = "muon"
+
+        def init_state(self, like): return {}
+        def step(self, param, grad, state): pass
+        def update(self, grad, state, *, dtype=None): return grad
+        def decay(self): return 0.1, 0.0
+
+    assert isinstance(OldRule(), UpdateRule) and not isinstance(OldRule(), ShardedStateRule)

@@ -15,12 +15,14 @@ See docs/optimizers.md.
 
 ``opt.rule_for(p)`` gives the rule that steps ``p`` as an :class:`UpdateRule` (``init_state``,
 ``step``, ``update``, ``decay``): the one interface through which a runtime (the TP host step)
-runs an optimizer; see [Note: update-rule protocol] in ``optim/rule.py``.
+runs an optimizer; see [Note: update-rule protocol] in ``optim/rule.py``. Muon's rule is also a
+:class:`ShardedStateRule` (``shards_state``, ``prepare``, ``finish``): a hosted matrix keeps its
+momentum on the row shards ([Note: state on the shards]).
 """
 
 from ._muon import Muon
 from ._shampoo import Shampoo
 from ._soap import SOAP
-from .rule import UpdateRule
+from .rule import ShardedStateRule, UpdateRule
 
-__all__ = ["Muon", "Shampoo", "SOAP", "UpdateRule"]
+__all__ = ["Muon", "Shampoo", "SOAP", "UpdateRule", "ShardedStateRule"]

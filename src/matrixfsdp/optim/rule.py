@@ -20,7 +20,7 @@ is the whole contract between optimizers and runtimes:
   differs: ``step`` is op for op the documented rule, e.g. bitwise ``torch.optim.Muon``).
 
 [Note: state on the shards]
-A rule may declare ``shards_state = True``: its state is *element-wise* in the gradient (Muon's
+A rule may declare ``shards_state = True`` (:class:`ShardedStateRule`): its state is *element-wise* in the gradient (Muon's
 momentum), and its update is a stateless whole-matrix map of one element-wise quantity. Then
 ``update(G)`` equals ``finish(cat(prepare(G_i, state_i)))`` for any split of ``G`` into row (or
 column) blocks ``G_i`` with state ``state_i`` of the same shape, bitwise: ``prepare`` advances a
@@ -46,7 +46,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-__all__ = ["UpdateRule"]
+__all__ = ["UpdateRule", "ShardedStateRule"]
 
 
 @runtime_checkable
@@ -84,8 +84,21 @@ class UpdateRule(Protocol):
         that goes with :meth:`update` (``lr`` may be a 0-dim tensor in capturable groups)."""
         ...
 
+
+@runtime_checkable
+class ShardedStateRule(UpdateRule, Protocol):
+    """An :class:`UpdateRule` that may split its update (see [Note: state on the shards]); a
+    runtime asks ``getattr(rule, "shards_state", False)`` before calling :meth:`prepare` or
+    :meth:`finish`, so rules implementing :class:`UpdateRule` alone keep working.
+
+    Example (what the host step does with a hosted matrix stored in row shards)::
+
+        u_rows = rule.prepare(grad_rows, state)        # on every rank: its rows' state advances
+        u = torch.cat(all_ranks_u_rows)                # on the host
+        update = rule.finish(u, dtype=p.dtype)         # stateless; its rows go back to each rank
+    """
+
     #: the state is element-wise: :meth:`prepare` and :meth:`finish` split :meth:`update`
-    #: (see [Note: state on the shards]); ``False`` rules need not implement them
     shards_state: bool
 
     def prepare(self, grad: Tensor, state: dict[str, Any]) -> Tensor:
