@@ -7,6 +7,10 @@ The bits depend on torch's CPU kernels: the goldens record the torch version and
 they were computed with (``torch.backends.cpu.get_cpu_capability()``), and on another pair the test
 is skipped with that reason (regenerate from 25ffc19 on that machine to guard there).
 
+The plans are part of the golden (``"plans"``, ``OwnerPlan.to_json``): the planner may move an
+owner (a better balance), which changes which rank holds which bits but not the engine's
+arithmetic; the guard runs the recorded plans, so it keeps guarding the engine alone.
+
 Regenerate (only for an intentional numeric change, and say so in the commit)::
 
     PYTHONPATH=src python tests/engine/test_bitwise_golden.py --regen
@@ -36,7 +40,20 @@ def _digest(t: torch.Tensor | None) -> str:
     return hashlib.sha256(t.cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16] + f":{tuple(t.shape)}"
 
 
-def run_case(case: str, steps: int = 3) -> dict:
+def _plan(case: str, model, mesh, plan_json: str | None):
+    import matrixfsdp
+    from _models import Block
+
+    if plan_json is not None:
+        return matrixfsdp.OwnerPlan.from_json(plan_json)
+    if case.startswith("replicate"):
+        return matrixfsdp.plan_owners(model, mesh, policy="alpha_balanced", elementwise="owned", bucket_numel=40_000)
+    if case == "fully_shard_hsdp22_split":
+        return matrixfsdp.plan_owners(model, mesh, block_types=(Block,), replica_step="split")
+    return matrixfsdp.plan_owners(model, mesh, block_types=(Block,))
+
+
+def run_case(case: str, steps: int = 3, plan_json: str | None = None) -> dict:
     from _models import Block, TinyConfig, TinyDecoder, make_batch
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -47,16 +64,14 @@ def run_case(case: str, steps: int = 3) -> dict:
     model = TinyDecoder(cfg, seed=0)
     if case.startswith("replicate"):
         mesh = init_device_mesh("cpu", (W,))
-        plan = matrixfsdp.plan_owners(model, mesh, policy="alpha_balanced", elementwise="owned",
-                                      bucket_numel=40_000)
+        plan = _plan(case, model, mesh, plan_json)
         matrixfsdp.replicate(model, mesh=mesh, plan=plan, stage=int(case[-1]))
     else:
         if case == "fully_shard_hsdp22_split":
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-            plan = matrixfsdp.plan_owners(model, mesh, block_types=(Block,), replica_step="split")
         else:
             mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("dp_shard",))
-            plan = matrixfsdp.plan_owners(model, mesh, block_types=(Block,))
+        plan = _plan(case, model, mesh, plan_json)
         for b in model.blocks:
             matrixfsdp.fully_shard(b, mesh=mesh, plan=plan)
         matrixfsdp.fully_shard(model, mesh=mesh, plan=plan)
@@ -76,6 +91,7 @@ def run_case(case: str, steps: int = 3) -> dict:
     if hasattr(model, "sync_params"):
         model.sync_params()
     out["param"] = {n: _digest(p) for n, p in model.named_parameters()}
+    out["plan"] = plan.to_json()
     return out
 
 
@@ -83,10 +99,10 @@ def _env() -> dict:
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
-def _compute(case: str) -> list[dict]:
+def _compute(case: str, plan_json: str | None = None) -> list[dict]:
     from _harness import get_pool
 
-    return get_pool(WORLD[case]).run(run_case, case)
+    return get_pool(WORLD[case]).run(run_case, case, 3, plan_json)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -97,7 +113,7 @@ def test_bitwise_against_25ffc19(case):
     if env != _env():
         pytest.skip(f"goldens computed with {env}, this machine has {_env()}: other kernels, other bits")
     golden = data["cases"][case]
-    got = _compute(case)
+    got = _compute(case, data["plans"][case])
     for r, (g, want) in enumerate(zip(got, golden)):
         assert g["loss"] == want["loss"], (case, r, "losses", g["loss"], want["loss"])
         for step, (gg, wg) in enumerate(zip(g["grad"], want["grad"])):
@@ -113,6 +129,10 @@ if __name__ == "__main__" and "--regen" in sys.argv:
     data = {"env": {**_env(), "computed_at": sys.argv[sys.argv.index("--regen") + 1]
                     if len(sys.argv) > sys.argv.index("--regen") + 1 else "unknown"},
             "cases": {case: _compute(case) for case in CASES}}
+    data["plans"] = {case: runs[0].pop("plan") for case, runs in data["cases"].items()}
+    for runs in data["cases"].values():
+        for r in runs:
+            r.pop("plan", None)
     with open(GOLDEN, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
     print("wrote", GOLDEN)
