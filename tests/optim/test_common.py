@@ -60,7 +60,7 @@ def _step(opts_params, grads):
 def test_exports():
     import matrixfsdp.optim as optim
 
-    assert set(optim.__all__) == {"Muon", "Shampoo", "SOAP", "UpdateRule"}
+    assert set(optim.__all__) == {"Muon", "Shampoo", "SOAP", "UpdateRule", "ShardedStateRule"}
     for cls in ALL:
         assert issubclass(cls, torch.optim.Optimizer)
         assert "Example" in cls.__doc__
