@@ -1329,16 +1329,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) == 2 and argv[0] == "--render":
         return render(argv[1])
     args = parse_args(argv)
-    if args._worker:
-        code = worker_main(args)
-        # A rank launched by the driver leaves without the interpreter's teardown: after the final
-        # barrier and destroy_process_group, destructors of gloo's C++ threads once aborted a rank
-        # ("terminate called without an active exception", exit -6) on a loaded CPU after every
-        # row was measured, failing the run. Nothing is left to clean up but buffered output.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and args.world is None:
+    if args._worker or ("RANK" in os.environ and "WORLD_SIZE" in os.environ and args.world is None):
         return worker_main(args)
     if not args.world:
         raise SystemExit("give --world W (driver mode) or run under torchrun")
@@ -1346,4 +1337,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "--_worker" in sys.argv:
+        # A rank launched by the driver leaves without the interpreter's teardown: after the final
+        # barrier and destroy_process_group, destructors of gloo's C++ threads once aborted a rank
+        # ("terminate called without an active exception", exit -6) on a loaded CPU after every
+        # row was measured, failing the run. Nothing is left to clean up but buffered output.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -101,8 +101,8 @@ def qwen3_8b():
         return Decoder(PRESETS["qwen3-8b"]).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("W, owned_x, auto_x, hosted", [(64, 1.065, 1.065, 0), (256, 1.674, 1.088, 180),
-                                                       (1024, 6.061, 1.002, 252), (4096, 23.609, 1.114, 252)])
+@pytest.mark.parametrize("W, owned_x, auto_x, hosted", [(64, 1.066, 1.066, 0), (256, 1.690, 1.090, 180),
+                                                       (1024, 6.183, 1.002, 252), (4096, 24.154, 1.115, 252)])
 def test_qwen3_8b_memory_owned_vs_auto(qwen3_8b, W, owned_x, auto_x, hosted):
     """Parameter + gradient + state bytes of the most loaded rank over an even share (FSDP2: 1.0),
     Muon state: the default hosts matrices once owning passes the budget, their momentum on the
@@ -121,7 +121,7 @@ def test_whole_matrix_state_stays_on_the_host(qwen3_8b):
     auto = plan_owners(qwen3_8b, 1024, block_types=DecoderLayer, optimizer="shampoo")
     hosted = [p for p in auto.params if p.placement == "hosted"]
     assert hosted and not any(p.state_on_shards for p in hosted)
-    assert auto.memory_imbalance == pytest.approx(6.683, abs=1e-3)
+    assert auto.memory_imbalance == pytest.approx(6.789, abs=1e-3)
     assert "state is kept whole on the hosts" in auto.report()
     muon = plan_owners(qwen3_8b, 1024, block_types=DecoderLayer)
     assert "the hosts keep none" in muon.report()

@@ -31,7 +31,7 @@ ELEMENTWISE_STATE = frozenset({"muon"})
 #: Built-in cost models; a callable ``f(ParamInfo) -> float`` is accepted too.
 COST_MODELS = ("flops", "bytes", "numel")
 
-_STATE_ELEM = 4  # optimizer state is kept in fp32
+_WIDE_ELEM = 4  # Shampoo's and SOAP's state: at least float32 (optim/_base.py wide_dtype)
 _ADAMW_FLOPS_PER_ELEM = 12
 _EIGH_FLOPS = 10
 
@@ -79,21 +79,24 @@ def soap_flops(shape: tuple[int, ...], precondition_frequency: int) -> float:
 
 
 def state_nbytes(info: ParamInfo, optimizer: str) -> int:
-    """Bytes of optimizer state kept for ``info`` (0 for frozen parameters)."""
+    """Bytes of optimizer state kept for ``info`` (0 for frozen parameters), as matrixfsdp's
+    optimizers keep it: Muon's momentum and AdamW's two moments in the parameter's dtype (as
+    torch's ``Muon`` and ``AdamW``), Shampoo's and SOAP's state in at least float32."""
     if not info.requires_grad:
         return 0
     numel = info.numel
     if not info.is_matrix or optimizer == "adamw":
-        return 2 * numel * _STATE_ELEM  # exp_avg, exp_avg_sq
+        return 2 * numel * info.itemsize  # exp_avg, exp_avg_sq
     m, n = info.shape
     if optimizer == "muon":
-        return numel * _STATE_ELEM  # momentum
+        return numel * info.itemsize  # momentum
+    wide = max(_WIDE_ELEM, info.itemsize)
     if optimizer == "shampoo":
         # L, R, their inverse roots, plus Adam grafting (exp_avg_sq) and momentum.
-        return (2 * (m * m + n * n) + 2 * numel) * _STATE_ELEM
+        return (2 * (m * m + n * n) + 2 * numel) * wide
     if optimizer == "soap":
         # L, R, eigenbases QL, QR, plus Adam's two moments.
-        return (2 * (m * m + n * n) + 2 * numel) * _STATE_ELEM
+        return (2 * (m * m + n * n) + 2 * numel) * wide
     raise ValueError(f"plan_owners: optimizer must be one of {OPTIMIZERS}, got {optimizer=!r}")
 
 

@@ -260,7 +260,7 @@ def fsdp2_held_bytes(params: Sequence[ParamPlan], W: int) -> list[float]:
     (``Shard(0)``, ``torch.chunk`` rows; a 0-dim tensor on rank 0), the same state sharded like
     its parameter: the reference ``memory_budget`` is measured against. Its peak is ``total / W``
     while every tensor has at least ``W`` rows; past that the low ranks hold a row of every
-    narrow tensor (Qwen3-0.6B at W=4096: 2.10x ``total / W``)."""
+    narrow tensor (Qwen3-0.6B at W=4096: 2.14x ``total / W``)."""
     # full chunks of c rows on ranks [0, n // c), the rest on the next: a difference array over
     # ranks, O(1) per tensor (plans of 4096 ranks and a thousand tensors stay fast)
     diff, tail = [0.0] * (W + 1), [0.0] * W
