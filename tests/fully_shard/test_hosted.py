@@ -226,7 +226,8 @@ def test_hosted_state_lives_where_the_rule_allows_and_the_plan_counts():
         assert muon["hosted"] and shampoo["hosted"]
         assert muon["held"] == muon["planned"], (muon["held"], muon["planned"])
         for fqn, (is_host, local, whole, shapes, on_shards) in muon["where"].items():
-            assert on_shards and shapes == ({"momentum_buffer": local} if local[0] else {}), (fqn, local, shapes)
+            # an empty row shard keeps empty state: every rank presents the same keys
+            assert on_shards and shapes == {"momentum_buffer": local}, (fqn, local, shapes)
         for fqn, (is_host, local, whole, shapes, on_shards) in shampoo["where"].items():
             assert not on_shards
             assert bool(shapes) == is_host and all(v[-1] in whole for v in shapes.values()), (fqn, is_host, shapes)
@@ -360,3 +361,60 @@ def test_hf_moe_with_hosted_matrices_and_a_full_state_dict():
         assert len(r["hosted"]) == 6 and all("self_attn" in f for f in r["hosted"]), r["hosted"]
         assert r["grad"] <= TOL and r["matrix_param"] <= TOL, r
         assert r["adamw_param"] <= 10 * TOL, r  # AdamW's lr / eps slope (see test_hf_moe_training_parity)
+
+
+class _Narrow(torch.nn.Module):
+    """A hosted matrix with fewer rows (3) than ranks (4): rank 3 holds an empty row shard."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(16, 16, bias=False)
+        self.b = torch.nn.Linear(16, 3, bias=False)
+        self.c = torch.nn.Linear(3, 16, bias=False)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def w_empty_rows_full_state_dict() -> dict:
+    """torch's full optimizer state dict (DCP, key by key across ranks) with a hosted matrix that
+    some rank holds no rows of: every rank presents the same keys, the momentum equals one
+    process's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    model = _Narrow()
+    ref = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (W,))
+    try:  # the lowest budget hosting reaches (the error names it)
+        plan = matrixfsdp.plan_owners(model, mesh, memory_budget=0.01)
+    except ValueError as e:
+        floor = float(str(e).split("pass memory_budget >= ")[1].split(",")[0])
+        plan = matrixfsdp.plan_owners(model, mesh, memory_budget=floor + 1e-3)
+    matrixfsdp.fully_shard(model, mesh=mesh, plan=plan)
+    kw = dict(lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
+    opt, ref_opt = matrixfsdp.optim.Muon(model, **kw), matrixfsdp.optim.Muon(ref, **kw)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    per = 8 // W
+    for _ in range(2):
+        model(x[rank * per:(rank + 1) * per]).pow(2).mean().backward()
+        sum(ref(x[r * per:(r + 1) * per]).pow(2).mean() for r in range(W)).div(W).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    want = ref_opt.state[ref.b.weight]["momentum_buffer"]
+    return {"hosted": sorted(p.fqn for p in plan.params if p.placement == "hosted"),
+            "rows": tuple(model.b.weight._local_tensor.shape),
+            "keys": sorted(full["state"]["b.weight"]),
+            "momentum": (full["state"]["b.weight"]["momentum_buffer"] - want).abs().max().item()}
+
+
+def test_a_hosted_matrix_with_empty_row_shards_and_torchs_full_state_dict():
+    results = get_pool(W).run(w_empty_rows_full_state_dict, timeout=120)
+    assert "b.weight" in results[0]["hosted"]
+    assert [r["rows"][0] for r in results] == [1, 1, 1, 0]  # torch.chunk(3, 4): rank 3 holds none
+    for r in results:
+        assert r["keys"] == ["momentum_buffer"] and r["momentum"] <= TOL, r

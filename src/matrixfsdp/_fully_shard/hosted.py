@@ -13,8 +13,9 @@ rank's rows, presented in state dicts like an even parameter's, and the host kee
 on the host, presented on a one-rank mesh of the shard group (the same keys on every rank).
 
 On an HSDP mesh every replica's shard group runs the same host step on the same (all-reduced)
-gradients: each replica's host keeps identical state, presented within its replica (DCP writes
-one of the identical chunks), as HSDP x TP does with ``repeat``.
+gradients: each replica keeps identical state (Muon: on its shard ranks' rows, presented with
+the parameter's ``(Replicate(), Shard(0))`` layout; others: on its host, presented within its
+replica), and DCP writes one of the identical chunks, as HSDP x TP does with ``repeat``.
 """
 
 from __future__ import annotations

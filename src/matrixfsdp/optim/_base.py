@@ -75,6 +75,7 @@ from torch.optim import Optimizer
 
 from ..placement.owned_tensor import local_tensor  # one local-tensor helper for the package
 from ..placement.stepping import expert_splits_of, planned_kind, stepping_of  # the one descriptor optimizers ask
+from ..placement.tp_host import tp_host_of
 from ._adamw import adamw_foreach, adamw_foreach_capturable, adamw_step, lr_tensor, new_step_counter
 from ._expert_step import init_stacked, loop_step, matrices, route_name
 from .rule import UpdateRule
@@ -404,11 +405,13 @@ class MatrixOptimizer(Optimizer):
     def _stepping(self, p: Tensor, group: dict[str, Any] | None = None, route: str | None = None) -> Any:
         """``stepping_of(p)`` as this optimizer steps ``p``: its rule says whether a hosted
         matrix's state may stay on the shards (see [Note: state on the shards] in ``optim/rule.py``)."""
+        if not self.shards_matrix_state or tp_host_of(p) is None:
+            return stepping_of(p)  # the rule cannot change the answer: no group lookup
         if route is None:
             if group is None:
                 group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
             route = self._route(group, p)
-        return stepping_of(p, elementwise_state=route != "adamw" and self.shards_matrix_state)
+        return stepping_of(p, elementwise_state=route != "adamw")
 
     def state_on_shards(self, param: Tensor) -> bool:
         """Whether ``param`` is a hosted matrix whose state this optimizer keeps on every rank's
@@ -698,7 +701,8 @@ class MatrixOptimizer(Optimizer):
                 # a TP-hosted matrix, either rule: its host keeps whole-matrix state, not its
                 # shard's (the initializers read only shape, dtype and device)
                 param = param.new_empty(tuple(p.shape))
-            if p.grad is None or param.numel() == 0:
+            if p.grad is None or (param.numel() == 0 and not st.state_on_shards):
+                # (state on the shards: an empty row shard keeps empty state, as its step does)
                 if p.grad is not None and expert_splits_of(p):
                     # as a step would: its state is on the ranks holding its experts, whose keys
                     # this rank presents (optim/state_dict.py) so DCP templates match across ranks

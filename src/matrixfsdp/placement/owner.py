@@ -160,7 +160,10 @@ def is_owned(t: Any) -> bool:
 def keeps_state(t: Any) -> bool:
     """Whether this rank steps ``t`` and keeps its optimizer state: every rank for a parameter
     without an owner (plain, or evenly sharded), only the owner otherwise, whichever front-end
-    placed it. The one rule optimizers, checkpoint loaders and ``replicate`` apply."""
+    placed it. The one rule optimizers, checkpoint loaders and ``replicate`` apply; a hosted matrix
+    whose rule keeps its state on the shards (Muon under ``fully_shard``'s hosting) is kept on
+    every rank instead, which only the optimizer knows: ask ``stepping_of(p, elementwise_state=)``
+    or ``opt.state_on_shards(p)``."""
     info, host = owner_of(t), tp_host_of(t)  # a TP-hosted matrix: its host keeps the state
     if info is None:
         return True if host is None else host.is_local

@@ -5,11 +5,13 @@ Under tensor parallelism (torch's ``parallelize_module``: ``ColwiseParallel`` gi
 ``RowwiseParallel`` ``Shard(1)`` on the ``"tp"`` mesh) no rank holds a weight whole. Canzona's
 TP half gives every such matrix one *host* rank of its TP group: per micro-group of matrices one
 fused all-to-all gathers the gradient shards to their hosts, each host runs the whole-matrix step
-(its optimizer state lives there, whole, and nowhere else), and one fused all-to-all scatters the
+(its optimizer state lives there, whole, and nowhere else, unless ``shard_state`` below), and one
+fused all-to-all scatters the
 update shards back, which every rank adds to its shard. Only gradients and updates move.
 
 The descriptor is what an optimizer sees of this (``tp_host_of``): ``host`` (the TP rank that
-steps it), ``is_local`` (this rank is the host: it keeps the state) and ``executor``, the runtime
+steps it), ``is_local`` (this rank is the host: it keeps the whole state, where state is kept
+whole) and ``executor``, the runtime
 object an optimizer hands its hosted parameters to with their update rules and its state
 (``executor.step([(param, rule), ...], state)``, a collective within the TP group; see
 ``matrixfsdp/tp/host_step.py`` and [Note: update-rule protocol] in ``optim/rule.py``). ``host_mesh`` is the

@@ -17,7 +17,9 @@ at least ``W`` rows):
 * its optimizer state: Muon's momentum is element-wise and stays on the row shards, like an even
   parameter's (``ParamPlan.state_on_shards``; each rank advances its rows and sends them, the host
   runs Newton-Schulz and keeps nothing; [Note: state on the shards] in ``optim/rule.py``).
-  Shampoo's and SOAP's factors are whole-matrix state: the host keeps it whole;
+  Shampoo's and SOAP's factors are whole-matrix state: the host keeps it whole. (The plan
+  assumes the matrix rule steps a hosted matrix; one put in an ``algorithm="adamw"`` group keeps
+  AdamW's whole state on its host, more than planned);
 * matrices that fit stay owned and step with no communication.
 
 The rule (pure, deterministic): start from the owned plan; while the most loaded rank (ties: the

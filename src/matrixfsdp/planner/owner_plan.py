@@ -641,8 +641,8 @@ class OwnerPlan:
 
     @property
     def memory_imbalance(self) -> float:
-        """max/avg of per-rank parameter + gradient + optimizer-state bytes (what
-        ``memory_budget`` bounds; see [Note: hosted matrices] in ``planner/hosting.py``)."""
+        """max/avg of per-rank parameter + gradient + optimizer-state bytes (over an even share;
+        ``memory_budget`` bounds :attr:`memory_vs_fsdp2`, this over FSDP2's own imbalance)."""
         return _imbalance([2 * st.nbytes + st.state_nbytes for st in self.rank_stats])
 
     @functools.cached_property
@@ -856,7 +856,7 @@ class OwnerPlan:
     def report(self, *, per_rank: bool = True, per_block: bool = True) -> str:
         """A human-readable report: who owns what, imbalances next to their bounds, gamma_B, and
         a WARNING section when the plan is poor in absolute terms whatever its bounds (idle ranks,
-        a rank above ``MEMORY_BUDGET`` times an even share, a block's gamma_B above
+        a rank above ``MEMORY_BUDGET`` times FSDP2's most loaded rank, a block's gamma_B above
         ``GAMMA_BUDGET``; see ``planner/report.py:plan_warnings``), naming HSDP as the remedy.
 
         Example::

@@ -55,7 +55,7 @@ def human_bytes(n: float) -> str:
 
 def plan_warnings(plan: "OwnerPlan") -> list[str]:
     """What makes a plan poor in absolute terms, however close it is to its own lower bound:
-    ranks that own nothing, a rank far above an even share of the bytes, a block whose collective
+    ranks that own nothing, a rank far above FSDP2's most loaded rank's bytes, a block whose collective
     is far slower than an even one. Empty for a plan without those problems. Pure."""
     W, stats = plan.world_size, plan.rank_stats
     out = []

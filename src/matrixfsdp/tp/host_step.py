@@ -165,7 +165,8 @@ class TPHostStep:
 
     def _gather(self, ctx: tuple[Any, ...], members: list[_Member]) -> tuple[Any, torch.Tensor]:
         """Each member's gradient shard to its host, or with its state on the shards, the rule's
-        ``prepare`` of it (advancing this shard's state; an empty shard has none)."""
+        ``prepare`` of it (advancing this shard's state; an empty shard keeps an empty one, so
+        every rank presents the same state keys in state dicts)."""
         rules, split, state = ctx
         T, r = self.tp, self.rank
         send_parts, in_splits = [], [0] * T
@@ -173,7 +174,7 @@ class TPHostStep:
             for m in members:
                 if m.host == h:
                     g = m.param.grad._local_tensor
-                    if id(m.param) in split and g.numel():
+                    if id(m.param) in split:
                         g = rules[id(m.param)].prepare(g, state.setdefault(m.param, {}))
                     send_parts.append(g.reshape(-1))
                     in_splits[h] += g.numel()
