@@ -262,12 +262,7 @@ class Muon(MatrixOptimizer):
     def _capturable_matrix_step(
         self, p: Tensor, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]
     ) -> None:
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-        buf = state["momentum_buffer"]
-        momentum = group["momentum"]
-        buf.lerp_(grad, 1 - momentum)
-        update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+        update = self._matrix_prepare(grad, state, group)
         ortho = zeropower_via_newtonschulz(
             update, group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"]
         )
@@ -284,12 +279,7 @@ class Muon(MatrixOptimizer):
         the backend's batched GEMM equals its GEMM (float32 on this CPU) it is bitwise the rule on
         each matrix alone, i.e. ``E * splits`` separate 2-D parameters."""
         mats, grads = matrices(param, splits), matrices(grad, splits)
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(grads, memory_format=torch.preserve_format)
-        buf = state["momentum_buffer"]
-        momentum = group["momentum"]
-        buf.lerp_(grads, 1 - momentum)
-        update = grads.lerp(buf, momentum) if group["nesterov"] else buf
+        update = self._matrix_prepare(grads, state, group)  # element-wise: the whole stack at once
         capturable = group.get("capturable", False)
         lr = lr_tensor(group["lr"], mats) if capturable else group["lr"]
         mats.mul_(1 - lr * group["weight_decay"])
