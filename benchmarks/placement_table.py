@@ -28,6 +28,7 @@ import torch
 
 from matrixfsdp import plan_owners
 from matrixfsdp.models.decoder import PRESETS, Decoder, DecoderLayer
+from scaling_model import hosted_step_bytes
 
 MODELS = ("qwen3-0.6b", "qwen3-8b", "qwen3-32b")
 MESHES = ((1, 64), (1, 256), (1, 1024), (1, 4096), (8, 8), (32, 8), (128, 8), (512, 8))
@@ -38,16 +39,7 @@ def step_bytes(plan) -> tuple[float, float, float]:
     W = plan.world_size
     mats = [p for p in plan.params if p.placement in ("matrix", "hosted")]
     distmuon = 2 * (W - 1) / W * sum(p.nbytes for p in mats) / W
-    sent = [0.0] * W
-    for p in plan.params:
-        if p.placement != "hosted":
-            continue
-        for r in range(W):
-            rows = p.share(r, W) * p.nbytes
-            if r == p.host:  # the host scatters every other rank's rows of the update
-                sent[r] += p.nbytes - rows
-            else:  # every other rank sends its rows of the gradient
-                sent[r] += rows
+    sent = [hosted_step_bytes(plan, r) for r in range(W)] if plan.num_hosted else [0.0]
     return max(sent), sum(sent) / W, distmuon
 
 

@@ -83,6 +83,7 @@ class Hardware:
 HW = Hardware()
 PARAM_BYTES = 2  # bf16 compute copies are materialized
 GRAD_BYTES = 4  # fp32 reduce dtype
+MASTER_BYTES = 4  # fp32 parameters and optimizer state: what step replicas and hosts send back
 
 
 def ring(nbytes: float, W: int, hw: Hardware) -> float:
@@ -144,7 +145,9 @@ def simulate(name: str, W: int, hw: Hardware = HW, optimizer: str = "muon") -> l
     cfg = PRESETS[name]
     with torch.device("meta"):
         model = Decoder(cfg)
-    plan = plan_owners(model, W, block_types=(DecoderLayer,), optimizer=optimizer)
+    # owner rows: every matrix owned (the hosted matrices of placement="auto" are priced in bytes by
+    # rank_bytes / hosted_step_bytes, and measured by the dry run; benchmarks/placement_table.py)
+    plan = plan_owners(model, W, block_types=(DecoderLayer,), optimizer=optimizer, placement="owned")
     mats = [p for p in plan.params if p.placement == "matrix"]
     n_mat = sum(p.numel for p in mats)
     ns_total = sum(p.cost for p in mats) / hw.mm_flops
@@ -160,7 +163,7 @@ def simulate(name: str, W: int, hw: Hardware = HW, optimizer: str = "muon") -> l
             fwd = 2 * numel * hw.tokens_per_rank / (hw.mm_flops * hw.mfu)
             ag = materialize(b, numel)
             rs = reduce(b, numel)
-            t += max(fwd, ag) + max(2 * fwd, ag + rs)
+            t += max(fwd, ag) + max(2 * fwd, (ag if b else 0.0) + rs)  # the root stays gathered
         return t
 
     def fsdp_ag(b, numel):
@@ -224,6 +227,92 @@ def simulate(name: str, W: int, hw: Hardware = HW, optimizer: str = "muon") -> l
         g_gamma = max(bs.gamma for bs in gplan.block_stats)
         rows.append(Row(name, W, "owner_groups8", grp, g_ns, grp + g_ns, g_gamma))
     return rows
+
+
+# ================================================================================ bytes per rank
+# The bytes the rows above move, per rank and phase: the part of the model a dry run of the real
+# code measures exactly (``python -m matrixfsdp.dryrun``; benchmarks/dryrun_table.py compares the
+# two, benchmarks/results/dryrun/table.md). Every block is materialized in the forward and every
+# block but the root again in the backward (the root is not resharded after the forward, as in
+# FSDP2); an owner fan-out gather sends the rank's bytes to each of the other ranks, a fan-out
+# reduction every byte but its own; owners step without communication. Hosted matrices
+# (``placement="auto"`` past the memory budget) step between two all-to-alls: every rank sends
+# its rows of the gradient to the host, which sends every other rank its rows of the update
+# (``hosted_step_bytes``). HSDP ``mf_split``: each owned matrix has one step replica (the plan's
+# ``step_replica``); its gradient is reduced to that replica across the R replicas (every replica
+# sends it but the step replica) and the step replica's updated matrices are sent to the other
+# R-1 in the next forward; the rest of what a rank holds is all-reduced (a ring: 2 (R-1)/R of it).
+# The dry run corrected the model here (issue 28): the root's backward gather was priced and is
+# never made; the split exchange was priced as a balanced ring (2 (R-1)/R of every owned byte per
+# rank) where the plan's whole-matrix intervals are uneven across replicas, and with a step
+# replica partition of its own where the plan's (``step_replica``) is what runs; the usage flags
+# of every reduction chunk were left out. ``passes`` and ``simulate_hsdp`` price the first two
+# as ``rank_bytes`` does; the flags (< 16 bytes per destination and block) only here.
+
+
+def hosted_step_bytes(plan, rank: int, elem: float | None = None) -> float:
+    """Bytes shard rank ``rank`` sends in the step of ``plan``'s hosted matrices: its rows of each
+    gradient to the host, and, on the host, every other rank's rows of the update. ``elem``: bytes
+    per element (default: the parameters' own)."""
+    S, sent = plan.world_size, 0.0
+    for p in plan.params:
+        if p.placement != "hosted":
+            continue
+        nbytes = p.nbytes if elem is None else p.numel * elem
+        rows = p.share(rank, S) * nbytes
+        sent += nbytes - rows if rank == p.host else rows
+    return sent
+
+
+def split_chunks(plan, shard_rank: int, R: int, block: str | None = None) -> tuple[list[float], float]:
+    """``(elements of shard_rank's split tensors stepped by each replica, elements all-reduced)``
+    (of ``block`` only, if given): owned tensors with a ``step_replica`` are split, everything else
+    it holds is repeated."""
+    S = plan.world_size
+    chunks, rest = [0.0] * R, 0.0
+    for p in (plan.params if block is None else plan.params_of_block(block)):
+        n = p.share(shard_rank, S) * p.numel
+        if not n:
+            continue
+        if R > 1 and p.placement != "even" and p.step_replica is not None:
+            chunks[p.step_replica] += n
+        else:
+            rest += n
+    return chunks, rest
+
+
+def rank_bytes(plan, rank: int, replicas: int = 1, param_bytes: float = PARAM_BYTES,
+               grad_bytes: float = GRAD_BYTES, master_bytes: float = MASTER_BYTES) -> dict[str, float]:
+    """Bytes global rank ``rank`` sends in one step of ``plan`` (over a flat mesh, or over
+    ``replicas`` x ``plan.world_size``), as ``simulate`` (``owner_direct``) and ``simulate_hsdp``
+    (``mf_split``) price them: ``{"forward", "backward", "step", "across"}``; ``across`` (sent to
+    other replicas) is included in the first two. ``param_bytes`` / ``grad_bytes`` /
+    ``master_bytes``: element sizes of the materialized parameters, the reduced gradients and the
+    parameters themselves (what a step replica or a host sends back; the time model's defaults:
+    bf16 compute, fp32 reduction and parameters). Each destination's reduction chunk carries one
+    usage flag per parameter of the block, padded to 16 bytes (the runtime's layout,
+    ``engine/layout.py``); the flags and padding of a rank's chunk are all-reduced across
+    replicas with its repeated tensors, in every block."""
+    from matrixfsdp.engine.layout import aligned_numel
+
+    S, R = plan.world_size, replicas
+    r, k = rank % S, rank // S
+    ge = int(grad_bytes)
+    fwd = bwd = across_f = across_b = 0.0
+    for b in list(plan.blocks) + [""]:
+        ps = plan.params_of_block(b)
+        own = [round(sum(p.share(q, S) * p.numel for p in ps)) for q in range(S)]
+        chunk = [aligned_numel(n + len(ps), ge) for n in own]  # the reduction's chunk per destination
+        gather = (S - 1) * own[r] * param_bytes
+        fwd += gather
+        bwd += (gather if b else 0.0) + (sum(chunk) - chunk[r]) * grad_bytes
+        if R > 1:
+            split, _ = split_chunks(plan, r, R, b)
+            across_f += (R - 1) * split[k] * master_bytes
+            across_b += (sum(split) - split[k]) * grad_bytes
+            across_b += 2 * (R - 1) / R * (chunk[r] - sum(split)) * grad_bytes
+    return {"forward": fwd + across_f, "backward": bwd + across_b, "step": hosted_step_bytes(plan, r, master_bytes),
+            "across": across_f + across_b}
 
 
 # ================================================================================ validation
@@ -528,29 +617,6 @@ def _uneven_link(total: float, chunks: list[float], bw: float, alpha: float) -> 
     return (n - 1) * alpha + (total - min(chunks)) / bw
 
 
-def step_replicas(gplan, R: int) -> dict[str, int]:
-    """Step replica of every owned tensor of a group plan (matrices and owned element-wise tails;
-    evenly sharded tensors are HSDP's): per owner, its tensors (in plan order) cut into R
-    contiguous whole-tensor intervals by the planner's alpha-balanced partition on optimizer cost
-    (one bucket, alpha=1: each replica's target is the owner's mean)."""
-    from matrixfsdp.planner.partition import partition_buckets
-
-    out: dict[str, int] = {}
-    owned = [p for p in gplan.params if p.placement != "even"]
-    for s in range(gplan.world_size):
-        mine = [p for p in owned if p.owner == s]
-        if not mine:
-            continue
-        if R == 1:
-            out.update({p.fqn: 0 for p in mine})
-            continue
-        owners, _ = partition_buckets([p.fqn for p in mine], [p.cost for p in mine], R,
-                                      policy="alpha_balanced", alpha=1.0, bucket_numel=2**62,
-                                      numels=[p.numel for p in mine])
-        out.update(owners)
-    return out
-
-
 def distmuon_loads(mats, blocks, n: int) -> list[float]:
     """torchtitan 0.3.0's _assign_balanced_owner_ranks over ``n`` ranks: LPT on step cost within
     each decoder-layer bucket, ties broken by the load carried from earlier buckets."""
@@ -581,7 +647,8 @@ def simulate_hsdp(name: str, W: int, optimizer: str = "muon", regime: str = "wea
     opt_flops = hw.mm_flops if opt_flops is None else opt_flops
     with torch.device("meta"):
         model = Decoder(PRESETS[name])
-    gplan = plan_owners(model, S, block_types=(DecoderLayer,), optimizer=optimizer)
+    # the HSDP plan: owners within the group of S, and each owned matrix's step replica
+    gplan = plan_owners(model, (R, S) if R > 1 else S, block_types=(DecoderLayer,), optimizer=optimizer)
     blocks = list(gplan.blocks) + [""]
     mats = [p for p in gplan.params if p.placement == "matrix"]
     n_all = sum(p.numel for p in gplan.params)
@@ -594,8 +661,10 @@ def simulate_hsdp(name: str, W: int, optimizer: str = "muon", regime: str = "wea
     fwd = {b: 2 * numel[b] * tokens / (hw.mm_flops * hw.mfu) for b in blocks}
 
     def passes(fcomm, bcomm) -> tuple[float, float, float, float]:
+        # bcomm(b, gather): the backward's collectives, ``gather`` the block's re-gather (none for
+        # the root, which stays gathered after the forward)
         f = sum(max(fwd[b], fcomm(b)) for b in blocks)
-        b_ = sum(max(2 * fwd[b], bcomm(b)) for b in blocks)
+        b_ = sum(max(2 * fwd[b], bcomm(b, bool(b))) for b in blocks)
         return f, b_, f - sum(fwd.values()), b_ - 2 * sum(fwd.values())
 
     rows: list[HRow] = []
@@ -615,7 +684,7 @@ def simulate_hsdp(name: str, W: int, optimizer: str = "muon", regime: str = "wea
         return 2 * _ring_link(nbytes, R, bx, ax) if nbytes else 0.0
 
     hs = passes(lambda b: _ring_link(numel[b] * PARAM_BYTES, S, bi, ai),
-                lambda b: _ring_link(numel[b] * PARAM_BYTES, S, bi, ai) + _ring_link(numel[b] * GRAD_BYTES, S, bi, ai)
+                lambda b, g: g * _ring_link(numel[b] * PARAM_BYTES, S, bi, ai) + _ring_link(numel[b] * GRAD_BYTES, S, bi, ai)
                 + ar_x(numel[b] * GRAD_BYTES / S))
     hs_x = [2 * (R - 1) / R * n_all * GRAD_BYTES / S] * S  # even layout: every rank holds 1/S
     put("hsdp_adamw", hs, ADAMW_BYTES_PER_ELEM * n_all / S / ADAMW_BYTES_PER_S, hs_x, 2 * 4 * n_all / S,
@@ -639,36 +708,43 @@ def simulate_hsdp(name: str, W: int, optimizer: str = "muon", regime: str = "wea
     held_g = [sum(own_g[b][s] for b in blocks) for s in range(S)]
     x_ar = [2 * (R - 1) / R * h for h in held_g]  # all-reduce of what each rank holds
     # repeat: all-reduce every held byte across the R owners (ring over IB)
-    rep = passes(lambda b: fan_p[b], lambda b: fan_p[b] + fan_g[b] + ar_x(max(own_g[b])))
+    rep = passes(lambda b: fan_p[b], lambda b, g: g * fan_p[b] + fan_g[b] + ar_x(max(own_g[b])))
     mat_cost = [sum(p.cost for p in mats if p.owner == s) for s in range(S)]
     mat_state = [sum(p.state_nbytes for p in mats if p.owner == s) for s in range(S)]
     put("mf_repeat", rep, max(mat_cost) / opt_flops + elem_step, x_ar, max(mat_state) + elem_state,
         2 * xa * len(blocks))
-    # split: owned tensors (matrices, and the owned norms of a block, coalesced in the same call)
-    # reduce-scattered / all-gathered across replicas in whole-tensor intervals; evenly sharded
-    # element-wise tensors all-reduced across replicas as in HSDP
-    srep = step_replicas(gplan, R)
-    chunks = {}  # (b, s) -> fp32 bytes of s's owned tensors in b kept by each replica
+    # split: each owned matrix has one step replica (the plan's ``step_replica``): its gradient is
+    # reduced to that replica, which sends the updated matrix to the others in the next forward,
+    # both in whole-tensor intervals (uneven across replicas); the rest of what a rank holds
+    # (evenly sharded and owned element-wise tensors) is all-reduced across replicas as in HSDP
+    chunks = {}  # (b, s) -> bytes of s's split tensors in b stepped by each replica
+    rest = {}  # (b, s) -> bytes s holds in b that are all-reduced
     for b in blocks:
         for s in range(S):
             c = [0.0] * R
             for p in gplan.params_of_block(b):
-                if p.placement != "even" and p.owner == s:
-                    c[srep[p.fqn]] += p.numel * GRAD_BYTES
+                if R > 1 and p.placement != "even" and p.owner == s and p.step_replica is not None:
+                    c[p.step_replica] += p.numel * GRAD_BYTES
             chunks[b, s] = c
+            rest[b, s] = held(b, s, GRAD_BYTES) - sum(c)
     mx = {b: max(_uneven_link(sum(chunks[b, s]), chunks[b, s], bx, ax) for s in range(S)) for b in blocks}
-    ex = {b: max(ar_x(held(b, s, GRAD_BYTES, owned=False)) for s in range(S)) for b in blocks}
-    spl = passes(lambda b: mx[b] + fan_p[b], lambda b: fan_p[b] + fan_g[b] + mx[b] + ex[b])
+    ex = {b: max(ar_x(rest[b, s]) for s in range(S)) for b in blocks}
+    spl = passes(lambda b: mx[b] + fan_p[b], lambda b, g: g * fan_p[b] + fan_g[b] + mx[b] + ex[b])
     r_cost = {}
     r_state = {}
     for p in mats:
-        k = (p.owner, srep[p.fqn])
+        k = (p.owner, p.step_replica or 0)
         r_cost[k] = r_cost.get(k, 0.0) + p.cost
         r_state[k] = r_state.get(k, 0.0) + p.state_nbytes
-    # bytes each rank sends across replicas: ring RS + AG of its matrices, all-reduce of the rest
-    x_split = [2 * (R - 1) / R * sum(held(b, s, GRAD_BYTES, owned=True) for b in blocks)
-               + 2 * (R - 1) / R * sum(held(b, s, GRAD_BYTES, owned=False) for b in blocks) for s in range(S)]
-    n_ex = sum(1 for b in blocks if any(held(b, s, GRAD_BYTES, owned=False) for s in range(S)))
+    # bytes each rank (s, replica k) sends across replicas: every split gradient but its replica's
+    # own (reduced to their step replicas), its replica's updated matrices to the R-1 others (at
+    # MASTER_BYTES), and the ring all-reduce of the rest (the same as rank_bytes's "across")
+    x_split = []
+    for s in range(S):
+        c = [sum(chunks[b, s][k] for b in blocks) for k in range(R)]
+        ar = 2 * (R - 1) / R * sum(rest[b, s] for b in blocks)
+        x_split += [sum(c) - c[k] + (R - 1) * c[k] * MASTER_BYTES / GRAD_BYTES + ar for k in range(R)]
+    n_ex = sum(1 for b in blocks if any(rest[b, s] for s in range(S)))
     n_mx = sum(1 for b in blocks if any(sum(chunks[b, s]) for s in range(S)))
     put("mf_split", spl, max(r_cost.values(), default=0.0) / opt_flops + elem_step, x_split,
         max(r_state.values(), default=0.0) + elem_state, xa * (2 * n_mx + 2 * n_ex))

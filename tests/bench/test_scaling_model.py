@@ -36,7 +36,9 @@ def test_split_invariants(W, optimizer):
     # equal the all-reduce of what each rank holds, i.e. repeat's, and over the group HSDP's
     assert sp.xbytes_rank == pytest.approx(ad.xbytes_rank, rel=1e-12)
     assert sp.xbytes_rank == pytest.approx(rep.xbytes_rank, rel=1e-12)
-    assert sp.xbytes_rank_max == pytest.approx(rep.xbytes_rank_max, rel=1e-12)
+    # per rank, split sends T - c_k + (R-1) c_k for its replica's share c_k of T (whole matrices,
+    # uneven across replicas): the replica stepping the most sends at least the all-reduce's
+    assert sp.xbytes_rank_max >= rep.xbytes_rank_max * (1 - 1e-12)
     assert dm.xbytes_rank == ad.xbytes_rank
     # optimizer state: split keeps each matrix's state on one replica only
     assert sp.state_bytes_rank <= rep.state_bytes_rank

@@ -22,6 +22,7 @@ from . import FRONT_ENDS, OPTIMIZERS, ROLES, RankReport, dry_run
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 _MIB = 2.0**20
+_PHASES = ("forward", "backward", "step")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,15 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def format_table(reports: list[RankReport]) -> str:
+    hsdp = any(r.replicas > 1 for r in reports)
     head = ("role", "rank", "params MiB", "/even", "grads MiB", "state MiB", "held/FSDP2", "peak MiB",
-            "fwd MiB", "bwd MiB", "step MiB", "plan s", "shard s")
+            "fwd MiB", "bwd MiB", "step MiB", *(("across MiB",) if hsdp else ()), "plan s", "shard s")
     rows = [head]
     for r in reports:
+        across = (f"{sum(r.phase_bytes(ph, across=True) for ph in _PHASES) / _MIB:.2f}",) if hsdp else ()
         rows.append((r.role, str(r.rank), f"{r.param_bytes / _MIB:.2f}", f"{r.param_ratio:.2f}",
                      f"{r.grad_bytes / _MIB:.2f}", f"{r.state_bytes / _MIB:.2f}", f"{r.held_ratio:.2f}",
-                     f"{r.peak_bytes / _MIB:.2f}", *(f"{r.phase_bytes(ph) / _MIB:.2f}" for ph in
-                                                     ("forward", "backward", "step")),
-                     f"{r.seconds['plan']:.3f}", f"{r.seconds['shard']:.3f}"))
+                     f"{r.peak_bytes / _MIB:.2f}", *(f"{r.phase_bytes(ph) / _MIB:.2f}" for ph in _PHASES),
+                     *across, f"{r.seconds['plan']:.3f}", f"{r.seconds['shard']:.3f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
@@ -92,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
           f"one sequence of {args.seq_len} tokens (fake process group: no data moved)")
     print(format_table(reports))
     print(f"\neven share (FSDP2) of the parameters: {r0.even_param_bytes / _MIB:.2f} MiB per rank; "
-          "bytes per phase are what the sampled rank sends")
+          "bytes per phase are what the sampled rank sends" + (" (across MiB: the part sent to other replicas)"
+                                                               if args.replicas > 1 else ""))
     return 0
 
 

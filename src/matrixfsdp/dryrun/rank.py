@@ -7,7 +7,7 @@ is the one the real job makes. So this module runs the real planner, the real fr
 (``fully_shard`` per layer and on the root, or ``replicate``) on a ``meta``-device model that is
 then materialized with ``to_empty``, and one forward, backward and optimizer step on a short
 batch. What it measures is exact for the sampled rank: the bytes of its local parameters,
-gradients and optimizer state, its peak tensor memory (torch's ``MemTracker``), and the calls and
+gradients and optimizer state, its peak memory (the CPU allocator's events, ``peak.py``), and the calls and
 bytes of every collective the front-end issues, per phase, from the project's own counters. The
 *values* it computes are not (received buffers hold garbage), so it reports no loss; the
 optimizer step runs on whatever arrived, which costs what a real step costs.
@@ -27,11 +27,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["RankReport", "run_rank", "FRONT_ENDS", "OPTIMIZERS"]
+__all__ = ["RankReport", "run_rank", "FRONT_ENDS", "OPTIMIZERS", "ACROSS"]
 
 FRONT_ENDS = ("fully_shard", "replicate")
 OPTIMIZERS = ("muon", "adamw")
 _PHASES = ("forward", "backward", "step")
+#: prefix of the collectives an HSDP rank makes across replicas (the ``"replicate"`` role) in
+#: :attr:`RankReport.comm`; those within its shard group (and the hosted step's) are unprefixed
+ACROSS = "replicate/"
 
 
 @dataclass
@@ -53,9 +56,10 @@ class RankReport:
     #: what the plan predicts for this rank (``OwnerPlan.rank_stats``)
     planned_param_bytes: float
     planned_state_bytes: float
-    #: the peak of live tensor bytes over forward, backward and step (``MemTracker``)
+    #: the most bytes the CPU allocator held over forward, backward and step (``peak.py``)
     peak_bytes: int
-    #: per phase, per collective: ``{"calls": n, "sent": bytes, "recv": bytes}``
+    #: per phase, per collective: ``{"calls": n, "sent": bytes, "recv": bytes}``; the collectives
+    #: across HSDP replicas are named with the prefix ``ACROSS`` (``"replicate/all_reduce"``)
     comm: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     #: seconds: planning, sharding (front-end calls), ``to_empty``, and each phase on this CPU
     seconds: dict[str, float] = field(default_factory=dict)
@@ -74,8 +78,11 @@ class RankReport:
     #: FSDP2's even share of the optimizer state (total planned state / shard ranks)
     planned_state_even: float = 0.0
 
-    def phase_bytes(self, phase: str) -> int:
-        return sum(v["sent"] for v in self.comm.get(phase, {}).values())
+    def phase_bytes(self, phase: str, across: bool | None = None) -> int:
+        """Bytes this rank sent in ``phase``: all of them, or (``across``) only those across HSDP
+        replicas, or (``across=False``) only those within its shard group."""
+        return sum(v["sent"] for op, v in self.comm.get(phase, {}).items()
+                   if across is None or op.startswith(ACROSS) == across)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -83,8 +90,10 @@ class RankReport:
         return d
 
 
-def _counters(model: nn.Module, front_end: str, hsdp: bool) -> list[Any]:
+def _counters(model: nn.Module, front_end: str, hsdp: bool) -> list[tuple[str, Any]]:
+    """``(prefix, counter)`` of every counter the rank's collectives are counted in."""
     roles = ("shard", "replicate") if hsdp else ("shard",)
+    prefix = {"shard": "", "replicate": ACROSS}
     if front_end == "fully_shard":
         from .._fully_shard import comm_counter
         from ..placement.tp_host import tp_host_of
@@ -92,15 +101,15 @@ def _counters(model: nn.Module, front_end: str, hsdp: bool) -> list[Any]:
         # the engine's collectives, and the hosted matrices' step (its executor counts its own)
         hosts = {id(h.executor): h.executor.counter for p in model.parameters()
                  if (h := tp_host_of(p)) is not None and h.executor is not None}
-        return [comm_counter(model, role) for role in roles] + list(hosts.values())
-    return [model.comm_counter(role) for role in roles]  # type: ignore[operator]
+        return [(prefix[role], comm_counter(model, role)) for role in roles] + [("", c) for c in hosts.values()]
+    return [(prefix[role], model.comm_counter(role)) for role in roles]  # type: ignore[operator]
 
 
-def _take(counters: list[Any]) -> dict[str, dict[str, int]]:
+def _take(counters: list[tuple[str, Any]]) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
-    for c in counters:
+    for prefix, c in counters:
         for op, n in c.calls.items():
-            e = out.setdefault(op, {"calls": 0, "sent": 0, "recv": 0})
+            e = out.setdefault(prefix + op, {"calls": 0, "sent": 0, "recv": 0})
             e["calls"] += n
             e["sent"] += c.bytes_sent.get(op, 0)
             e["recv"] += c.bytes_recv.get(op, 0)
@@ -139,12 +148,12 @@ def run_rank(build: Any, *, name: str, world_size: int, rank: int, role: str, re
     if steps < 0:
         raise ValueError(f"matrixfsdp.dryrun: steps must be >= 0 (0: planning and sharding only), got {steps}")
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from .._fully_shard import fully_shard
     from .._replicate import replicate
     from ..planner.owners import plan_owners
+    from .peak import PeakMemory, storage_bytes
 
     if dist.is_initialized():
         raise ValueError("matrixfsdp.dryrun: a process group is already initialized in this process; "
@@ -188,11 +197,15 @@ def run_rank(build: Any, *, name: str, world_size: int, rank: int, role: str, re
         tokens = torch.randint(0, vocab, (1, seq_len))
         comm: dict[str, dict[str, dict[str, int]]] = {}
         grad_bytes = 0
-        tracker = MemTracker()
-        tracker.track_external(model, opt)
+
+        def live() -> int:  # what the allocator holds for the model, its gradients and optimizer state
+            return storage_bytes([*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers(),
+                                  *(v for st in opt.state.values() for v in st.values()
+                                    if isinstance(v, torch.Tensor)), tokens])
+
+        tracker = PeakMemory(live)
         with tracker:
             for _ in range(steps):  # the last step's figures: the first has no parameter exchange
-                tracker.reset_mod_stats()  # per-module stats are per iteration; the peak is kept
                 comm = {}
                 t = time.perf_counter()
                 out = model(tokens)
@@ -209,7 +222,7 @@ def run_rank(build: Any, *, name: str, world_size: int, rank: int, role: str, re
                 seconds["step"] = time.perf_counter() - t
                 comm["step"] = _take(counters)
                 opt.zero_grad()
-        peak = int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+        peak = tracker.peak_bytes if steps else live()
         shard = rank % (world_size // replicas)
         stats = plan.rank_stats
         total_bytes = sum(p.nbytes for p in plan.params)

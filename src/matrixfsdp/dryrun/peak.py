@@ -1,0 +1,72 @@
+"""Peak tensor memory of a region of code on the CPU, from the allocator's own events.
+
+[Note: peak memory from allocator events]
+torch's profiler, with ``profile_memory=True``, records every allocation and free the CPU
+allocator makes (``[memory]`` events of signed byte counts): tensors created by operators, the
+buffers collectives receive into, and storages resized in place (``fully_shard`` frees a layer's
+unsharded parameters with ``untyped_storage().resize_(0)`` and refills them the same way), each
+counted once, when the allocator acts. The peak is the bytes live at entry plus the
+highest running sum of those events. Recording them costs the profiler's few microseconds per
+operator; torch's ``MemTracker`` (per-module attribution, Python per operator over every module)
+took 30x the run's own time on a Qwen3-0.6B layer stack at W=256 (150 s against 5 s).
+
+Bytes live at entry are the caller's to name (``baseline``): the profiler cannot see
+allocations made before it started, nor their frees (the allocator learns a block's size only
+while it records), so the baseline names what stays live through the block: a model's
+parameters, buffers and optimizer state in a dry run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+__all__ = ["PeakMemory", "storage_bytes"]
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor counts its local tensor);
+    ``None`` entries count nothing."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        local = getattr(t, "_local_tensor", t)
+        st = local.untyped_storage()
+        seen[st.data_ptr() or id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+class PeakMemory:
+    """``with PeakMemory(baseline) as pm: ...``; then ``pm.peak_bytes`` is the most bytes the CPU
+    allocator held at once inside the block, counting ``baseline`` bytes live at entry (see
+    [Note: peak memory from allocator events]). Re-entering starts a new measurement; the peak
+    kept is the highest over all of them (the baseline is re-read each time)."""
+
+    def __init__(self, baseline: Any = 0):
+        # an int, or a callable returning the bytes live now (re-read on each entry)
+        self._baseline = baseline
+        self._prof: Any = None
+        self.peak_bytes = 0
+
+    def __enter__(self) -> "PeakMemory":
+        from torch.profiler import ProfilerActivity, profile
+
+        self._start = int(self._baseline() if callable(self._baseline) else self._baseline)
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        prof, self._prof = self._prof, None
+        prof.__exit__(*exc)
+        # stable by time: events of one nanosecond keep the allocator's order
+        events = sorted(((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
+                        key=lambda ev: ev[0])
+        live = peak = self._start
+        for _, n in events:
+            live += n
+            peak = max(peak, live)
+        self.peak_bytes = max(self.peak_bytes, peak)
