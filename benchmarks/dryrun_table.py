@@ -34,31 +34,34 @@ import torch
 import _bench_common as bc
 from scaling_model import rank_bytes
 
-from matrixfsdp.dryrun import preset_builder
+from matrixfsdp.dryrun import preset_builder, tp_fractions
 from matrixfsdp.planner.owners import plan_owners
 
 MODELS = ("qwen3-0.6b", "qwen3-8b", "qwen3-32b")
 WORLDS = (64, 256, 1024, 4096)
-GROUP = 8  # HSDP shard group: one node
+GROUP = 8  # HSDP shard group and TP degree: one node
 PHASES = ("forward", "backward", "step", "across")
 _MIB = 2.0**20
 
 
-def cells(models, worlds, meshes) -> list[tuple[str, int, int]]:
-    """``(model, W, replicas)``, cheapest first (so a time-limited sweep finishes whole models)."""
-    out = [(m, W, 1 if mesh == "flat" else W // GROUP) for m in models for mesh in meshes for W in worlds]
-    return sorted(out, key=lambda c: (models.index(c[0]), c[1], c[2]))
+def cells(models, worlds, meshes) -> list[tuple[str, int, int, int]]:
+    """``(model, W, replicas, tp)``, cheapest first (so a time-limited sweep finishes whole models)."""
+    shape = {"flat": lambda W: (1, 1), "hsdp": lambda W: (W // GROUP, 1), "tp": lambda W: (1, GROUP)}
+    out = [(m, W, *shape[mesh](W)) for m in models for mesh in meshes for W in worlds]
+    return sorted(out, key=lambda c: (models.index(c[0]), c[1], c[2], c[3]))
 
 
-def model_bytes(model: str, W: int, R: int, rank: int, elem: int) -> dict[str, float]:
+def model_bytes(model: str, W: int, R: int, rank: int, elem: int, tp: int = 1) -> dict[str, float]:
     """The scaling model's bytes for the sampled rank: the plan the dry run ran (the default plan of
-    the same mesh), priced by ``scaling_model.rank_bytes`` at the dry run's element size."""
+    the same mesh; with TP the owners, planned on whole shapes as the real plan's are), priced by
+    ``scaling_model.rank_bytes`` at the dry run's element size."""
     build = preset_builder(model, torch.bfloat16 if elem == 2 else torch.float32)
     with torch.device("meta"):
         net, layers, _ = build()
-    S = W // R
-    plan = plan_owners(net, (R, S) if R > 1 else S, block_types=layers)
-    return rank_bytes(plan, rank, R, param_bytes=elem, grad_bytes=elem, master_bytes=elem)
+    S = W // R // tp
+    plan = plan_owners(net, (R, S) if R > 1 else S, block_types=layers, **({"tp": tp} if tp > 1 else {}))
+    return rank_bytes(plan, rank, R, param_bytes=elem, grad_bytes=elem, master_bytes=elem, tp=tp,
+                      tp_frac=tp_fractions(net, tp) if tp > 1 else None)
 
 
 def measured_bytes(d: dict) -> dict[str, float]:
@@ -68,8 +71,9 @@ def measured_bytes(d: dict) -> dict[str, float]:
     return sent
 
 
-def run_cell(model: str, W: int, R: int, args) -> list[dict]:
+def run_cell(model: str, W: int, R: int, tp: int, args) -> list[dict]:
     cmd = [sys.executable, "-m", "matrixfsdp.dryrun", "--model", model, "--world", str(W), "--replicas", str(R),
+           "--tp", str(tp),
            "--roles", *args.roles, "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--json"]
     t = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -80,7 +84,7 @@ def run_cell(model: str, W: int, R: int, args) -> list[dict]:
     for line in out.stdout.splitlines():
         d = json.loads(line)
         rows.append({
-            "model": model, "world": W, "replicas": R, "role": d["role"], "rank": d["rank"],
+            "model": model, "world": W, "replicas": R, "tp": tp, "role": d["role"], "rank": d["rank"],
             "held_vs_fsdp2": d["held_ratio"], "param_vs_even": d["param_ratio"],
             "param_bytes": d["param_bytes"], "grad_bytes": d["grad_bytes"], "state_bytes": d["state_bytes"],
             "peak_bytes": d["peak_bytes"], "measured": measured_bytes(d),
@@ -92,7 +96,7 @@ def run_cell(model: str, W: int, R: int, args) -> list[dict]:
 def with_model(row: dict) -> dict:
     """``row`` with the scaling model's bytes for its rank and the ratios measured / model
     (recomputed from the current ``scaling_model`` whenever the table is rendered)."""
-    pred = model_bytes(row["model"], row["world"], row["replicas"], row["rank"], elem=2)
+    pred = model_bytes(row["model"], row["world"], row["replicas"], row["rank"], elem=2, tp=row.get("tp", 1))
     meas = row["measured"]
     ratio = {ph: (meas[ph] / pred[ph] if pred[ph] else (None if meas[ph] else 1.0)) for ph in PHASES}
     return {**row, "model_bytes": pred, "ratio": ratio}
@@ -113,8 +117,9 @@ def render(rows: list[dict], meta: dict) -> str:
         "state bytes), run through the real planner, `fully_shard`, forward, backward and Muon step (bf16 "
         "parameters, fp32 Newton-Schulz, one sequence of 16 tokens, second step's collectives) on torch's "
         "fake process group: every shape, buffer and collective call is real, no data moves. held / FSDP2: "
-        "the rank's parameter + gradient + optimizer-state bytes over FSDP2's even share of the same three "
-        "(the issue's goal: <= 1.25). peak: the CPU allocator's most bytes held over the step. Sent MiB: "
+        "the rank's parameter + gradient + optimizer-state bytes over those of FSDP2's most loaded rank on the "
+        "same mesh (the issue's goal: <= 1.25; with TP, over FSDP2 + TP's even share). TP meshes: the "
+        "preset's MLPs tensor-parallel (`matrixfsdp.dryrun.rank.tensor_parallel`), TP rank 0 sampled. peak: the CPU allocator's most bytes held over the step. Sent MiB: "
         "what the rank sent per phase (backward includes the reduction; across: the part sent to other HSDP "
         "replicas, in forward and backward). model: `scaling_model.rank_bytes` for the same rank of the same "
         "plan at bf16 sizes; ratio = measured / model.",
@@ -124,7 +129,9 @@ def render(rows: list[dict], meta: dict) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in map(with_model, rows):
-        mesh = f"{r['replicas']} x {r['world'] // r['replicas']}" if r["replicas"] > 1 else str(r["world"])
+        tp = r.get("tp", 1)
+        mesh = (f"{r['replicas']} x {r['world'] // r['replicas']}" if r["replicas"] > 1
+                else f"{r['world'] // tp} x tp {tp}" if tp > 1 else str(r["world"]))
         m, rat = r["measured"], r["ratio"]
         run_s = sum(v for k, v in r["seconds"].items())
         out.append(f"| {r['model']} | {mesh} | {r['role']} | {r['rank']} | {r['held_vs_fsdp2']:.2f} | "
@@ -139,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render", default=None, metavar="OUT", help="only rebuild OUT.md from OUT.jsonl")
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--worlds", nargs="+", type=int, default=list(WORLDS))
-    ap.add_argument("--meshes", nargs="+", choices=("flat", "hsdp"), default=["flat", "hsdp"],
-                    help=f"flat: W ranks; hsdp: W/{GROUP} replicas of {GROUP} (default: both)")
+    ap.add_argument("--meshes", nargs="+", choices=("flat", "hsdp", "tp"), default=["flat", "hsdp", "tp"],
+                    help=f"flat: W ranks; hsdp: W/{GROUP} replicas of {GROUP}; tp: W/{GROUP} data-parallel "
+                         f"ranks x TP {GROUP} (default: all three)")
     ap.add_argument("--roles", nargs="+", default=["most_loaded"], help="sampled ranks (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=16)
@@ -161,13 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         lines = jsonl.read_text().splitlines()
         meta = json.loads(lines[0]) if lines else meta
         rows = [json.loads(x) for x in lines[1:]]
-        done = {(r["model"], r["world"], r["replicas"]) for r in rows}
+        done = {(r["model"], r["world"], r["replicas"], r.get("tp", 1)) for r in rows}
     elif jsonl is not None:
         jsonl.write_text(json.dumps(meta) + "\n")
-    for model, W, R in cells(args.models, args.worlds, args.meshes):
-        if (model, W, R) in done:
+    for model, W, R, tp in cells(args.models, args.worlds, args.meshes):
+        if (model, W, R, tp) in done:
             continue
-        new = run_cell(model, W, R, args)
+        new = run_cell(model, W, R, tp, args)
         for r in map(with_model, new):
             print(json.dumps({k: r[k] for k in ("model", "world", "replicas", "role", "held_vs_fsdp2", "ratio",
                                                 "wall_s")}), flush=True)

@@ -282,7 +282,8 @@ def split_chunks(plan, shard_rank: int, R: int, block: str | None = None) -> tup
 
 
 def rank_bytes(plan, rank: int, replicas: int = 1, param_bytes: float = PARAM_BYTES,
-               grad_bytes: float = GRAD_BYTES, master_bytes: float = MASTER_BYTES) -> dict[str, float]:
+               grad_bytes: float = GRAD_BYTES, master_bytes: float = MASTER_BYTES, tp: int = 1,
+               tp_frac: dict[str, float] | None = None) -> dict[str, float]:
     """Bytes global rank ``rank`` sends in one step of ``plan`` (over a flat mesh, or over
     ``replicas`` x ``plan.world_size``), as ``simulate`` (``owner_direct``) and ``simulate_hsdp``
     (``mf_split``) price them: ``{"forward", "backward", "step", "across"}``; ``across`` (sent to
@@ -292,16 +293,24 @@ def rank_bytes(plan, rank: int, replicas: int = 1, param_bytes: float = PARAM_BY
     bf16 compute, fp32 reduction and parameters). Each destination's reduction chunk carries one
     usage flag per parameter of the block, padded to 16 bytes (the runtime's layout,
     ``engine/layout.py``); the flags and padding of a rank's chunk are all-reduced across
-    replicas with its repeated tensors, in every block."""
+    replicas with its repeated tensors, in every block.
+
+    ``tp`` > 1 (a ``(dp_shard, tp)`` mesh, rank = dp rank * tp + tp rank): the data-parallel
+    collectives move each TP rank's shards (``tp_frac[fqn]``: the fraction of a parameter one TP
+    rank holds, 1 where replicated), and the step is the TP host step of ``simulate_tp``'s
+    ``mf_tp_microgroups``: the owner's TP-sharded matrices in micro-groups with LPT hosts
+    (``tp_micro_groups``), each TP rank sending its gradient shard to the host and the host
+    every other rank's update shard."""
     from matrixfsdp.engine.layout import aligned_numel
 
     S, R = plan.world_size, replicas
-    r, k = rank % S, rank // S
+    frac = tp_frac or {}
+    r, k = (rank // tp, 0) if tp > 1 else (rank % S, rank // S)
     ge = int(grad_bytes)
     fwd = bwd = across_f = across_b = 0.0
     for b in list(plan.blocks) + [""]:
         ps = plan.params_of_block(b)
-        own = [round(sum(p.share(q, S) * p.numel for p in ps)) for q in range(S)]
+        own = [round(sum(p.share(q, S) * p.numel * frac.get(p.fqn, 1.0) for p in ps)) for q in range(S)]
         chunk = [aligned_numel(n + len(ps), ge) for n in own]  # the reduction's chunk per destination
         gather = (S - 1) * own[r] * param_bytes
         fwd += gather
@@ -311,8 +320,15 @@ def rank_bytes(plan, rank: int, replicas: int = 1, param_bytes: float = PARAM_BY
             across_f += (R - 1) * split[k] * master_bytes
             across_b += (sum(split) - split[k]) * grad_bytes
             across_b += 2 * (R - 1) / R * (chunk[r] - sum(split)) * grad_bytes
-    return {"forward": fwd + across_f, "backward": bwd + across_b, "step": hosted_step_bytes(plan, r, master_bytes),
-            "across": across_f + across_b}
+    step = hosted_step_bytes(plan, r, master_bytes)
+    if tp > 1:
+        t = rank % tp
+        mats = [p for p in plan.params if p.owner == r and p.placement == "matrix" and frac.get(p.fqn, 1.0) < 1.0]
+        for grp in tp_micro_groups([(p.fqn, p.cost, p.numel * GRAD_BYTES) for p in mats], tp):
+            for (fqn, _, nb), h in grp:
+                n, f = nb / GRAD_BYTES, frac[fqn]
+                step += n * (1 - f) * master_bytes if t == h else n * f * grad_bytes
+    return {"forward": fwd + across_f, "backward": bwd + across_b, "step": step, "across": across_f + across_b}
 
 
 # ================================================================================ validation

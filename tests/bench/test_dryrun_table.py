@@ -1,6 +1,7 @@
 """benchmarks/dryrun_table.py and scaling_model.rank_bytes against the real code (issue 28): on
 the tiny preset, the bytes the scaling model prices for the sampled rank are exactly what its dry
-run sends, per phase, on a flat mesh with hosted matrices and on an HSDP mesh with split steps."""
+run sends, per phase, on a flat mesh with hosted matrices, on an HSDP mesh with split steps and on
+a (dp, tp) mesh with TP host steps."""
 
 from __future__ import annotations
 
@@ -21,16 +22,19 @@ def test_the_scaling_model_prices_exactly_what_the_dry_run_sends(tmp_path):
                     "--out", str(out), "--timeout", "600"]) == 0
     lines = out.with_suffix(".jsonl").read_text().splitlines()
     rows = [dt.with_model(json.loads(x)) for x in lines[1:]]
-    assert {(r["world"], r["replicas"]) for r in rows} == {(64, 1), (64, 8)}
+    assert {(r["world"], r["replicas"], r["tp"]) for r in rows} == {(64, 1, 1), (64, 8, 1), (64, 1, 8)}
     for r in rows:
         for ph in dt.PHASES:
             # exact but for the all-reduce's whole-byte count per call (one per block)
             assert abs(r["measured"][ph] - r["model_bytes"][ph]) <= 5, (r["replicas"], ph, r["measured"], r["model_bytes"])
-    flat = [r for r in rows if r["replicas"] == 1]
+    flat = [r for r in rows if r["replicas"] == r["tp"] == 1]
     hsdp = [r for r in rows if r["replicas"] == 8]
-    # the cells exercise what the model prices: hosted steps (flat) and traffic across replicas (HSDP)
+    tp = [r for r in rows if r["tp"] == 8]
+    # the cells exercise what the model prices: hosted steps (flat), traffic across replicas (HSDP),
+    # the TP host step of the owners' tensor-parallel matrices (TP)
     assert any(r["measured"]["step"] > 0 for r in flat)
     assert all(r["measured"]["across"] > 0 and r["measured"]["step"] == 0 for r in hsdp)
+    assert all(r["measured"]["step"] > 0 and set(r["comm"]["step"]) == {"all_to_all_single"} for r in tp)
     md = out.with_suffix(".md").read_text()
     assert "| tiny | 8 x 8 | most_loaded |" in md and "1.000" in md
     # a second call resumes: nothing is run again

@@ -115,3 +115,33 @@ def test_a_dry_run_refuses_a_process_with_a_process_group():
             run_rank(preset_builder("tiny"), name="tiny", world_size=2, rank=0, role="rank0")
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp2_tp_dry_run_holds_its_tp_shards_of_the_owned_matrices():
+    """``--tp 2``: a (dp_shard, tp) mesh, the preset's MLPs tensor-parallel; each sampled rank (TP
+    rank 0 of its data-parallel rank) holds, to the byte, its TP shard of what its owner row is
+    planned to hold, and the step makes only the TP host step's all-to-alls."""
+    from matrixfsdp.dryrun import tp_fractions
+
+    rows = _dryrun("--world", "16", "--tp", "2", "--dtype", "float32")
+    with torch.device("meta"):
+        model, layers, _ = preset_builder("tiny", torch.float32)()
+    frac = tp_fractions(model, 2)
+    assert frac and all(f == 0.5 for f in frac.values())  # gate/up/down of every MLP, split in two
+    plan = plan_owners(model, 8, block_types=layers, tp=2)
+    for r in rows:
+        d = r["rank"] // 2
+        assert r["rank"] % 2 == 0 and r["tp"] == 2, r
+        assert r["param_bytes"] == sum(p.share(d, 8) * p.nbytes * frac.get(p.fqn, 1.0) for p in plan.params), r
+        assert set(r["comm"]["step"]) <= {"all_to_all_single"}, r
+    assert any(r["comm"]["step"] for r in rows)  # some sampled owner row steps a TP matrix
+
+
+def test_bad_tp_input_is_refused_with_a_reason():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for args, needle in ((["--world", "16", "--tp", "3"], "tp must be an int >= 1 dividing the world size"),
+                         (["--world", "16", "--tp", "2", "--replicas", "2"], "run HSDP and TP separately"),
+                         (["--world", "16", "--tp", "2", "--front-end", "replicate"], "FSDP2 + TP")):
+        out = subprocess.run([sys.executable, "-m", "matrixfsdp.dryrun", *args], capture_output=True, text=True,
+                             timeout=120, env=env)
+        assert out.returncode == 2 and needle in out.stderr, (args, out.stderr[-2000:])

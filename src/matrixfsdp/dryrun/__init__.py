@@ -8,13 +8,14 @@ See [Note: dry runs] in ``rank.py`` for what is exact and what is not.
 
 from __future__ import annotations
 
+import multiprocessing
 from typing import Any, Callable
 
 import torch
 
 from .rank import FRONT_ENDS, OPTIMIZERS, RankReport, run_rank
 
-__all__ = ["RankReport", "dry_run", "sample_ranks", "preset_builder", "FRONT_ENDS", "OPTIMIZERS", "ROLES"]
+__all__ = ["RankReport", "dry_run", "sample_ranks", "preset_builder", "tp_fractions", "FRONT_ENDS", "OPTIMIZERS", "ROLES"]
 
 #: ``replicate``'s own plan (Canzona's alpha-balanced buckets, every parameter owned whole)
 REPLICATE_PLAN = {"policy": "alpha_balanced", "elementwise": "owned"}
@@ -43,53 +44,100 @@ def preset_builder(name: str, dtype: torch.dtype = torch.bfloat16) -> Callable[[
 
 
 def sample_ranks(build: Callable[[], tuple[Any, tuple[type, ...], int]], world_size: int, replicas: int = 1,
-                 roles: tuple[str, ...] = ROLES, plan_kwargs: dict[str, Any] | None = None) -> dict[str, int]:
+                 roles: tuple[str, ...] = ROLES, plan_kwargs: dict[str, Any] | None = None,
+                 tp: int = 1) -> dict[str, int]:
     """``{role: global rank}``: the plan's most loaded shard rank, a median one and rank 0 (in
-    replica 0). Pure: plans on the ``meta`` device, no process group."""
+    replica 0; with ``tp`` > 1, TP rank 0 of the data-parallel rank). Pure: plans on the ``meta``
+    device, no process group (owners are planned on whole shapes, TP or not)."""
     from ..planner.owner_plan import rank_held_bytes
     from ..planner.owners import plan_owners
 
-    _check_world(world_size, replicas)
+    _check_world(world_size, replicas, tp)
     with torch.device("meta"):
         model, layer_types, _ = build()
-    S = world_size // replicas
-    plan = plan_owners(model, (replicas, S) if replicas > 1 else S, block_types=layer_types, **(plan_kwargs or {}))
-    load = rank_held_bytes(plan.params, S)  # parameter + gradient + state bytes
+    S = world_size // replicas // tp
+    kw = {**(plan_kwargs or {}), **({"tp": tp} if tp > 1 else {})}
+    plan = plan_owners(model, (replicas, S) if replicas > 1 else S, block_types=layer_types, **kw)
+    if tp > 1:  # what each data-parallel rank's TP rank 0 holds: its TP shard of the MLP matrices
+        frac = tp_fractions(model, tp)
+        load = [0.0] * S
+        for p in plan.params:
+            for r in range(S):
+                if (sh := p.share(r, S)):
+                    load[r] += sh * (2 * p.nbytes + p.state_nbytes) * frac.get(p.fqn, 1.0)
+    else:
+        load = rank_held_bytes(plan.params, S)  # parameter + gradient + state bytes
     order = sorted(range(S), key=lambda r: (load[r], r))
     picks = {"most_loaded": order[-1], "median": order[len(order) // 2], "rank0": 0}
     bad = [r for r in roles if r not in picks]
     if bad:
         raise ValueError(f"matrixfsdp.dryrun: unknown roles {bad}; choose from {list(ROLES)}")
-    return {r: picks[r] for r in roles}
+    return {r: picks[r] * tp for r in roles}
 
 
-def _check_world(world_size: int, replicas: int) -> None:
+def tp_fractions(model: Any, tp: int) -> dict[str, float]:
+    """The fraction of each parameter TP rank 0 holds under :func:`rank.tensor_parallel`
+    (``torch.chunk`` along the split dimension), computed from shapes alone."""
+    from ..models.decoder import MLP
+
+    out: dict[str, float] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, MLP):
+            continue
+        for proj, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
+            w = getattr(m, proj).weight
+            n = w.shape[dim]
+            out[f"{name}.{proj}.weight"] = min(n, -(-n // tp)) / n if n else 1.0
+    return out
+
+
+def _check_world(world_size: int, replicas: int, tp: int = 1) -> None:
     if world_size < 1 or replicas < 1 or world_size % replicas:
         raise ValueError(f"matrixfsdp.dryrun: the world size must be a positive multiple of the replicas, "
                          f"got world_size={world_size}, replicas={replicas}")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world_size % tp:
+        raise ValueError(f"matrixfsdp.dryrun: tp must be an int >= 1 dividing the world size, "
+                         f"got tp={tp!r}, world_size={world_size}")
+    if tp > 1 and replicas > 1:
+        raise ValueError(f"matrixfsdp.dryrun: tp={tp} with replicas={replicas}: the dry run's TP mesh is "
+                         "(dp_shard, tp); run HSDP and TP separately")
 
 
 def dry_run(model: str, world_size: int, *, replicas: int = 1, front_end: str = "fully_shard",
             optimizer: str = "muon", roles: tuple[str, ...] = ROLES, dtype: torch.dtype = torch.bfloat16,
-            seq_len: int = 16, ns_steps: int = 5, steps: int = 2, plan_kwargs: dict[str, Any] | None = None) -> list[RankReport]:
-    """Run the sampled ranks of a ``world_size``-rank job of preset ``model``, one after the other
-    in this process (each on its own fake process group); one :class:`RankReport` per distinct
-    rank, in ``roles`` order (a rank sampled for two roles runs once, named by the first)."""
+            seq_len: int = 16, ns_steps: int = 5, steps: int = 2, plan_kwargs: dict[str, Any] | None = None,
+            tp: int = 1) -> list[RankReport]:
+    """Run the sampled ranks of a ``world_size``-rank job of preset ``model``, one after the other,
+    each in a fresh process of its own (spawned; its own fake process group); one
+    :class:`RankReport` per distinct rank, in ``roles`` order (a rank sampled for two roles runs
+    once, named by the first). A process per rank: state that outlives a process group within a
+    process (torch's DTensor sharding-propagation cache compares meshes by value, so a TP
+    parameter of a second process group came out on the first one's mesh) cannot leak from one
+    sampled rank into the next."""
     if front_end not in FRONT_ENDS:
         raise ValueError(f"matrixfsdp.dryrun: front_end must be one of {FRONT_ENDS}, got {front_end!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"matrixfsdp.dryrun: optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if tp > 1 and front_end != "fully_shard":
+        raise ValueError(f"matrixfsdp.dryrun: tp={tp} runs fully_shard's FSDP2 + TP pattern, got front_end={front_end!r}")
     if front_end == "replicate" and plan_kwargs is None:
         plan_kwargs = dict(REPLICATE_PLAN)  # what replicate plans when given no plan
     build = preset_builder(model, dtype)
-    picks = sample_ranks(build, world_size, replicas, roles, plan_kwargs)
+    picks = sample_ranks(build, world_size, replicas, roles, plan_kwargs, tp)
     out: list[RankReport] = []
     seen: set[int] = set()
+    ctx = multiprocessing.get_context("spawn")
     for role, rank in picks.items():
         if rank in seen:
             continue
         seen.add(rank)
-        out.append(run_rank(build, name=model, world_size=world_size, rank=rank, role=role, replicas=replicas,
-                            front_end=front_end, optimizer=optimizer, seq_len=seq_len, ns_steps=ns_steps, steps=steps,
-                            plan_kwargs=plan_kwargs))
+        kw = dict(world_size=world_size, rank=rank, role=role, replicas=replicas, front_end=front_end,
+                  optimizer=optimizer, seq_len=seq_len, ns_steps=ns_steps, steps=steps, plan_kwargs=plan_kwargs, tp=tp)
+        with ctx.Pool(1) as pool:
+            out.append(pool.apply(_run_preset, (model, dtype), kw))
     return out
+
+
+def _run_preset(model: str, dtype: torch.dtype, **kw: Any) -> RankReport:
+    """:func:`run_rank` of preset ``model`` (a spawned process's entry: builders do not pickle)."""
+    return run_rank(preset_builder(model, dtype), name=model, **kw)

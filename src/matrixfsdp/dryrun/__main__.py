@@ -2,6 +2,7 @@
 
     python -m matrixfsdp.dryrun --model qwen3-8b --world 1024
     python -m matrixfsdp.dryrun --model qwen3-8b --world 1024 --replicas 128      # HSDP 128 x 8
+    python -m matrixfsdp.dryrun --model qwen3-8b --world 1024 --tp 8              # FSDP2 + TP, 128 x tp 8
     python -m matrixfsdp.dryrun --model tiny --world 64 --front-end replicate --json
     python -m matrixfsdp.dryrun --model qwen3-8b --world 1024 --placement owned   # every matrix owned
 
@@ -36,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, required=True, help="data-parallel world size (ranks)")
     p.add_argument("--replicas", type=int, default=1,
                    help="HSDP replicas: a (replicas, world/replicas) mesh (default: 1, flat)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: a (world/tp, tp) mesh, the preset's MLPs tensor-parallel, "
+                        "fully_shard over the data-parallel dimension (default: %(default)s)")
     p.add_argument("--front-end", default="fully_shard", choices=FRONT_ENDS, help="default: %(default)s")
     p.add_argument("--optimizer", default="muon", choices=OPTIMIZERS,
                    help="muon (fp32 Newton-Schulz) or adamw for every parameter (default: %(default)s)")
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         reports = dry_run(args.model, args.world, replicas=args.replicas, front_end=args.front_end,
                           optimizer=args.optimizer, roles=tuple(args.roles), dtype=_DTYPES[args.dtype],
                           seq_len=args.seq_len, ns_steps=args.ns_steps, steps=args.steps,
-                          plan_kwargs={"placement": args.placement} if args.placement else None)
+                          plan_kwargs={"placement": args.placement} if args.placement else None, tp=args.tp)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -89,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(r.as_dict()))
         return 0
     r0 = reports[0]
-    mesh = f"{args.replicas} x {args.world // args.replicas}" if args.replicas > 1 else f"{args.world}"
+    mesh = (f"{args.replicas} x {args.world // args.replicas}" if args.replicas > 1
+            else f"{args.world // args.tp} x tp {args.tp}" if args.tp > 1 else f"{args.world}")
     print(f"{args.model}, {args.front_end}, mesh {mesh}, {args.dtype}, {args.optimizer}, "
           f"one sequence of {args.seq_len} tokens (fake process group: no data moved)")
     print(format_table(reports))

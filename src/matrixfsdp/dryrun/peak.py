@@ -6,9 +6,12 @@ allocator makes (``[memory]`` events of signed byte counts): tensors created by 
 buffers collectives receive into, and storages resized in place (``fully_shard`` frees a layer's
 unsharded parameters with ``untyped_storage().resize_(0)`` and refills them the same way), each
 counted once, when the allocator acts. The peak is the bytes live at entry plus the
-highest running sum of those events. Recording them costs the profiler's few microseconds per
-operator; torch's ``MemTracker`` (per-module attribution, Python per operator over every module)
-took 30x the run's own time on a Qwen3-0.6B layer stack at W=256 (150 s against 5 s).
+highest running sum of those events. Operator events are switched off while it records
+(``torch.autograd._enable_record_function(False)``, restored on exit): only the allocator's
+events are kept, so the cost grows with allocations, not operators (a dry-run step at W=4096
+issues millions of point-to-point operators, whose events outgrew 24 GB of memory). torch's
+``MemTracker`` (per-module attribution, Python per operator over every module) took 30x the run's
+own time on a Qwen3-0.6B layer stack at W=256 (150 s against 5 s).
 
 Bytes live at entry are the caller's to name (``baseline``): the profiler cannot see
 allocations made before it started, nor their frees (the allocator learns a block's size only
@@ -56,10 +59,12 @@ class PeakMemory:
         self._start = int(self._baseline() if callable(self._baseline) else self._baseline)
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
+        torch.autograd._enable_record_function(False)  # allocator events only (see the Note)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         prof, self._prof = self._prof, None
+        torch.autograd._enable_record_function(True)
         prof.__exit__(*exc)
         # stable by time: events of one nanosecond keep the allocator's order
         events = sorted(((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()

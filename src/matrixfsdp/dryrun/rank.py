@@ -51,7 +51,8 @@ class RankReport:
     param_bytes: int
     grad_bytes: int
     state_bytes: int
-    #: FSDP2's even share of the parameters' bytes on this mesh (total / shard ranks)
+    #: FSDP2's even share of the parameters' bytes on this mesh (total / shard ranks; with TP, the
+    #: total of each rank's TP shards / data-parallel ranks)
     even_param_bytes: float
     #: what the plan predicts for this rank (``OwnerPlan.rank_stats``)
     planned_param_bytes: float
@@ -71,12 +72,20 @@ class RankReport:
 
     @property
     def held_ratio(self) -> float:
-        """Parameter + gradient + state bytes over FSDP2's (even shares of the same three)."""
-        even = self.even_param_bytes * 2 + self.planned_state_even
-        return (self.param_bytes + self.grad_bytes + self.state_bytes) / even if even else 1.0
+        """Parameter + gradient + state bytes over those of FSDP2's most loaded rank on the same
+        mesh (``fsdp2_peak_bytes``; with TP, over the even shares of the three)."""
+        ref = self.fsdp2_peak_bytes or self.even_param_bytes * 2 + self.planned_state_even
+        return (self.param_bytes + self.grad_bytes + self.state_bytes) / ref if ref else 1.0
 
-    #: FSDP2's even share of the optimizer state (total planned state / shard ranks)
+    #: FSDP2's even share of the optimizer state (total planned state / shard ranks; with TP, of
+    #: each rank's TP shards)
     planned_state_even: float = 0.0
+    #: tensor-parallel degree (``(dp_shard, tp)`` mesh; rank = dp rank * tp + tp rank)
+    tp: int = 1
+    #: parameter + gradient + state bytes of FSDP2's most loaded rank on this mesh (every tensor
+    #: ``Shard(0)`` in ``torch.chunk`` rows: above an even share once tensors have fewer rows than
+    #: ranks; ``planner.owner_plan.fsdp2_held_bytes``); 0 with TP
+    fsdp2_peak_bytes: float = 0.0
 
     def phase_bytes(self, phase: str, across: bool | None = None) -> int:
         """Bytes this rank sent in ``phase``: all of them, or (``across``) only those across HSDP
@@ -137,14 +146,35 @@ def _optimizer(name: str, model: nn.Module, ns_steps: int) -> torch.optim.Optimi
     return Muon([{"params": list(model.parameters()), "algorithm": "adamw"}], lr=1e-3)
 
 
+def tensor_parallel(model: nn.Module, tp_mesh: Any) -> dict[str, float]:
+    """torch's Megatron-style TP of every MLP of a built-in preset over ``tp_mesh`` (gate and up
+    projections ``ColwiseParallel``, down ``RowwiseParallel``; attention stays replicated over
+    TP: the preset's attention views its heads by the configured count). Returns each parameter's
+    fraction held by this TP rank (1.0 where replicated)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from ..models.decoder import MLP
+
+    for m in model.modules():
+        if isinstance(m, MLP):
+            parallelize_module(m, tp_mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                                            "down_proj": RowwiseParallel()})
+    return {n: (_local_nbytes(p) / (p.numel() * p.element_size()) if p.numel() else 1.0)
+            for n, p in model.named_parameters()}
+
+
 def run_rank(build: Any, *, name: str, world_size: int, rank: int, role: str, replicas: int = 1,
              front_end: str = "fully_shard", optimizer: str = "muon", seq_len: int = 16,
-             ns_steps: int = 5, steps: int = 2, plan_kwargs: dict[str, Any] | None = None) -> RankReport:
+             ns_steps: int = 5, steps: int = 2, plan_kwargs: dict[str, Any] | None = None,
+             tp: int = 1) -> RankReport:
     """Rank ``rank`` of a ``world_size``-rank job on the fake process group (see [Note: dry
     runs]). ``build()`` returns ``(model, layer_types, vocab_size)`` for a model built on the
     current default device (``meta`` here). Runs ``steps`` training steps and reports the last
     one's collectives (a parameter exchange of ``replicate`` or HSDP ``split`` runs in the forward
-    after a step); ``steps=0`` measures planning, sharding and ``to_empty`` alone. Initializes and destroys the default process group."""
+    after a step); ``steps=0`` measures planning, sharding and ``to_empty`` alone. ``tp > 1``: a
+    ``(dp_shard, tp)`` mesh of ``world_size / tp`` data-parallel ranks, the preset's MLPs tensor-
+    parallel (:func:`tensor_parallel`), ``fully_shard`` over the data-parallel dimension, the TP
+    host step for the owners' TP matrices. Initializes and destroys the default process group."""
     if steps < 0:
         raise ValueError(f"matrixfsdp.dryrun: steps must be >= 0 (0: planning and sharding only), got {steps}")
     from torch.distributed.device_mesh import init_device_mesh
@@ -152,6 +182,7 @@ def run_rank(build: Any, *, name: str, world_size: int, rank: int, role: str, re
 
     from .._fully_shard import fully_shard
     from .._replicate import replicate
+    from ..planner.owner_plan import fsdp2_held_bytes
     from ..planner.owners import plan_owners
     from .peak import PeakMemory, storage_bytes
 
@@ -161,12 +192,17 @@ def run_rank(build: Any, *, name: str, world_size: int, rank: int, role: str, re
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         hsdp = replicas > 1
-        mesh = (init_device_mesh("cpu", (replicas, world_size // replicas),
-                                 mesh_dim_names=("dp_replicate", "dp_shard")) if hsdp
-                else init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",)))
+        if tp > 1:
+            mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp_shard", "tp"))
+        elif hsdp:
+            mesh = init_device_mesh("cpu", (replicas, world_size // replicas), mesh_dim_names=("dp_replicate", "dp_shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
         seconds: dict[str, float] = {}
         with torch.device("meta"):
             model, layer_types, vocab = build()
+        share = tensor_parallel(model, mesh["tp"]) if tp > 1 else {}
+        dp_mesh = mesh["dp_shard"] if tp > 1 else mesh
         t = time.perf_counter()
         plan = plan_owners(model, mesh, block_types=layer_types, **(plan_kwargs or {}))
         seconds["plan"] = time.perf_counter() - t
@@ -177,8 +213,8 @@ def run_rank(build: Any, *, name: str, world_size: int, rank: int, role: str, re
         if front_end == "fully_shard":
             for m in list(model.modules()):
                 if isinstance(m, layer_types):
-                    fully_shard(m, mesh=mesh, plan=plan)
-            fully_shard(model, mesh=mesh, plan=plan)
+                    fully_shard(m, mesh=dp_mesh, plan=plan)
+            fully_shard(model, mesh=dp_mesh, plan=plan)
         else:
             model = replicate(model, mesh=mesh, plan=plan)
         seconds["shard"] = time.perf_counter() - t
@@ -223,16 +259,19 @@ def run_rank(build: Any, *, name: str, world_size: int, rank: int, role: str, re
                 comm["step"] = _take(counters)
                 opt.zero_grad()
         peak = tracker.peak_bytes if steps else live()
-        shard = rank % (world_size // replicas)
+        shard = rank // tp if tp > 1 else rank % (world_size // replicas)
         stats = plan.rank_stats
-        total_bytes = sum(p.nbytes for p in plan.params)
-        total_state = sum(s.state_nbytes for s in stats)
+        # FSDP2's even shares: of the whole tensors, or with TP of each TP rank's shards
+        total_bytes = sum(p.nbytes * share.get(p.fqn, 1.0) for p in plan.params)
+        total_state = (sum(p.state_nbytes * share.get(p.fqn, 1.0) for p in plan.params) if tp > 1
+                       else sum(s.state_nbytes for s in stats))
         return RankReport(
             model=name, front_end=front_end, world_size=world_size, replicas=replicas, rank=rank, role=role,
             param_bytes=sum(_local_nbytes(p) for p in model.parameters()), grad_bytes=grad_bytes,
             state_bytes=_state_nbytes(opt), even_param_bytes=total_bytes / plan.world_size,
             planned_param_bytes=stats[shard].nbytes, planned_state_bytes=stats[shard].state_nbytes,
-            planned_state_even=total_state / plan.world_size, peak_bytes=peak, comm=comm, seconds=seconds,
+            planned_state_even=total_state / plan.world_size, peak_bytes=peak, comm=comm, seconds=seconds, tp=tp,
+            fsdp2_peak_bytes=0.0 if tp > 1 else max(fsdp2_held_bytes(plan.params, plan.world_size)),
         )
     finally:
         dist.destroy_process_group()

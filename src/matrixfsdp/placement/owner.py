@@ -209,9 +209,14 @@ _TP_ATTR = "_matrixfsdp_tp_mesh"
 class _MeshCache:
     """The sub-meshes made from one data-parallel mesh (see the Note above)."""
 
-    __slots__ = ("owner", "step", "one_rank", "owner_tp", "scratch", "__weakref__")
+    __slots__ = ("group", "owner", "step", "one_rank", "owner_tp", "scratch", "__weakref__")
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None) -> None:
+        # the process group the mesh's first dimension resolved when this cache was made: group
+        # names restart with every init_process_group, so a mesh of a new process group can
+        # equal, by value and names, one of a destroyed group whose cache the garbage collector
+        # has not yet dropped; the group object tells them apart (held here, so its id is not reused)
+        self.group = group
         self.owner: Sequence[DeviceMesh] | None = None
         self.step: tuple[Sequence[DeviceMesh], ...] | None = None
         self.one_rank: dict[str, Sequence[DeviceMesh]] = {}
@@ -232,11 +237,20 @@ def _cache(mesh: DeviceMesh) -> _MeshCache:
     c = mesh.__dict__.get(_CACHE_ATTR)
     if c is None:
         key = _identity(mesh)
+        group = _first_group(mesh)
         c = _CACHES.get(key)
-        if c is None:
-            c = _CACHES[key] = _MeshCache()
+        if c is None or c.group is not group:  # none yet, or a destroyed process group's
+            c = _CACHES[key] = _MeshCache(group)
         setattr(mesh, _CACHE_ATTR, c)
     return c
+
+
+def _first_group(mesh: DeviceMesh) -> Any:
+    """The process group ``mesh``'s first dimension resolves now (``None``: none resolves)."""
+    try:
+        return mesh.get_group(0)
+    except (RuntimeError, ValueError, KeyError):
+        return None
 
 
 def _identity(mesh: DeviceMesh) -> tuple:
