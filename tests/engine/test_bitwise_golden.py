@@ -3,17 +3,21 @@ after the step, hashed per rank, for ``fully_shard`` (W=2, planned), ``replicate
 and 2) and ``fully_shard`` on an HSDP (2, 2) mesh with ``replica_step="split"``, against goldens
 computed at 25ffc19 (before the engine's one ``Reducer``). A refactor that changes one bit fails.
 
-The bits depend on torch's CPU kernels: the goldens record the torch version and CPU capability
-they were computed with (``torch.backends.cpu.get_cpu_capability()``), and on another pair the test
-is skipped with that reason (regenerate from 25ffc19 on that machine to guard there).
+The bits depend on torch's CPU kernels: each golden file records the torch version, CPU
+capability (``torch.backends.cpu.get_cpu_capability()``) and CPU vendor it was computed with (the
+same AVX512 capability gives other fp32 matmul bits on Intel than on AMD: MKL dispatches by
+vendor), and the test runs against the file of this machine's triple, or is skipped with that
+reason. ``bitwise.json``: AMD, computed at 25ffc19; ``bitwise_genuineintel.json``: Intel, computed
+at 9e7f754 with the engine that is bitwise 25ffc19's on AMD (this guard, on that machine).
 
 The plans are part of the golden (``"plans"``, ``OwnerPlan.to_json``): the planner may move an
 owner (a better balance), which changes which rank holds which bits but not the engine's
 arithmetic; the guard runs the recorded plans, so it keeps guarding the engine alone.
 
-Regenerate (only for an intentional numeric change, and say so in the commit)::
+Regenerate (only for an intentional numeric change, and say so in the commit; ``--out`` for
+another machine's file)::
 
-    PYTHONPATH=src python tests/engine/test_bitwise_golden.py --regen
+    PYTHONPATH=src python tests/engine/test_bitwise_golden.py --regen COMMIT [--out tests/golden/bitwise_<vendor>.json]
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden", "bitwise.json")
+GOLDEN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden")
+GOLDEN = os.path.join(GOLDEN_DIR, "bitwise.json")
+_ENV_KEYS = ("torch", "cpu_capability", "cpu_vendor")
 CASES = ["fully_shard_w2", "replicate_w2_stage1", "replicate_w2_stage2", "fully_shard_hsdp22_split"]
 WORLD = {"fully_shard_w2": 2, "replicate_w2_stage1": 2, "replicate_w2_stage2": 2, "fully_shard_hsdp22_split": 4}
 BATCH = 12
@@ -95,8 +101,38 @@ def run_case(case: str, steps: int = 3, plan_json: str | None = None) -> dict:
     return out
 
 
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
 def _env() -> dict:
-    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_vendor": _cpu_vendor()}
+
+
+def _golden_for(env: dict) -> tuple[str | None, list[dict]]:
+    """``(path of the golden file computed on env's triple or None, every file's env)``."""
+    seen = []
+    for name in sorted(os.listdir(GOLDEN_DIR)):
+        if not (name.startswith("bitwise") and name.endswith(".json")):
+            continue
+        path = os.path.join(GOLDEN_DIR, name)
+        with open(path) as f:
+            recorded = json.load(f)["env"]
+        e = {k: recorded.get(k) for k in _ENV_KEYS}
+        seen.append(e)
+        if e == env:
+            return path, seen
+    return None, seen
 
 
 def _compute(case: str, plan_json: str | None = None) -> list[dict]:
@@ -107,11 +143,11 @@ def _compute(case: str, plan_json: str | None = None) -> list[dict]:
 
 @pytest.mark.parametrize("case", CASES)
 def test_bitwise_against_25ffc19(case):
-    with open(GOLDEN) as f:
+    path, seen = _golden_for(_env())
+    if path is None:
+        pytest.skip(f"goldens computed with {seen}, this machine has {_env()}: other kernels, other bits")
+    with open(path) as f:
         data = json.load(f)
-    env = {k: data["env"][k] for k in ("torch", "cpu_capability")}
-    if env != _env():
-        pytest.skip(f"goldens computed with {env}, this machine has {_env()}: other kernels, other bits")
     golden = data["cases"][case]
     got = _compute(case, data["plans"][case])
     for r, (g, want) in enumerate(zip(got, golden)):
@@ -125,14 +161,19 @@ def test_bitwise_against_25ffc19(case):
 
 if __name__ == "__main__" and "--regen" in sys.argv:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
-    data = {"env": {**_env(), "computed_at": sys.argv[sys.argv.index("--regen") + 1]
-                    if len(sys.argv) > sys.argv.index("--regen") + 1 else "unknown"},
-            "cases": {case: _compute(case) for case in CASES}}
+    out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else GOLDEN
+    at = sys.argv[sys.argv.index("--regen") + 1] if len(sys.argv) > sys.argv.index("--regen") + 1 else "unknown"
+    # the recorded plans of an existing golden keep every machine's guard on the same plans
+    plans = {}
+    if os.path.exists(GOLDEN):
+        with open(GOLDEN) as f:
+            plans = json.load(f).get("plans", {})
+    data = {"env": {**_env(), "computed_at": at},
+            "cases": {case: _compute(case, plans.get(case)) for case in CASES}}
     data["plans"] = {case: runs[0].pop("plan") for case, runs in data["cases"].items()}
     for runs in data["cases"].values():
         for r in runs:
             r.pop("plan", None)
-    with open(GOLDEN, "w") as f:
+    with open(out, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
-    print("wrote", GOLDEN)
+    print("wrote", out)

@@ -194,6 +194,14 @@ class _Base:
         composite string still gets the right path."""
         return self._backends.get(t.device.type) == "nccl"
 
+    def _list_reduce_scatter(self, t: torch.Tensor) -> bool:
+        """Whether the reduction takes the list ``reduce_scatter`` (NCCL's form, no staging): also
+        on torch's fake backend, which stands in for NCCL in dry runs (``matrixfsdp.dryrun``) and
+        takes uneven lists there, so a dry run allocates what an NCCL job does, not the P2P form's
+        ``W - 1`` staged chunks (its list ``all_to_all`` copies whole tensors, so gathers keep
+        the fan-out, whose buffers are the NCCL form's)."""
+        return self._backends.get(t.device.type) in ("nccl", "fake")
+
     def reduce_scatter_segments(
         self, out: torch.Tensor, inp: torch.Tensor, splits: Sequence[int], *, async_op: bool
     ) -> Handle:
@@ -207,7 +215,7 @@ class _Base:
         if self.world_size == 1:
             out.copy_(inp)
             return Handle()
-        if not self._uneven_lists(inp):
+        if not self._list_reduce_scatter(inp):
             return self._p2p_reduce_scatter(out, inp, splits, async_op)
         if len(set(splits)) == 1:
             # equal chunks: one ring reduce-scatter (a list becomes W coalesced reduces on NCCL)
