@@ -642,6 +642,18 @@ def command_line(script: str, argv: Sequence[str] | None = None) -> str:
     return "python " + shlex.join([path, *args])
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; else what ``platform`` says)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                if ln.startswith("model name"):
+                    return ln.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
 def env_info(device: torch.device | None = None) -> dict[str, Any]:
     """Versions and machine; with a CUDA ``device`` also the CUDA/NCCL versions and the GPU."""
     info: dict[str, Any] = {

@@ -35,12 +35,13 @@ import _bench_common as bc
 from scaling_model import rank_bytes
 
 from matrixfsdp.dryrun import preset_builder, tp_fractions
+from matrixfsdp.dryrun.rank import ACROSS, PHASES as RUN_PHASES
 from matrixfsdp.planner.owners import plan_owners
 
 MODELS = ("qwen3-0.6b", "qwen3-8b", "qwen3-32b")
 WORLDS = (64, 256, 1024, 4096)
 GROUP = 8  # HSDP shard group and TP degree: one node
-PHASES = ("forward", "backward", "step", "across")
+PHASES = (*RUN_PHASES, "across")
 _MIB = 2.0**20
 
 
@@ -65,9 +66,9 @@ def model_bytes(model: str, W: int, R: int, rank: int, elem: int, tp: int = 1) -
 
 
 def measured_bytes(d: dict) -> dict[str, float]:
-    sent = {ph: sum(v["sent"] for v in d["comm"].get(ph, {}).values()) for ph in PHASES[:3]}
-    sent["across"] = sum(v["sent"] for ph in PHASES[:3] for op, v in d["comm"].get(ph, {}).items()
-                         if op.startswith("replicate/"))
+    sent = {ph: sum(v["sent"] for v in d["comm"].get(ph, {}).values()) for ph in RUN_PHASES}
+    sent["across"] = sum(v["sent"] for ph in RUN_PHASES for op, v in d["comm"].get(ph, {}).items()
+                         if op.startswith(ACROSS))
     return sent
 
 
@@ -161,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         path.with_suffix(".md").write_text(render(rows, meta))
         return 0
     meta = {"command": bc.command_line(__file__, argv), "date": datetime.date.today().isoformat(),
-            "torch": torch.__version__, "python": platform.python_version(), "cpu": _cpu_name()}
+            "torch": torch.__version__, "python": platform.python_version(),
+            "cpu": f"{bc.cpu_model()}, {os.cpu_count()} cores"}
     done: set[tuple[str, int, int]] = set()
     rows: list[dict] = []
     jsonl = Path(args.out).with_suffix(".jsonl") if args.out else None
@@ -188,16 +190,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).with_suffix(".md").write_text(md)
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -73,17 +72,6 @@ class Experts(nn.Module):
     def __init__(self, name: str, stack: torch.Tensor) -> None:
         super().__init__()
         self.register_parameter(name, nn.Parameter(stack))
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for ln in f:
-                if ln.startswith("model name"):
-                    return ln.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 def cpu_flags() -> str:
@@ -253,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
     env = bc.env_info()
     meta = {"date": env["date"], "torch": env["torch"], "python": env["python"], "git": env.get("git"),
-            "platform": env["platform"], "cpus": env["cpus"], "cpu_model": cpu_model(), "cpu_flags": cpu_flags(),
+            "platform": env["platform"], "cpus": env["cpus"], "cpu_model": bc.cpu_model(), "cpu_flags": cpu_flags(),
             "threads": args.threads, "experts": args.experts, "chunk": args.chunk, "reps": args.reps, "warmup": args.warmup,
             "run_s": round(time.perf_counter() - t_start, 1)}
     command = bc.command_line(__file__, argv)

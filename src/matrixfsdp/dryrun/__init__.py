@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from .rank import FRONT_ENDS, OPTIMIZERS, RankReport, run_rank
+from .rank import FRONT_ENDS, MLP_TP, OPTIMIZERS, RankReport, run_rank
 
 __all__ = ["RankReport", "dry_run", "sample_ranks", "preset_builder", "tp_fractions", "FRONT_ENDS", "OPTIMIZERS", "ROLES"]
 
@@ -77,14 +77,14 @@ def sample_ranks(build: Callable[[], tuple[Any, tuple[type, ...], int]], world_s
 
 def tp_fractions(model: Any, tp: int) -> dict[str, float]:
     """The fraction of each parameter TP rank 0 holds under :func:`rank.tensor_parallel`
-    (``torch.chunk`` along the split dimension), computed from shapes alone."""
+    (``torch.chunk`` along ``MLP_TP``'s split dimension), computed from shapes alone."""
     from ..models.decoder import MLP
 
     out: dict[str, float] = {}
     for name, m in model.named_modules():
         if not isinstance(m, MLP):
             continue
-        for proj, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
+        for proj, dim in MLP_TP:
             w = getattr(m, proj).weight
             n = w.shape[dim]
             out[f"{name}.{proj}.weight"] = min(n, -(-n // tp)) / n if n else 1.0

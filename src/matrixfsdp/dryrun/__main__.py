@@ -20,10 +20,10 @@ import sys
 import torch
 
 from . import FRONT_ENDS, OPTIMIZERS, ROLES, RankReport, dry_run
+from .rank import PHASES
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 _MIB = 2.0**20
-_PHASES = ("forward", "backward", "step")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,10 +64,10 @@ def format_table(reports: list[RankReport]) -> str:
             "fwd MiB", "bwd MiB", "step MiB", *(("across MiB",) if hsdp else ()), "plan s", "shard s")
     rows = [head]
     for r in reports:
-        across = (f"{sum(r.phase_bytes(ph, across=True) for ph in _PHASES) / _MIB:.2f}",) if hsdp else ()
+        across = (f"{sum(r.phase_bytes(ph, across=True) for ph in PHASES) / _MIB:.2f}",) if hsdp else ()
         rows.append((r.role, str(r.rank), f"{r.param_bytes / _MIB:.2f}", f"{r.param_ratio:.2f}",
                      f"{r.grad_bytes / _MIB:.2f}", f"{r.state_bytes / _MIB:.2f}", f"{r.held_ratio:.2f}",
-                     f"{r.peak_bytes / _MIB:.2f}", *(f"{r.phase_bytes(ph) / _MIB:.2f}" for ph in _PHASES),
+                     f"{r.peak_bytes / _MIB:.2f}", *(f"{r.phase_bytes(ph) / _MIB:.2f}" for ph in PHASES),
                      *across, f"{r.seconds['plan']:.3f}", f"{r.seconds['shard']:.3f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]

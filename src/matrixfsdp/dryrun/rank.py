@@ -27,11 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["RankReport", "run_rank", "FRONT_ENDS", "OPTIMIZERS", "ACROSS"]
+__all__ = ["RankReport", "run_rank", "tensor_parallel", "FRONT_ENDS", "OPTIMIZERS", "PHASES", "ACROSS", "MLP_TP"]
 
 FRONT_ENDS = ("fully_shard", "replicate")
 OPTIMIZERS = ("muon", "adamw")
-_PHASES = ("forward", "backward", "step")
+#: the phases of a training step, as the report's ``comm`` and ``seconds`` name them
+PHASES = ("forward", "backward", "step")
 #: prefix of the collectives an HSDP rank makes across replicas (the ``"replicate"`` role) in
 #: :attr:`RankReport.comm`; those within its shard group (and the hosted step's) are unprefixed
 ACROSS = "replicate/"
@@ -146,6 +147,11 @@ def _optimizer(name: str, model: nn.Module, ns_steps: int) -> torch.optim.Optimi
     return Muon([{"params": list(model.parameters()), "algorithm": "adamw"}], lr=1e-3)
 
 
+#: the dry run's TP of a preset's MLP: (projection, dimension split over TP ranks): dim 0 is
+#: torch's ``ColwiseParallel`` of an ``nn.Linear``, dim 1 its ``RowwiseParallel``
+MLP_TP = (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1))
+
+
 def tensor_parallel(model: nn.Module, tp_mesh: Any) -> dict[str, float]:
     """torch's Megatron-style TP of every MLP of a built-in preset over ``tp_mesh`` (gate and up
     projections ``ColwiseParallel``, down ``RowwiseParallel``; attention stays replicated over
@@ -157,8 +163,8 @@ def tensor_parallel(model: nn.Module, tp_mesh: Any) -> dict[str, float]:
 
     for m in model.modules():
         if isinstance(m, MLP):
-            parallelize_module(m, tp_mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
-                                            "down_proj": RowwiseParallel()})
+            parallelize_module(m, tp_mesh, {proj: ColwiseParallel() if dim == 0 else RowwiseParallel()
+                                            for proj, dim in MLP_TP})
     return {n: (_local_nbytes(p) / (p.numel() * p.element_size()) if p.numel() else 1.0)
             for n, p in model.named_parameters()}
 
@@ -263,8 +269,7 @@ def run_rank(build: Any, *, name: str, world_size: int, rank: int, role: str, re
         stats = plan.rank_stats
         # FSDP2's even shares: of the whole tensors, or with TP of each TP rank's shards
         total_bytes = sum(p.nbytes * share.get(p.fqn, 1.0) for p in plan.params)
-        total_state = (sum(p.state_nbytes * share.get(p.fqn, 1.0) for p in plan.params) if tp > 1
-                       else sum(s.state_nbytes for s in stats))
+        total_state = sum(p.state_nbytes * share.get(p.fqn, 1.0) for p in plan.params)
         return RankReport(
             model=name, front_end=front_end, world_size=world_size, replicas=replicas, rank=rank, role=role,
             param_bytes=sum(_local_nbytes(p) for p in model.parameters()), grad_bytes=grad_bytes,
