@@ -301,6 +301,19 @@ class MatrixFSDPModule:
         for state in self._states(recurse):
             state.group.find_unused = find
 
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many gradient reductions may still hold their input buffer (about a block's
+        gradients) when the next block copies its gradients in (FSDP2's method of the same name
+        and default, 1). With 1 the compute stream waits for the previous block's reduction
+        before the next copy-in, which reuses its memory; a larger cap removes that wait where
+        the reduction is exposed, at one more block-sized buffer of peak memory each. Read from
+        the root (the planned model)."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
+            raise ValueError(f"{API}.set_reduce_scatter_max_input_buffers: max_input_buffers must be an int "
+                             f">= 1, got {max_input_buffers!r}")
+        for state in self._states(recurse):
+            state.reduce_inputs_cap = max_input_buffers
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduced gradients are ``sum / factor`` instead of ``sum / W`` (torch's FSDP2 method;
         e.g. ``1.0`` when the loss is already normalized by the global token count, as

@@ -204,7 +204,8 @@ class ParamGroup:
                     dst = self._assembled[off + q.flat_start: off + q.flat_start + q.numel]
                     if q.rank == r:
                         own_dst.append(dst)
-                        own_src.append(local)
+                        # mixed precision: from the chunk cast once for the send (unshard)
+                        own_src.append(self._cast_buf[q.offset: q.offset + q.numel] if self._cast else local)
                     else:
                         out_dst.append(dst)
                         out_src.append(self._recv[offs[q.rank] + q.offset: offs[q.rank] + q.offset + q.numel])
@@ -221,11 +222,9 @@ class ParamGroup:
                     data = out_dst[-1]
                     kept += q.numel
                 data = data.view(p.shape)
-            elif self._cast:  # the owner computes on a low-precision copy; its master stays
-                data = self._cast_buf[q.offset: q.offset + q.numel]
-                own_dst.append(data)
-                own_src.append(local)
-                data = data.view(p.shape)
+            elif self._cast:  # the owner computes on a low-precision copy, which is also what
+                # it sends (the cast chunk, written once per unshard); its master stays
+                data = self._cast_buf[q.offset: q.offset + q.numel].view(p.shape)
             else:  # the owner's own storage (see [Note: sharded and unsharded parameters])
                 data = mp.local.view(p.shape)
             mp.set_unsharded(data)
@@ -267,18 +266,31 @@ class ParamGroup:
         """Issue the block's materialization (no-op if in flight or done)."""
         if not self.is_resharded:
             return
-        if self.exchange is not None:  # the step replica's new values first (sent below)
-            self.exchange[0].wait(self.exchange[1])
-        if self.layout.numel == 0 or self.world_size == 1 and not self._own_copy[0]:
+        if self.layout.numel == 0 or self.world_size == 1 and not self._own_copy[0] and not self._cast:
+            if self.exchange is not None:  # no gather follows: the compute stream waits itself
+                self.exchange[0].wait(self.exchange[1])
             self._pending_gather = (Handle(), None)
             return
         for t in self._buffers:  # on the compute stream, see [Note: gather streams]
             _alloc(t)
         comm, lay = self.comm, self.layout
         with torch.no_grad(), comm.use(comm.copy_in):
+            if self.exchange is not None:
+                # the step replica's new values first (sent below). Waited for on the copy-in
+                # stream: a prefetch must not make the compute stream, still running the current
+                # block, wait for the next block's cross-replica transfer; the compute stream
+                # waits for it through the gather's event
+                self.exchange[0].wait(self.exchange[1])
             pieces = lay.pieces_of_rank(self.rank)
             locals_ = [mp.local for mp in self.params]
-            if len(pieces) == 1 and locals_[pieces[0].param].dtype == self.compute_dtype:
+            if self._cast:
+                # mixed precision: the chunk cast once, into the buffer the owner's own pieces
+                # are read from (its single-piece leaves view it): one cast kernel per unshard
+                send = self._cast_buf
+                if pieces:
+                    with _preserve(self._cast_buf):
+                        torch.cat([locals_[q.param].reshape(-1) for q in pieces], out=send)
+            elif len(pieces) == 1 and locals_[pieces[0].param].dtype == self.compute_dtype:
                 send = locals_[pieces[0].param].reshape(-1)  # the chunk is one tensor: no copy
             else:
                 send = torch.empty(lay.chunk_numel[self.rank], dtype=self.compute_dtype,
@@ -301,8 +313,9 @@ class ParamGroup:
         self._pending_gather = (handle, send)
 
     def _note_temp_bytes(self, send: torch.Tensor) -> None:
-        own = any(send.untyped_storage().data_ptr() == mp.local.untyped_storage().data_ptr()
-                  for mp in self.params if mp.local.numel())
+        ptr = send.untyped_storage().data_ptr()
+        own = ptr == self._cast_buf.untyped_storage().data_ptr() or any(
+            ptr == mp.local.untyped_storage().data_ptr() for mp in self.params if mp.local.numel())
         n = (0 if own else send.nbytes) + sum(t.nbytes for t in self._buffers)
         self.temp_bytes_peak = max(self.temp_bytes_peak, n)
 

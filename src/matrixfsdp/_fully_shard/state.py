@@ -35,8 +35,11 @@ post-backward and final callback follows autograd's data dependencies, identical
 which is what [Note: ordering of collectives] needs. Blocks whose inputs need no gradient (the root,
 which takes token ids) are post-backwarded by the final callback in a fixed order. Ranks must run
 the same blocks forward and backward (as with FSDP2); which *parameters* get a gradient may differ
-(see [Note: unused parameters]). At most ``MAX_REDUCES_IN_FLIGHT`` reductions are in flight; the
-oldest is finished when a new one would exceed that.
+(see [Note: unused parameters]). At most ``max_reduce_inputs`` reductions (default
+``MAX_REDUCES_IN_FLIGHT``, one: FSDP2's default) hold their input buffers: the oldest is finished
+*before* a new block's gradients are copied in, so the compute stream waits for the previous
+reduction there and its input's memory is reused for the next (FSDP2's
+``set_reduce_scatter_max_input_buffers`` dial, same name and meaning).
 
 [Note: stale state]
 Nothing depends on garbage collection or on which outputs a rank kept. Some iterations never finish
@@ -74,13 +77,14 @@ from ..mesh import MeshInfo
 
 from ..comm.collectives import SegmentCollectives
 from .param import ManagedParam
-from ..engine.reducer import Reducer, read_flags
+from ..engine.reducer import PinnedStaging, Reducer, read_flags
 from .param_group import BlockReduce, CommContext, ParamGroup, ReplicaComm, land_grad
 
 __all__ = ["ShardConfig", "BlockState", "RootContext", "TrainingState", "MAX_REDUCES_IN_FLIGHT"]
 
-#: reductions issued but not yet finished (each holds its input buffer, about the block's size)
-MAX_REDUCES_IN_FLIGHT = 2
+#: default cap on reductions issued but not finished when the next one copies in (each holds its
+#: input buffer, about the block's size): FSDP2's default, one
+MAX_REDUCES_IN_FLIGHT = 1
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,8 @@ class RootContext:
     def __post_init__(self) -> None:
         #: the anchor, the running backward and its final callback (see [Note: backward tracking])
         self.backward = BackwardTracker(self.comm.device, "matrixfsdp.fully_shard")
+        #: the flag reads' host buffer, reused every step (accelerators)
+        self.staging = PinnedStaging()
 
     @property
     def accumulating(self) -> bool:
@@ -189,7 +195,7 @@ class RootContext:
             # one asynchronous flag read, waited for after the reshards are enqueued (see
             # [Note: usage-flag host read])
             entries, self.undecided = self.undecided, []
-            read = read_flags(entries)
+            read = read_flags(entries, staging=self.staging)
             for s in self.states:
                 if not self.pinned and not s.group.is_resharded:
                     s.group.reshard()
@@ -213,29 +219,38 @@ class RootContext:
         n = 0
         for s in reversed(self.states):  # fixed order: the same on every rank
             if s.group.accum is not None:
+                self._make_room()
                 p = s.group.reduce([None] * len(s.group.trainable), sync=True,
                                    divide_factor=s.gradient_divide_factor)
                 if p is not None:
                     self.pending.append(p)
                     n += 1
-                    while len(self.pending) > MAX_REDUCES_IN_FLIGHT:
-                        self.finish_oldest()
         while self.pending:
             self.finish_oldest()
         entries, self.undecided = self.undecided, []
-        read_flags(entries).resolve(land_grad)
+        read_flags(entries, staging=self.staging).resolve(land_grad)
         if n and self.exchange is not None:
             self.exchange.mark_stale()  # a step may follow (see [Note: deferred gathers])
         return n
 
+    @property
+    def max_reduce_inputs(self) -> int:
+        """Reductions that may hold their input when the next copies in (the root's setting)."""
+        return self.root.reduce_inputs_cap
+
+    def _make_room(self) -> None:
+        """Finish the oldest reductions until a new input fits under the cap (before it is
+        allocated: the copy-in reuses their memory, as FSDP2's)."""
+        while len(self.pending) >= self.max_reduce_inputs:
+            self.finish_oldest()
+
     def issue_reduce(self, state: "BlockState", grads: list[torch.Tensor | None]) -> None:
+        if state.requires_gradient_sync:
+            self._make_room()
         p = state.group.reduce(grads, sync=state.requires_gradient_sync,
                                divide_factor=state.gradient_divide_factor)
-        if p is None:
-            return
-        self.pending.append(p)
-        while len(self.pending) > MAX_REDUCES_IN_FLIGHT:
-            self.finish_oldest()
+        if p is not None:
+            self.pending.append(p)
 
     def finish_oldest(self) -> None:
         p = self.pending.pop(0)
@@ -259,6 +274,8 @@ class BlockState:
         self.resolved = False
         self.requires_gradient_sync = True
         self.gradient_divide_factor: float | None = None  # None: W (the DDP average)
+        #: the root's is used: see ``set_reduce_scatter_max_input_buffers``
+        self.reduce_inputs_cap = MAX_REDUCES_IN_FLIGHT
         self.forward_prefetch: list[BlockState] | None = None
         self.backward_prefetch: list[BlockState] | None = None
         self.ctx: RootContext | None = None

@@ -61,7 +61,7 @@ import torch.nn as nn
 from ..comm.collectives import Handle, SegmentCollectives
 from ..engine.backward import BackwardTracker, dynamo_disable, in_backward, wrap_grad_tensors
 from ..engine.exchange import Exchange, GatherUnit, any_rank, version_stamp
-from ..engine.reducer import PendingReduce, Reducer, ReplicaComm, read_flags
+from ..engine.reducer import PendingReduce, PinnedStaging, Reducer, ReplicaComm, read_flags
 from ..engine.streams import CommContext
 from .bucket_layout import BucketLayout
 
@@ -201,6 +201,7 @@ class ReplicateState:
                 self.where[id(p)] = (b, i)
         self.requires_gradient_sync = True
         self.find_unused = True  # set_find_unused_parameters (see [Note: usage-flag host read])
+        self.staging = PinnedStaging()  # the flag reads' host buffer, reused every step
         # whether anyone wrote is agreed over every data-parallel rank (``agree``: the shard group,
         # or the flattened HSDP group, since a bucket's gather spans the replicas too)
         self.exchange = Exchange((b.gather for b in buckets), agree=any_rank(agree, comm.device))
@@ -408,7 +409,7 @@ class ReplicateState:
                         self._assign(p, g)
                     else:
                         undecided.append((p, g, flag))
-            read = read_flags(undecided, find_unused=self.find_unused)  # [Note: usage-flag host read]
+            read = read_flags(undecided, find_unused=self.find_unused, staging=self.staging)  # [Note: usage-flag host read]
             self.exchange.mark_stale()
             read.resolve(self._assign, self._restore_stashed)
         finally:

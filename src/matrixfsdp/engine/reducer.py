@@ -8,7 +8,7 @@ lay the same wire format out at the same offsets and then share every later stag
 
     copy-in     the gradients destination-major into one buffer (+ usage flags, padding)
     launch      pre-divide and reduce-scatter on the reduce stream; on an accelerator the replica
-                phase, the post-division and the cast follow on the same stream
+                phase (on the all-reduce stream), the post-division and the cast follow
     finish      wait; (CPU) the replica phase, post-division and cast; per-parameter views
     drop        after an aborted backward: wait for the issued reduction and discard it
 
@@ -48,7 +48,8 @@ are ordered so that every chunk starts with its ``split`` pieces, in step-replic
 with the rest; the replicas then reduce-scatter the split prefix in whole-tensor intervals (the
 step replica alone receives each sum) and all-reduce the remainder (``repeat`` pieces, evenly
 sharded rows, usage flags and padding). On an accelerator the phase follows the shard reduction
-on the reduce stream; on the CPU it runs when the reduction is finished. Divisions use the whole
+on its own all-reduce stream (FSDP2's), so a block's cross-replica phase overlaps the next
+block's in-node reduce-scatter; on the CPU it runs when the reduction is finished. Divisions use the whole
 data-parallel world (``R * S``), as HSDP's average.
 
 [Note: unused parameters]
@@ -79,6 +80,7 @@ step has no host sync at all, also when conditional layers or MoE experts go unu
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -90,7 +92,7 @@ from .layout import BlockLayout, aligned_numel
 from .streams import CommContext
 
 __all__ = ["PendingReduce", "ReplicaComm", "Reducer", "replica_comm", "divide_factors", "read_flags", "FlagRead",
-           "check_find_unused", "host_reads"]
+           "PinnedStaging", "check_find_unused", "host_reads"]
 
 
 #: flag reads done by this process (tests count them: at most one per step)
@@ -146,17 +148,37 @@ class FlagRead:
                 unused(param)
 
 
+class PinnedStaging:
+    """The host side of one model's flag reads on an accelerator: one page-locked buffer, grown
+    when a read needs more and reused by every later step (pinning memory is a slow host call;
+    FSDP2 does not pin per step either). A read's buffer is free again once it resolved, before
+    ``backward()`` returned, so steps never share it."""
+
+    def __init__(self, pin_memory: bool = True):
+        self.pin_memory = pin_memory
+        self._buf: torch.Tensor | None = None
+        self.allocations = 0  #: buffers made (tests: one per model, not one per step)
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        b = self._buf
+        if b is None or b.numel() < numel or b.dtype != dtype:
+            b = self._buf = torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory)
+            self.allocations += 1
+        return b[:numel]
+
+
 def read_flags(entries: Sequence[tuple[Any, torch.Tensor, torch.Tensor]], *,
-               find_unused: bool = True) -> FlagRead:
+               find_unused: bool = True, staging: PinnedStaging | None = None) -> FlagRead:
     """Start reading the summed flags of ``entries`` (none when ``entries`` is empty or
-    ``find_unused`` is False); see [Note: usage-flag host read]."""
+    ``find_unused`` is False) into ``staging``'s buffer on an accelerator; see [Note: usage-flag
+    host read]."""
     if not entries or not find_unused:
         return FlagRead(entries)
     host_reads[0] += 1
     flags = torch.cat([f for _, _, f in entries])
     if flags.device.type == "cpu":
         return FlagRead(entries, flags)
-    host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+    host = (staging or PinnedStaging()).take(flags.numel(), flags.dtype)
     host.copy_(flags, non_blocking=True)
     event = torch.accelerator.current_stream(flags.device).record_event()
     return FlagRead(entries, host, event)
@@ -269,31 +291,67 @@ class Reducer:
         #: index tensors of the padding and the flag blocks, made once per device (no host-to-
         #: device copy per backward)
         self._index_cache: dict[tuple[str, torch.device], torch.Tensor] = {}
+        #: every destination's flags per usage pattern (see :meth:`_flag_block`)
+        self._flag_cache: dict[tuple, torch.Tensor] = {}
 
     # ============================================================================ copy-in
     def copy_in(self, grads: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
-        """The whole input in one kernel (a block's gradients at its post-backward): zeros stand
-        in for missing gradients and fill the padding; the flags come from device constants, so
-        there is no host-to-device copy."""
+        """The whole input in one fused copy (a block's gradients at its post-backward): zeros
+        stand in for missing gradients and fill the padding; the flags come from a device constant
+        per usage pattern, so there is no host-to-device copy.
+
+        Every source is made in one dtype, the gradients': where it is not the wire's (bf16
+        gradients, fp32 ``reduce_dtype``), one ``_foreach_copy_`` casts while it copies (a fused
+        multi-tensor kernel on an accelerator, as FSDP2's ``chunk_cat`` casts), where
+        ``torch.cat`` into a buffer of another dtype would fall back to one copy per part.
+        """
         lay, dt = self.layout, self.reduce_dtype
-        F = self.num_flags
         flat = [None if g is None else g.reshape(-1) for g in grads]
-        ones = torch.ones(F, dtype=dt, device=device)
+        dtypes = {g.dtype for g in flat if g is not None}
+        src_dt = dtypes.pop() if len(dtypes) == 1 else dt  # mixed gradient dtypes: cat casts each
+        used = tuple(g is not None for g in grads)
+        flag_block = self._flag_block(used, src_dt, device)
         # as large as the largest missing piece or padding
         n_zero = max([q.numel for q in lay.pieces if flat[q.param] is None] + self._pads + [1])
-        zeros = torch.zeros(n_zero, dtype=dt, device=device)
-        flags = [ones[j: j + 1] if g is not None else zeros[:1] for j, g in enumerate(grads)]
+        zeros = torch.zeros(n_zero, dtype=src_dt, device=device)
         parts: list[torch.Tensor] = []
+        start = 0  # of this destination's flags in flag_block
         for d in range(self.world_size):
             for q in lay.pieces_of_rank(d):
                 g = flat[q.param]
                 parts.append(zeros[: q.numel] if g is None else g[q.flat_start: q.flat_start + q.numel])
-            parts.extend(flags[j] for j in self.flagged[d])
+            k = len(self.flagged[d])
+            parts.append(flag_block[start: start + k])
+            start += k
             if self._pads[d]:
                 parts.append(zeros[: self._pads[d]])
         buf = torch.empty(self.numel, dtype=dt, device=device)
-        torch.cat(parts, out=buf)  # one copy-in kernel, on the compute stream
+        if src_dt == dt:
+            torch.cat(parts, out=buf)  # one copy-in kernel, on the compute stream
+        else:
+            parts = [t for t in parts if t.numel()]
+            torch._foreach_copy_(list(buf.split([t.numel() for t in parts])), parts)
         return buf
+
+    def _flag_block(self, used: tuple[bool, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Every destination's usage flags, concatenated in wire order (``used[j]`` is parameter
+        ``j``'s flag): a device constant, made once per usage pattern without a host-to-device
+        copy (one block per destination in the copy-in, not one element per flag)."""
+        key = (used, dtype, torch.device(device))
+        t = self._flag_cache.get(key)
+        if t is None:
+            flags = torch.ones(self.num_flags, dtype=dtype, device=device)
+            for j, u in enumerate(used):
+                if not u:
+                    flags[j: j + 1].fill_(0.0)
+            if all(len(f) == self.num_flags for f in self.flagged):  # flags_to="all"
+                t = flags.repeat(self.world_size)
+            else:  # (an index built once per reducer)
+                t = flags.index_select(0, self._index("flag_src", device))
+            if len(self._flag_cache) >= 4:  # patterns seen: all used, plus a few unused sets
+                self._flag_cache.pop(next(iter(self._flag_cache)))
+            self._flag_cache[key] = t
+        return t
 
     def new_input(self, device: torch.device) -> torch.Tensor:
         """An input for :meth:`put` (a bucket's gradients as they become ready). Its padding is
@@ -331,7 +389,11 @@ class Reducer:
             if flat is None:
                 dst.zero_()
             elif self.predivide:
-                torch.mul(flat[q.flat_start: q.flat_start + q.numel], self._put_scale, out=dst)
+                src = flat[q.flat_start: q.flat_start + q.numel]
+                if src.dtype == dst.dtype:
+                    torch.mul(src, self._put_scale, out=dst)
+                else:  # multiply in the wire's dtype: mul(out=) would round in the gradient's
+                    dst.copy_(src).mul_(self._put_scale)
             else:
                 dst.copy_(flat[q.flat_start: q.flat_start + q.numel])
 
@@ -369,11 +431,18 @@ class Reducer:
             handle = self.coll.reduce_scatter_segments(out, buf, self.splits, async_op=not comm.on_device)
             reduced = None
             if comm.on_device:
-                # the replica phase, the division and the cast follow the collective on the
-                # reduce stream, off the compute stream (FSDP2's post-reduce)
-                mine = self._combine_replicas(out, async_op=False)
-                reduced = self._reduced_grads(out, post, mine)
-                handle = Handle(event=comm.reduce.record_event())
+                # the replica phase, the division and the cast follow the collective off the
+                # compute stream (FSDP2's post-reduce): on the reduce stream, or with replicas on
+                # the all-reduce stream (after the reduce stream), so the next block's in-node
+                # reduce-scatter does not queue behind this block's cross-replica phase
+                post_stream = comm.reduce
+                if self.replicas is not None:
+                    post_stream = comm.all_reduce
+                    out.record_stream(post_stream)  # freed after an aborted backward too
+                with comm.use(post_stream) if post_stream is not comm.reduce else contextlib.nullcontext():
+                    mine = self._combine_replicas(out, async_op=False)
+                    reduced = self._reduced_grads(out, post, mine)
+                    handle = Handle(event=post_stream.record_event())
         return PendingReduce(self, handle, out, buf, post, tuple(used), reduced)
 
     # ============================================================================ replicas

@@ -22,13 +22,16 @@ class CommContext:
     def __init__(self, device: torch.device):
         self.device = device
         if device.type == "cpu":
-            self.copy_in = self.gather = self.reduce = None
+            self.copy_in = self.gather = self.reduce = self.all_reduce = None
         else:
             mod = torch.get_device_module(device.type)
             # high priority, as FSDP2's: communication should not queue behind compute kernels
             self.copy_in = mod.Stream(device=device, priority=-1)
             self.gather = mod.Stream(device=device, priority=-1)
             self.reduce = mod.Stream(device=device, priority=-1)
+            # HSDP's cross-replica phase (FSDP2's all-reduce stream): it overlaps the next block's
+            # in-node reduce-scatter instead of queueing behind it on the reduce stream
+            self.all_reduce = mod.Stream(device=device)
 
     @property
     def on_device(self) -> bool:
