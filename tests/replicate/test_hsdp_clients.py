@@ -1,10 +1,13 @@
 """``matrixfsdp.replicate`` on HSDP meshes ``(dp_replicate, dp_shard)`` broken as an outside user
 would (gloo, CPU, (2, 2) and (2, 3)): each finding's number is BREAK-n.
 
-BREAK-2 (a plan wrong on one rank: every rank raises), BREAK-6 (zero-size parameters), BREAK-7
-(``torch.compile(model)`` does not recompile every step: the hooks run outside dynamo) and
-BREAK-8 (a hand-written update after a ``state_dict()`` reaches every rank) are fixed and are
-regression tests. The others reproduce open problems, marked ``xfail(strict=True)`` with the
+BREAK-2 (a plan wrong on one rank: every rank raises), BREAK-3 (an exception mid-backward with
+rank-dependent unused parameters: every rank launches the rest of the reduction order before
+dropping it), BREAK-4 (a parameter frozen after replicate gets no ``.grad``, also with
+``set_find_unused_parameters(False)``), BREAK-5 (bf16 gradients pre-divided in the fp32 wire dtype), BREAK-6 (zero-size
+parameters), BREAK-7 (``torch.compile(model)`` does not recompile every step: the hooks run
+outside dynamo) and BREAK-8 (a hand-written update after a ``state_dict()`` reaches every rank)
+are fixed and are regression tests. The others reproduce open problems, marked ``xfail(strict=True)`` with the
 exception they currently fail with: it asserts the behaviour a
 user may expect, so once the problem is fixed it passes and ``strict`` makes the run fail until
 the marker is removed. Tests that could hang or abort the gloo workers run on their own short-
@@ -22,7 +25,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp
-from _harness import DistPool, DistributedTestError, DistributedTestTimeout, get_pool
+from _harness import DistPool, get_pool
 from _models import TinyConfig, TinyDecoder, make_batch
 
 BATCH = 12
@@ -165,10 +168,6 @@ def exception_with_rank_dependent_unused() -> dict:
     return {"diff": max((p - q).abs().max().item() for p, q in zip(model.parameters(), clean.parameters()))}
 
 
-@pytest.mark.xfail(strict=True, raises=DistributedTestError,
-                   reason="BREAK-3: after an aborted backward each rank drops only the reductions it issued; "
-                          "ranks that left a parameter unused issued more, so the collectives mismatch "
-                          "(gloo aborts the processes: 'Received data size doesn't match expected size')")
 def test_break3_exception_mid_backward_with_rank_dependent_unused_parameters():
     """Every rank raises at the same user hook (after ``a.weight``'s gradient), but rank 0 also
     uses ``p``: ranks 1-3 marked ``p`` unused at backward start and launched the bucket before the
@@ -200,10 +199,6 @@ def frozen_after_replicate_find_unused_false() -> dict:
     return {"got_grad": grads, "moved": (w - before).abs().max().item()}
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="BREAK-4: a parameter frozen after replicate is reduced as 'unused'; with "
-                          "set_find_unused_parameters(False) its owner gets a zero .grad and the optimizer "
-                          "(weight decay) changes the frozen weight")
 def test_break4_frozen_after_replicate_stays_frozen_with_find_unused_false():
     for r in get_pool(4).run(frozen_after_replicate_find_unused_false):
         assert r["moved"] == 0.0 and not any(r["got_grad"]), r

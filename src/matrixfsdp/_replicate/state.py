@@ -407,6 +407,10 @@ class ReplicateState:
                 for p, g, flag in b.finish():
                     if flag is None:
                         self._assign(p, g)
+                    elif not p.requires_grad:
+                        # frozen (on every rank alike, as for any module): no rank used it, which
+                        # needs no flag read, also with set_find_unused_parameters(False)
+                        self._restore_stashed(p)
                     else:
                         undecided.append((p, g, flag))
             read = read_flags(undecided, find_unused=self.find_unused, staging=self.staging)  # [Note: usage-flag host read]
@@ -429,8 +433,22 @@ class ReplicateState:
         self.assigned[id(p)] = g
 
     def _abort_backward(self) -> None:
-        """An exception escaped a reducing backward: its callback is gone. Wait for the issued
-        reductions (on every rank alike) and drop them with the partial gradients."""
+        """An exception escaped a reducing backward: its callback is gone. Ranks may have
+        launched different prefixes of the reduction order (a bucket launches early where this
+        rank left its parameters unused, and the exception stops each rank at its own point), so
+        every rank first launches the rest, zeros for what it had not contributed: then every
+        rank has issued every bucket's reduction, in the same order, and waits for all of them
+        and drops them with the partial gradients (no rank-dependent collective count)."""
+        if self.active:
+            order = self.buckets[::-1]
+            for b in order[self.next_launch:]:
+                if b.grad_buf is None:
+                    b.begin()
+                for i in range(len(b.params)):
+                    if not b.ready[i]:
+                        b.put(i, None)
+                b.launch()
+            self.next_launch = len(order)
         for b in self.buckets:
             b.drop()
         self.active = False
