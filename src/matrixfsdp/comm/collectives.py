@@ -42,6 +42,7 @@ a collective on its own initiative.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, runtime_checkable
@@ -61,6 +62,54 @@ __all__ = [
     "collectives_for",
     "KINDS",
 ]
+
+
+# ---------------------------------------------------------------- test hook: collectives at W=1
+#: depth of open :func:`force_collectives` blocks (a counter, not a thread-local: autograd's
+#: device threads issue the reductions of a backward started inside the block)
+_FORCED = [0]
+
+
+@contextlib.contextmanager
+def force_collectives():
+    """Test hook (``benchmarks/gpu/check.py`` and tests only): inside the block a one-rank group
+    still calls its backend, so a single GPU runs NCCL on the gather and reduce streams.
+
+    Outside it, ``W == 1`` takes short-cuts that issue nothing (the results are identities). Inside
+    it, the reductions (``reduce_scatter_segments``, ``all_reduce``) and ``all_to_all_single`` run
+    their collective on the one rank, and a gather, which has nothing to receive at ``W == 1``,
+    sends this rank's chunk to itself into a scratch buffer it drops; ``TwoPhaseCollectives`` runs
+    both of its phases. The results are the short-cuts' bit for bit (a sum over one rank is the
+    input). ``all_gather_tensors`` stays a no-op: nothing calls it with one rank (a replicate
+    group of size 1 is dropped by the engine). Scoped and reentrant, but process-wide while open,
+    so open it around a whole single-process run, never in a job that must not change.
+
+    Example::
+
+        with force_collectives():
+            loss.backward()      # at W=1: one reduce-scatter per block reaches the process group
+    """
+    _FORCED[0] += 1
+    try:
+        yield
+    finally:
+        _FORCED[0] -= 1
+
+
+def _solo(world_size: int) -> bool:
+    """Whether a call takes the ``W == 1`` short-cut (not under :func:`force_collectives`)."""
+    return world_size == 1 and not _FORCED[0]
+
+
+def _one_rank_gather(group: Any, t: torch.Tensor, *, async_op: bool) -> "Handle":
+    """A gather at ``W == 1``: nothing to receive, so nothing is issued, except under
+    :func:`force_collectives`, where ``t`` travels to this rank through the backend into a scratch
+    copy (dropped once the handle is waited for)."""
+    if not _FORCED[0] or t.numel() == 0:
+        return Handle()
+    scratch = torch.empty_like(t)
+    work = dist.all_to_all_single(scratch, t, group=group, async_op=async_op)
+    return Handle([work] if async_op else [], then=lambda: scratch)
 
 
 @dataclass
@@ -212,10 +261,10 @@ class _Base:
             (inp.numel() - splits[self.rank]) * es,
             (self.world_size - 1) * splits[self.rank] * es,
         )
-        if self.world_size == 1:
+        if _solo(self.world_size):
             out.copy_(inp)
             return Handle()
-        if not self._list_reduce_scatter(inp):
+        if not self._list_reduce_scatter(inp) and self.world_size > 1:
             return self._p2p_reduce_scatter(out, inp, splits, async_op)
         if len(set(splits)) == 1:
             # equal chunks: one ring reduce-scatter (a list becomes W coalesced reduces on NCCL)
@@ -238,7 +287,7 @@ class _Base:
         es = buf.element_size()
         self.counter.record("all_gather", splits[r] * (W - 1) * es, (buf.numel() - splits[r]) * es)
         if W == 1:
-            return Handle()
+            return _one_rank_gather(self.group, buf, async_op=async_op)
         views = list(torch.split(buf, splits))
         mine = views[r]
         if self._uneven_lists(buf):
@@ -289,7 +338,7 @@ class _Base:
         # a ring all-reduce's payload: a reduce-scatter plus an all-gather of (W-1)/W of t each way
         moved = 2 * (W - 1) * n // W if W > 1 else 0
         self.counter.record("all_reduce", moved, moved)
-        if W == 1 or t.numel() == 0:
+        if _solo(W) or t.numel() == 0:
             return Handle()
         work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         return Handle([work] if async_op else [])
@@ -357,7 +406,7 @@ class _Base:
         es = send.element_size()
         self.counter.record("all_to_all_single", (send.numel() - send_splits[r]) * es,
                             (recv.numel() - recv_splits[r]) * es)
-        if W == 1:
+        if _solo(W):
             recv.copy_(send)
             return Handle()
         if send.numel() == 0 and self._backends.get(send.device.type) == "fake":
@@ -419,7 +468,7 @@ class AllToAllCollectives(_Base):
         self._check_gather(send, recv, recv_splits)
         W, r = self.world_size, self.rank
         if W == 1:
-            return Handle()
+            return _one_rank_gather(self.group, send, async_op=async_op)
         outs = list(torch.split(recv, list(recv_splits)))
         ins = [send if d != r else send[:0] for d in range(W)]
         work = dist.all_to_all(outs, ins, group=self.group, async_op=async_op)
@@ -434,6 +483,8 @@ class P2PCollectives(_Base):
     ) -> Handle:
         self._check_gather(send, recv, recv_splits)
         W, r = self.world_size, self.rank
+        if W == 1:
+            return _one_rank_gather(self.group, send, async_op=async_op)
         ops = []
         offset = 0
         for s in range(W):
@@ -501,7 +552,7 @@ class TwoPhaseCollectives(_Base):
     ) -> Handle:
         self._check_gather(send, recv, recv_splits)
         W, r = self.world_size, self.rank
-        if W == 1:
+        if _solo(W):
             return Handle()
         sizes = self._sizes(send.numel(), recv_splits)
         N = sum(sizes)
@@ -546,7 +597,7 @@ class TwoPhaseCollectives(_Base):
         rank's interval), unpacked into ``buf`` when the second phase completes."""
         splits = self._check_inplace(buf, splits)
         W, r = self.world_size, self.rank
-        if W == 1:
+        if _solo(W):
             return Handle()
         off = sum(splits[:r])
         recv_splits = [n if s != r else 0 for s, n in enumerate(splits)]
@@ -569,7 +620,7 @@ class TwoPhaseCollectives(_Base):
     ) -> Handle:
         splits = self._check_reduce(out, inp, splits)
         W, r = self.world_size, self.rank
-        if W == 1:
+        if _solo(W):
             out.copy_(inp)
             return Handle()
         N = inp.numel()
