@@ -20,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 def _hosted_bytes_sent(model, tp_rank, tp):
     """Bytes this rank sends in one step: its gradient shards of matrices hosted elsewhere, and
-    the update shards of the matrices it hosts for the other ranks."""
+    the update shards of the matrices it hosts for the other ranks, each with its flag."""
     from matrixfsdp.tp.host_step import shard_sizes
 
     sent = 0
@@ -31,7 +31,8 @@ def _hosted_bytes_sent(model, tp_rank, tp):
         d = p.placements[0].dim % 2
         rows, cols = p.shape
         sizes = shard_sizes(p.shape[d], tp)
-        shard = lambda q: sizes[q] * (cols if d == 0 else rows) * p.element_size()  # noqa: E731
+        # its rows, and the one usage flag that goes with them ([Note: gradients missing on some ranks])
+        shard = lambda q: (sizes[q] * (cols if d == 0 else rows) + 1) * p.element_size()  # noqa: E731
         sent += shard(tp_rank) if h.host != tp_rank else sum(shard(q) for q in range(tp) if q != tp_rank)
     return sent
 
