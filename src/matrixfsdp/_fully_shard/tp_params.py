@@ -158,5 +158,7 @@ def attach_tp_hosts(states: list[Any], plan: "OwnerPlan", dp: DeviceMesh, shard_
             q = owner_of(p).step_replica  # type: ignore[union-attr]
             return mine(s, h, p) if q is None else world(q * S + s, h, p)
         host_meshes = split_hosts
+    # grads_agree: each TP column's gradients land through its reduction (on every dp rank or
+    # none), and a row's TP ranks run one forward (their TP collectives match), so one usage
     attach_hosts(tp_mesh, [[(k, m) for k, m in row if m] for row in rows], shard_rank, host_meshes,
-                 pipeline=pipeline)
+                 pipeline=pipeline, grads_agree=True)

@@ -37,8 +37,11 @@ scatter's chunks end with one flag per member (1: stepped), so every rank decays
 what was stepped. A flag is read on the host (a sync) only by a rank that lacks the gradient
 itself: a step where every rank has every gradient reads none. With the state on the shards a
 rank without a gradient prepares zeros into a scratch copy of its state, kept iff the member
-was stepped. The flags add one element per member and peer each way; the wire dtype is the
-promotion of the group's parameter dtypes, the same on every rank.
+was stepped. The flags add one element per member and peer each way, and a member no rank has a
+gradient for still travels (as zeros). Under ``fully_shard`` (``grads_agree``) neither is paid:
+its reductions land a gradient on every rank of the group or on none ([Note: unused parameters]
+in ``engine/reducer.py``), so ``p.grad`` is shared state there and stages members as it is.
+The wire dtype is the promotion of the group's parameter dtypes, the same on every rank.
 """
 
 from __future__ import annotations
@@ -87,8 +90,12 @@ class TPHostStep:
     """Runs the hosted matrices' optimizer step for one TP mesh (see module docstring)."""
 
     def __init__(self, mesh: DeviceMesh, groups: Sequence[Sequence[tuple[str, Any, int]]], *,
-                 pipeline: bool = True, shard_state: bool = False):
+                 pipeline: bool = True, shard_state: bool = False, grads_agree: bool = False):
         self.mesh = mesh
+        #: every rank of the group holds a gradient for the same parameters (fully_shard's
+        #: reductions land them so: [Note: unused parameters] in engine/reducer.py); False: ``p.grad``
+        #: is rank-local and the all-to-alls carry flags ([Note: gradients missing on some ranks])
+        self.grads_agree = bool(grads_agree)
         self.pipeline = bool(pipeline)  #: False: no overlap between micro-groups
         #: rules with element-wise state keep it on the shards (see [Note: state on the shards])
         self.shard_state = bool(shard_state)
@@ -101,6 +108,11 @@ class TPHostStep:
         # group, or the group also serving other collectives, keep separate counts)
         self.coll = AllToAllCollectives(self.group)
         self.host_steps = 0  #: whole-matrix steps this rank ran
+
+    @property
+    def _nflag(self) -> int:
+        """Flag elements per member in each chunk (see [Note: gradients missing on some ranks])."""
+        return 0 if self.grads_agree else 1
 
     @property
     def counter(self) -> CommCounter:
@@ -149,9 +161,8 @@ class TPHostStep:
                 raise TypeError("matrixfsdp.tp.TPHostStep.step: every hosted parameter needs an update rule "
                                 "with update() and decay() (matrixfsdp.optim.UpdateRule, e.g. "
                                 f"opt.rule_for(p)), got {type(rule).__name__}")
-            # staged from what every rank shares (the items and requires_grad), never from this
-            # rank's p.grad: see [Note: gradients missing on some ranks]
-            if p.requires_grad:
+            # staged from what every rank shares: see [Note: gradients missing on some ranks]
+            if p.grad is not None if self.grads_agree else p.requires_grad:
                 rules[id(p)] = rule
                 if self.shard_state and getattr(rule, "shards_state", False):
                     split.add(id(p))
@@ -197,11 +208,11 @@ class TPHostStep:
                 if m.host == h:
                     g = self._grad_or_zeros(ctx, m)
                     send_parts.append(g.reshape(-1))
-                    in_splits[h] += g.numel() + 1
+                    in_splits[h] += g.numel() + self._nflag
                     flags.append(float(m.param.grad is not None))
-            if flags:
+            if flags and self._nflag:
                 send_parts.append(torch.tensor(flags, device=m.param._local_tensor.device))
-        n_mine = sum(m.host == r for m in members)
+        n_mine = sum(m.host == r for m in members) * self._nflag
         out_splits = [sum(m.shard_numel(q, T) for m in members if m.host == r) + n_mine for q in range(T)]
         return self._all_to_all(send_parts, in_splits, out_splits, members)
 
@@ -235,8 +246,8 @@ class TPHostStep:
                 # back to the dtype the rank sent (the wire may be wider: mixed groups)
                 pieces[m.fqn].append(recv[off:off + n].view(m.shard_shape(q, T)).to(ctx.sent_dtype[id(m.param)]))
                 off += n
-            flags.append(recv[off:off + len(mine)])
-            off += len(mine)
+            flags.append(recv[off:off + len(mine) * self._nflag])
+            off += len(mine) * self._nflag
         stepped = self._any_grad(mine, lambda: torch.stack(flags).amax(0))
         out = {}
         for m, go in zip(mine, stepped):
@@ -275,12 +286,12 @@ class TPHostStep:
                 else:
                     part = u.tensor_split(_offsets(u.shape[m.dim], T), dim=m.dim)[q]
                 send_parts.append(part.reshape(-1))
-                in_splits[q] += part.numel() + 1
-            if mine:
+                in_splits[q] += part.numel() + self._nflag
+            if mine and self._nflag:
                 send_parts.append(torch.tensor([float(m.fqn in updates) for m in mine],
                                                device=mine[0].param._local_tensor.device))
         out_splits = [sum(m.shard_numel(r, T) for m in members if m.host == h)
-                      + sum(m.host == h for m in members) for h in range(T)]
+                      + sum(m.host == h for m in members) * self._nflag for h in range(T)]
         return self._all_to_all(send_parts, in_splits, out_splits, members)
 
     def _all_to_all(self, send_parts: list[torch.Tensor], in_splits: list[int], out_splits: list[int],
@@ -306,8 +317,8 @@ class TPHostStep:
             for m in theirs:
                 spans.append(off)
                 off += m.param._local_tensor.numel()
-            flags = recv[off:off + len(theirs)]
-            off += len(theirs)
+            flags = recv[off:off + len(theirs) * self._nflag]
+            off += len(theirs) * self._nflag
             for m, start, go in zip(theirs, spans, self._any_grad(theirs, lambda: flags)):
                 scratch = ctx.scratch.pop(id(m.param), None)
                 if not go:
