@@ -110,7 +110,8 @@ def unsharded_leaf(data: torch.Tensor, tp: TPLayout, shape: torch.Size, requires
 def local_grad(grad: torch.Tensor, tp: TPLayout) -> torch.Tensor:
     """The local tensor of an unsharded TP leaf's gradient, in the parameter's TP placements (a
     gradient that DTensor left ``Partial``, e.g. of a replicated norm under sequence parallelism,
-    is reduced over TP first, as FSDP2 does)."""
+    is reduced over TP first, as FSDP2 does: a TP collective, so only where every TP rank takes
+    the same gradients, in a reduction; an aborted backward's are dropped untaken)."""
     if isinstance(grad, DTensor):
         if tuple(grad.placements) != tp[1]:
             grad = grad.redistribute(tp[0], tp[1])
