@@ -66,3 +66,40 @@ def test_each_rank_takes_its_gpu_and_nccl_or_gloo():
         cli._init_rank(TrainConfig(out="x", device="cpu"), 1, rank=1, world_size=4)
     assert calls == [("set_device", 3), ("init", "nccl", 3), ("init", "gloo", 1)]
     assert cli._start_method("cuda") == "spawn"  # no fork after the parent asked the CUDA driver
+
+
+def test_the_cuda_configuration_trains_on_the_cpu_with_its_mixed_precision(tmp_path):
+    """The job's CUDA branch (bf16 mixed precision for both runs, bf16 Newton-Schulz, tensors
+    moved to ``cfg.device``) run on the CPU: the choice mocked to bf16 on "cpu", one gloo rank."""
+    import json
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from matrixfsdp.train import job
+
+    bf16 = DeviceChoice("cpu", "gloo", torch.bfloat16, torch.bfloat16)
+    cfg = TrainConfig(out=str(tmp_path / "o"), model="nano", steps=2, ckpt_every=2, eval_every=2, sample_bytes=4,
+                      max_corpus_bytes=100000, threads=1, batch=4, seq_len=32)
+    policies = []
+    real = MixedPrecisionPolicy.__init__
+
+    def spy(self, *a, **k):
+        policies.append(k.get("param_dtype"))
+        real(self, *a, **k)
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with mock.patch.object(job, "device_choice", return_value=bf16), \
+                mock.patch.object(MixedPrecisionPolicy, "__init__", spy):
+            finals = job.run_rank(cfg)
+    finally:
+        dist.destroy_process_group()
+    assert policies == [torch.bfloat16, torch.bfloat16]  # the matrixfsdp run's and stock FSDP2's
+    assert [f["run"] for f in finals] == ["matrixfsdp-muon", "fsdp2-adamw"]
+    for name in ("matrixfsdp-muon", "fsdp2-adamw"):
+        recs = [json.loads(x) for x in (tmp_path / "o" / f"{name}.jsonl").read_text().splitlines()]
+        losses = [r["loss"] for r in recs if "loss" in r]
+        assert len(losses) == 2 and losses[-1] < losses[0], losses
+    assert os.path.exists(tmp_path / "o" / "loss.png")
