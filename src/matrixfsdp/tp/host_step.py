@@ -162,7 +162,8 @@ class TPHostStep:
                                 "with update() and decay() (matrixfsdp.optim.UpdateRule, e.g. "
                                 f"opt.rule_for(p)), got {type(rule).__name__}")
             # staged from what every rank shares: see [Note: gradients missing on some ranks]
-            if p.grad is not None if self.grads_agree else p.requires_grad:
+            staged = p.grad is not None if self.grads_agree else p.requires_grad
+            if staged:
                 rules[id(p)] = rule
                 if self.shard_state and getattr(rule, "shards_state", False):
                     split.add(id(p))
