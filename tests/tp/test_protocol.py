@@ -18,9 +18,10 @@ from fully_shard.test_tp import FwdNet, _build, _global_batch
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def _hosted_bytes_sent(model, tp_rank, tp):
+def _hosted_bytes_sent(model, tp_rank, tp, flags):
     """Bytes this rank sends in one step: its gradient shards of matrices hosted elsewhere, and
-    the update shards of the matrices it hosts for the other ranks."""
+    the update shards of the matrices it hosts for the other ranks (each with its flag where
+    gradients are rank-local: ``host_matrices``, not ``fully_shard``)."""
     from matrixfsdp.tp.host_step import shard_sizes
 
     sent = 0
@@ -31,7 +32,8 @@ def _hosted_bytes_sent(model, tp_rank, tp):
         d = p.placements[0].dim % 2
         rows, cols = p.shape
         sizes = shard_sizes(p.shape[d], tp)
-        shard = lambda q: sizes[q] * (cols if d == 0 else rows) * p.element_size()  # noqa: E731
+        # its rows, and the flag that goes with them ([Note: gradients missing on some ranks])
+        shard = lambda q: (sizes[q] * (cols if d == 0 else rows) + flags) * p.element_size()  # noqa: E731
         sent += shard(tp_rank) if h.host != tp_rank else sum(shard(q) for q in range(tp) if q != tp_rank)
     return sent
 
@@ -46,7 +48,7 @@ def counted_dp1(steps=2):
     groups = matrixfsdp.tp.host_matrices(model, mesh)
     opt = _opt("muon", model)
     counter = matrixfsdp.tp.comm_counter(model)
-    out = {"groups": len(groups), "steps": [], "expected_bytes": _hosted_bytes_sent(model, mesh.get_local_rank(), tp)}
+    out = {"groups": len(groups), "steps": [], "expected_bytes": _hosted_bytes_sent(model, mesh.get_local_rank(), tp, 1)}
     for step in range(steps):
         model(*_batch(step)).backward()
         counter.reset()
@@ -73,7 +75,7 @@ def counted_dp2():
         opt.step()
     return {"tp": tp_counter.snapshot(), "dp": dp_counter.snapshot(), "python": list(spy["python"]),
             "my_groups": len(plan.micro_groups[d]) if plan.micro_groups else 0,
-            "expected_bytes": _hosted_bytes_sent(model, mesh["tp"].get_local_rank(), 2)}
+            "expected_bytes": _hosted_bytes_sent(model, mesh["tp"].get_local_rank(), 2, 0)}
 
 
 def rejects_a_non_rule():

@@ -51,4 +51,5 @@ def attach_dp_hosts(states: list[Any], plan: "OwnerPlan", dp: DeviceMesh, *, pip
     shard = shard_dim_mesh(dp)
     rows = [[(g.index, [(f, hosted[f].sharded, h) for f, h in g.members]) for g in plan.host_groups]]
     hosts = row_hosts([shard.mesh.flatten().tolist()], shard)
-    return attach_hosts(shard, rows, 0, hosts, pipeline=pipeline, shard_state=True)
+    # the gradients land through the engine's reductions over this very group: on every rank or none
+    return attach_hosts(shard, rows, 0, hosts, pipeline=pipeline, shard_state=True, grads_agree=True)

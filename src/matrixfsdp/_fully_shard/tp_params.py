@@ -110,7 +110,8 @@ def unsharded_leaf(data: torch.Tensor, tp: TPLayout, shape: torch.Size, requires
 def local_grad(grad: torch.Tensor, tp: TPLayout) -> torch.Tensor:
     """The local tensor of an unsharded TP leaf's gradient, in the parameter's TP placements (a
     gradient that DTensor left ``Partial``, e.g. of a replicated norm under sequence parallelism,
-    is reduced over TP first, as FSDP2 does)."""
+    is reduced over TP first, as FSDP2 does: a TP collective, so only where every TP rank takes
+    the same gradients, in a reduction; an aborted backward's are dropped untaken)."""
     if isinstance(grad, DTensor):
         if tuple(grad.placements) != tp[1]:
             grad = grad.redistribute(tp[0], tp[1])
@@ -158,5 +159,7 @@ def attach_tp_hosts(states: list[Any], plan: "OwnerPlan", dp: DeviceMesh, shard_
             q = owner_of(p).step_replica  # type: ignore[union-attr]
             return mine(s, h, p) if q is None else world(q * S + s, h, p)
         host_meshes = split_hosts
+    # grads_agree: each TP column's gradients land through its reduction (on every dp rank or
+    # none), and a row's TP ranks run one forward (their TP collectives match), so one usage
     attach_hosts(tp_mesh, [[(k, m) for k, m in row if m] for row in rows], shard_rank, host_meshes,
-                 pipeline=pipeline)
+                 pipeline=pipeline, grads_agree=True)

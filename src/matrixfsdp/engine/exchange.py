@@ -81,7 +81,8 @@ def any_rank(coll: SegmentCollectives, device: torch.device) -> Callable[[bool],
 
 class GatherUnit:
     """One deferred gather: ``start()`` issues it and returns its :class:`Handle`; ``stamp()``
-    stamps the tensors its source ranks may write (see [Note: deferred gathers])."""
+    stamps the tensors its source ranks may write (see [Note: deferred gathers]). A handle is
+    never dropped: issuing again waits for the one in flight first."""
 
     __slots__ = ("_start", "_stamp", "_handle", "baseline")
 
@@ -93,6 +94,11 @@ class GatherUnit:
         self.baseline = stamp()
 
     def issue(self) -> None:
+        if self._handle is not None:
+            # the last gather was never waited for (a forward that skipped or aborted before the
+            # unit's first read): complete it before the next one writes the same buffers; a
+            # dropped handle would leave its work (and on a device, its event) unwaited
+            self.wait()
         self._handle = self._start()
 
     def wait(self) -> None:

@@ -154,7 +154,7 @@ def clip_grad_norm_(
     distributed = dist.is_available() and dist.is_initialized()
     # a replicated (plain) gradient is summed on one rank only; for the max norm it does not matter
     first = not distributed or inf or dist.get_rank(group) == 0
-    local = torch.zeros((), dtype=torch.float32, device=device)
+    counted: list[torch.Tensor] = []
     for p, g in zip(params, grads):
         # owned gradients (DTensor, or replicate's: only the owner has one) count on their rank
         sharded = isinstance(p.grad, DTensor) or owner_of(p) is not None
@@ -162,10 +162,8 @@ def clip_grad_norm_(
             continue
         if tp is not None and not inf and tp.get_local_rank() != 0 and not _tp_sharded(p):
             continue  # the same in every TP column: counted on TP rank 0
-        if inf:
-            local = torch.maximum(local, g.abs().max().float())
-        else:
-            local = local + g.float().abs().pow(norm_type).sum()
+        counted.append(g)
+    local = _local_norm_term(counted, norm_type, device)
     if dist.is_available() and dist.is_initialized():
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         dist.all_reduce(local, op=op, group=group)
@@ -178,7 +176,35 @@ def clip_grad_norm_(
             "non-finite, so it cannot be clipped (error_if_nonfinite=True); gradients are unchanged"
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        if g.numel():
-            g.mul_(coef.to(g.dtype))
+    for (dev, dtype), gs in _by_device_and_dtype(g for g in grads if g.numel()).items():
+        # the coefficient rounded to the gradients' dtype first, as g.mul_(coef.to(dtype)) did
+        torch._foreach_mul_(gs, coef.to(device=dev, dtype=dtype))
     return total
+
+
+def _by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """Foreach ops take one device and dtype per call (torch's clip_grad_norm_ groups the same)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
+
+
+def _local_norm_term(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """This rank's float32 term of the global norm: the max of ``|g|`` (``inf``), else the sum of
+    ``norm(g) ** norm_type``. ``torch._foreach_norm`` per device and dtype, accumulating in float32
+    (``dtype=``) without a float32 copy of a low-precision gradient where the backend fuses it
+    (CUDA's multi-tensor kernel; torch's CPU fallback casts per tensor inside the kernel). Against
+    the earlier ``sum(g.float().abs() ** p)``: the max norm is bitwise the same; a p-norm rounds
+    each tensor's root once more (a few float32 ulps of the total, as torch's clip_grad_norm_,
+    which takes the norm of the per-tensor norms)."""
+    local = torch.zeros((), dtype=torch.float32, device=device)
+    inf = math.isinf(norm_type)
+    for gs in _by_device_and_dtype(grads).values():
+        if inf:
+            norms = torch._foreach_norm(gs, norm_type)  # exact in any dtype
+            local = torch.maximum(local, torch.stack(norms).max().to(device=device, dtype=torch.float32))
+        else:
+            norms = torch._foreach_norm(gs, norm_type, dtype=torch.float32)
+            local = local + torch.stack(norms).pow(norm_type).sum().to(device)
+    return local

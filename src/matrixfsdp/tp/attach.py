@@ -35,15 +35,16 @@ def row_hosts(row_ranks: Sequence[Sequence[int]], state_over: DeviceMesh) -> Hos
 
 
 def attach_hosts(tp_mesh: DeviceMesh, rows: Rows, my_row: int, host_meshes: HostMeshes, *,
-                 pipeline: bool = True, shard_state: bool = False) -> TPHostStep:
+                 pipeline: bool = True, shard_state: bool = False, grads_agree: bool = False) -> TPHostStep:
     """Attach every member of ``rows`` to its host and return this rank's host step.
 
     ``tp_mesh`` is this rank's TP mesh and ``my_row`` the row it belongs to (the only one whose
     members get the executor: the others are stepped by their own row). A host's whole state is
     presented on ``host_meshes(s, h, p)`` (:func:`row_hosts`); with ``shard_state`` a rule with
-    element-wise state keeps it on the shards instead (``TPHosted.shard_state``). Local: no collective."""
+    element-wise state keeps it on the shards instead (``TPHosted.shard_state``); ``grads_agree``:
+    the gradients are landed by ``fully_shard`` (``TPHostStep``). Local: no collective."""
     executor = TPHostStep(tp_mesh, [list(members) for _, members in rows[my_row] if members], pipeline=pipeline,
-                          shard_state=shard_state)
+                          shard_state=shard_state, grads_agree=grads_agree)
     for s, groups in enumerate(rows):
         for k, members in groups:
             for _, p, h in members:

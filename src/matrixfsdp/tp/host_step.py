@@ -25,12 +25,30 @@ element-wise (Muon) keeps it on every rank's shard instead: each rank runs the r
 bytes moved, the same bits.
 Shards follow DTensor's ``Shard(d)`` (``torch.chunk``) sizes, so widths not divisible by the TP
 degree work exactly.
+
+[Note: gradients missing on some ranks]
+Which matrices travel must be the same on every rank of the group, or the all-to-alls' splits
+disagree (a hang on NCCL). ``p.grad is None`` is rank-local (a user clears one rank's gradient,
+a rank left a matrix unused), so the stages come from what every rank shares: the hosted
+parameters handed in, with ``requires_grad``. A rank without a gradient sends zeros, and each
+member's chunk to its host ends with one flag per member (1: this rank has a gradient); the host
+steps a member iff some rank flagged it, as an optimizer skips a ``None`` gradient, and the
+scatter's chunks end with one flag per member (1: stepped), so every rank decays and adds only
+what was stepped. A flag is read on the host (a sync) only by a rank that lacks the gradient
+itself: a step where every rank has every gradient reads none. With the state on the shards a
+rank without a gradient prepares zeros into a scratch copy of its state, kept iff the member
+was stepped. The flags add one element per member and peer each way, and a member no rank has a
+gradient for still travels (as zeros). Under ``fully_shard`` (``grads_agree``) neither is paid:
+its reductions land a gradient on every rank of the group or on none ([Note: unused parameters]
+in ``engine/reducer.py``), so ``p.grad`` is shared state there and stages members as it is.
+The wire dtype is the promotion of the group's parameter dtypes, the same on every rank.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -72,8 +90,12 @@ class TPHostStep:
     """Runs the hosted matrices' optimizer step for one TP mesh (see module docstring)."""
 
     def __init__(self, mesh: DeviceMesh, groups: Sequence[Sequence[tuple[str, Any, int]]], *,
-                 pipeline: bool = True, shard_state: bool = False):
+                 pipeline: bool = True, shard_state: bool = False, grads_agree: bool = False):
         self.mesh = mesh
+        #: every rank of the group holds a gradient for the same parameters (fully_shard's
+        #: reductions land them so: [Note: unused parameters] in engine/reducer.py); False: ``p.grad``
+        #: is rank-local and the all-to-alls carry flags ([Note: gradients missing on some ranks])
+        self.grads_agree = bool(grads_agree)
         self.pipeline = bool(pipeline)  #: False: no overlap between micro-groups
         #: rules with element-wise state keep it on the shards (see [Note: state on the shards])
         self.shard_state = bool(shard_state)
@@ -86,6 +108,11 @@ class TPHostStep:
         # group, or the group also serving other collectives, keep separate counts)
         self.coll = AllToAllCollectives(self.group)
         self.host_steps = 0  #: whole-matrix steps this rank ran
+
+    @property
+    def _nflag(self) -> int:
+        """Flag elements per member in each chunk (see [Note: gradients missing on some ranks])."""
+        return 0 if self.grads_agree else 1
 
     @property
     def counter(self) -> CommCounter:
@@ -115,8 +142,9 @@ class TPHostStep:
         the same parameters on every TP rank; ``rule`` implements ``matrixfsdp.optim.UpdateRule``,
         e.g. ``opt.rule_for(param)``), their state in ``state`` (``{param: state dict}``, e.g. the
         optimizer's ``state``; only hosts read or write it). A collective over the TP group:
-        every TP rank calls it with the same parameters. Parameters without a gradient are
-        skipped, on every rank alike.
+        every TP rank calls it with the same parameters. A parameter without a gradient on any rank
+        is skipped, on every rank alike; one some ranks lack a gradient for is stepped with zeros
+        for their shards (see [Note: gradients missing on some ranks]).
 
         The earlier form ``step(optimizer, group, params)`` still works, through the optimizer's
         public ``rule_for`` and ``state``."""
@@ -133,21 +161,25 @@ class TPHostStep:
                 raise TypeError("matrixfsdp.tp.TPHostStep.step: every hosted parameter needs an update rule "
                                 "with update() and decay() (matrixfsdp.optim.UpdateRule, e.g. "
                                 f"opt.rule_for(p)), got {type(rule).__name__}")
-            if p.grad is not None:
+            # staged from what every rank shares: see [Note: gradients missing on some ranks]
+            staged = p.grad is not None if self.grads_agree else p.requires_grad
+            if staged:
                 rules[id(p)] = rule
                 if self.shard_state and getattr(rule, "shards_state", False):
                     split.add(id(p))
-        stages = [[m for m in g if id(m.param) in rules] for g in self.groups]
+        # one rank has no peer to agree with: what it has no gradient for is not staged at all
+        stages = [[m for m in g if id(m.param) in rules and (self.tp > 1 or m.param.grad is not None)]
+                  for g in self.groups]
         stages = [g for g in stages if g]
         if not stages:
             return
-        ctx = (rules, split, state)
+        ctx = _Ctx(rules, split, state)
         if not self.pipeline:  # sequential micro-groups: nothing of group k+1 starts before k is applied
             for members in stages:
                 work, recv = self._gather(ctx, members)
                 work.wait()
                 updates = self._host_steps(ctx, members, recv)
-                self._apply(rules, members, *self._scatter(members, updates))
+                self._apply(ctx, members, *self._scatter(members, updates))
             return
         pending = self._gather(ctx, stages[0])
         scattered: list[tuple[list[_Member], Any, torch.Tensor]] = []
@@ -159,89 +191,159 @@ class TPHostStep:
             updates = self._host_steps(ctx, members, recv)
             scattered.append((members, *self._scatter(members, updates)))
             if len(scattered) > 1:  # the previous group's scatter has had this group's compute
-                self._apply(rules, *scattered.pop(0))
+                self._apply(ctx, *scattered.pop(0))
         for item in scattered:
-            self._apply(rules, *item)
+            self._apply(ctx, *item)
 
-    def _gather(self, ctx: tuple[Any, ...], members: list[_Member]) -> tuple[Any, torch.Tensor]:
+    def _gather(self, ctx: "_Ctx", members: list[_Member]) -> tuple[Any, torch.Tensor]:
         """Each member's gradient shard to its host, or with its state on the shards, the rule's
         ``prepare`` of it (advancing this shard's state; an empty shard keeps an empty one, so
-        every rank presents the same state keys in state dicts)."""
-        rules, split, state = ctx
+        every rank presents the same state keys in state dicts), then one flag per member sent
+        to that host: 1 where this rank has a gradient (see [Note: gradients missing on some
+        ranks])."""
         T, r = self.tp, self.rank
         send_parts, in_splits = [], [0] * T
         for h in range(T):
+            flags = []
             for m in members:
                 if m.host == h:
-                    g = m.param.grad._local_tensor
-                    if id(m.param) in split:
-                        g = rules[id(m.param)].prepare(g, state.setdefault(m.param, {}))
+                    g = self._grad_or_zeros(ctx, m)
                     send_parts.append(g.reshape(-1))
-                    in_splits[h] += g.numel()
-        out_splits = [sum(m.shard_numel(q, T) for m in members if m.host == r) for q in range(T)]
-        return self._all_to_all(send_parts, in_splits, out_splits, members[0].param.grad._local_tensor)
+                    in_splits[h] += g.numel() + self._nflag
+                    flags.append(float(m.param.grad is not None))
+            if flags and self._nflag:
+                send_parts.append(torch.tensor(flags, device=m.param._local_tensor.device))
+        n_mine = sum(m.host == r for m in members) * self._nflag
+        out_splits = [sum(m.shard_numel(q, T) for m in members if m.host == r) + n_mine for q in range(T)]
+        return self._all_to_all(send_parts, in_splits, out_splits, members)
 
-    def _host_steps(self, ctx: tuple[Any, ...], members: list[_Member], recv: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _grad_or_zeros(self, ctx: "_Ctx", m: _Member) -> torch.Tensor:
+        """What this rank sends of ``m``: its gradient shard (or its ``prepare``), zeros where this
+        rank has no gradient. A rank without a gradient prepares zeros into a scratch copy of its
+        state, kept only if some rank had a gradient (``_apply``)."""
+        grad = m.param.grad
+        g = grad._local_tensor if grad is not None else torch.zeros_like(m.param._local_tensor)
+        if id(m.param) in ctx.split:
+            st = ctx.state.setdefault(m.param, {})
+            if grad is None:
+                st = ctx.scratch[id(m.param)] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                                 for k, v in st.items()}
+            g = ctx.rules[id(m.param)].prepare(g, st)
+        ctx.sent_dtype[id(m.param)] = g.dtype
+        return g
+
+    def _host_steps(self, ctx: "_Ctx", members: list[_Member], recv: torch.Tensor) -> dict[str, torch.Tensor]:
         """The whole gradients (or prepared matrices) this rank hosts, assembled from ``recv``
-        (rank-major), stepped: the update of each, by fqn."""
-        rules, split, state = ctx
+        (rank-major, each rank's pieces then its flags), stepped where some rank had a gradient:
+        the update of each stepped member, by fqn."""
         T, r = self.tp, self.rank
         mine = [m for m in members if m.host == r]
         pieces: dict[str, list[torch.Tensor]] = {m.fqn: [] for m in mine}
+        flags = []
         off = 0
         for q in range(T):
             for m in mine:
                 n = m.shard_numel(q, T)
-                pieces[m.fqn].append(recv[off:off + n].view(m.shard_shape(q, T)))
+                # back to the dtype the rank sent (the wire may be wider: mixed groups)
+                pieces[m.fqn].append(recv[off:off + n].view(m.shard_shape(q, T)).to(ctx.sent_dtype[id(m.param)]))
                 off += n
+            flags.append(recv[off:off + len(mine) * self._nflag])
+            off += len(mine) * self._nflag
+        stepped = self._any_grad(mine, lambda: torch.stack(flags).amax(0))
         out = {}
-        for m in mine:
+        for m, go in zip(mine, stepped):
+            if not go:  # no rank has a gradient: skipped, as an optimizer skips a None .grad
+                continue
             whole = torch.cat(pieces[m.fqn], dim=m.dim)
-            rule = rules[id(m.param)]
-            if id(m.param) in split:  # stateless here: the state stayed on the shards
+            rule = ctx.rules[id(m.param)]
+            if id(m.param) in ctx.split:  # stateless here: the state stayed on the shards
                 out[m.fqn] = rule.finish(whole, dtype=m.param.dtype)
             else:
-                out[m.fqn] = rule.update(whole, state.setdefault(m.param, {}), dtype=m.param.dtype)
+                out[m.fqn] = rule.update(whole, ctx.state.setdefault(m.param, {}), dtype=m.param.dtype)
             self.host_steps += 1
         return out
 
+    @staticmethod
+    def _any_grad(members: list[_Member], read: Any) -> list[bool]:
+        """Whether some rank has each member's gradient: known without a host read where this
+        rank has it (every step of a model whose ranks all produce gradients); else the flags are
+        read (a host sync, only then)."""
+        local = [m.param.grad is not None for m in members]
+        if all(local):
+            return local
+        return [a or f > 0 for a, f in zip(local, read().tolist())]
+
     def _scatter(self, members: list[_Member], updates: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """The update shards back to every rank, then one flag per member: 1 where it was
+        stepped (zeros and 0 where no rank had a gradient)."""
         T, r = self.tp, self.rank
+        mine = [m for m in members if m.host == r]
         send_parts, in_splits = [], [0] * T
         for q in range(T):
-            for m in members:
-                if m.host == r:
-                    u = updates[m.fqn]
+            for m in mine:
+                u = updates.get(m.fqn)
+                if u is None:
+                    part = m.param._local_tensor.new_zeros(m.shard_numel(q, T))
+                else:
                     part = u.tensor_split(_offsets(u.shape[m.dim], T), dim=m.dim)[q]
-                    send_parts.append(part.reshape(-1))
-                    in_splits[q] += part.numel()
-        out_splits = [sum(m.shard_numel(r, T) for m in members if m.host == h) for h in range(T)]
-        return self._all_to_all(send_parts, in_splits, out_splits, members[0].param._local_tensor)
+                send_parts.append(part.reshape(-1))
+                in_splits[q] += part.numel() + self._nflag
+            if mine and self._nflag:
+                send_parts.append(torch.tensor([float(m.fqn in updates) for m in mine],
+                                               device=mine[0].param._local_tensor.device))
+        out_splits = [sum(m.shard_numel(r, T) for m in members if m.host == h)
+                      + sum(m.host == h for m in members) * self._nflag for h in range(T)]
+        return self._all_to_all(send_parts, in_splits, out_splits, members)
 
     def _all_to_all(self, send_parts: list[torch.Tensor], in_splits: list[int], out_splits: list[int],
-                    like: torch.Tensor) -> tuple[Any, torch.Tensor]:
+                    members: list[_Member]) -> tuple[Any, torch.Tensor]:
         """One fused, asynchronous ``all_to_all_single`` within the TP group, through comm/'s
         counted collectives; its buffers: the packed send (``sum(in_splits)``) and the receive
-        (``sum(out_splits)``)."""
-        send = torch.cat(send_parts) if send_parts else like.new_empty(0)
-        recv = like.new_empty(sum(out_splits))
+        (``sum(out_splits)``), both in one dtype every rank derives alike: the promotion of the
+        members' parameter dtypes (a group mixing bf16 and fp32 matrices travels in fp32; each
+        piece is cast back where it lands)."""
+        wire = functools.reduce(torch.promote_types, (m.param.dtype for m in members))
+        like = members[0].param._local_tensor
+        send = torch.cat([t.to(wire) for t in send_parts]) if send_parts else like.new_empty(0, dtype=wire)
+        recv = like.new_empty(sum(out_splits), dtype=wire)
         return self.coll.all_to_all_single(recv, send, out_splits, in_splits, async_op=True), recv
 
-    def _apply(self, rules: dict[int, Any], members: list[_Member], work: Any, recv: torch.Tensor) -> None:
+    def _apply(self, ctx: "_Ctx", members: list[_Member], work: Any, recv: torch.Tensor) -> None:
         work.wait()
         T = self.tp
         off = 0
         for h in range(T):
-            for m in members:
-                if m.host != h:
+            theirs = [m for m in members if m.host == h]
+            spans = []
+            for m in theirs:
+                spans.append(off)
+                off += m.param._local_tensor.numel()
+            flags = recv[off:off + len(theirs) * self._nflag]
+            off += len(theirs) * self._nflag
+            for m, start, go in zip(theirs, spans, self._any_grad(theirs, lambda: flags)):
+                scratch = ctx.scratch.pop(id(m.param), None)
+                if not go:
                     continue
-                lr, wd = rules[id(m.param)].decay()
+                if scratch is not None:  # prepared zeros for a step some rank had a gradient for
+                    ctx.state.setdefault(m.param, {}).update(scratch)
+                lr, wd = ctx.rules[id(m.param)].decay()
                 local = m.param._local_tensor
-                n = local.numel()
                 if wd:
                     local.mul_(1 - lr * wd)
-                local.add_(recv[off:off + n].view(local.shape))
-                off += n
+                local.add_(recv[start:start + local.numel()].view(local.shape))
+
+
+@dataclass
+class _Ctx:
+    """One step's rules, split members and state, and what the gathers noted."""
+
+    rules: dict[int, Any]
+    split: set[int]
+    state: MutableMapping[Any, dict[str, Any]]
+    #: each member's dtype as sent (its gradient's, or its prepare's)
+    sent_dtype: dict[int, torch.dtype] = field(default_factory=dict)
+    #: states prepared on zeros by a rank without a gradient, kept if the member is stepped
+    scratch: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 def _offsets(n: int, tp: int) -> list[int]:

@@ -6,6 +6,7 @@ corpus, ``plot`` the loss figure.
 """
 
 from .cli import build_parser, config_from_args, main
-from .job import TrainConfig, TrainError
+from .job import DeviceChoice, TrainConfig, TrainError, choose_device
 
-__all__ = ["main", "build_parser", "config_from_args", "TrainConfig", "TrainError"]
+__all__ = ["main", "build_parser", "config_from_args", "TrainConfig", "TrainError", "DeviceChoice",
+           "choose_device"]

@@ -5,10 +5,14 @@
     python -m matrixfsdp.train --resume              # continue runs/train from its last checkpoint
     python -m matrixfsdp.train --world 4 --replicas 2  # HSDP: a (2, 2) (dp_replicate, dp_shard) mesh
     torchrun --nproc-per-node 2 -m matrixfsdp.train  # the same, processes started by torchrun
+    python -m matrixfsdp.train --device cuda --world 8  # one GPU per rank, NCCL, bf16 mixed precision
 
 Data: the Python standard library's own source files, read at run time and byte-tokenized, every
 10th file held out (nothing is downloaded). Without ``torchrun`` the command starts its own
-``--world`` processes (gloo, one intra-op thread each by default). Rank 0 shows a progress bar
+``--world`` processes. ``--device auto`` (the default) runs on CUDA where
+``torch.cuda.is_available()``: one GPU per rank (``torch.cuda.set_device(local rank)``), NCCL,
+bf16 mixed precision (fp32 gradient reduction) and bf16 Newton-Schulz, the stock FSDP2 run with
+the same mixed precision; else on the CPU: gloo, fp32 throughout. Rank 0 shows a progress bar
 and writes, under ``--out``: ``<run>.jsonl`` (step, loss, lr, grad norm, tokens/s, bytes sent per
 phase from the runtime's counters; held-out evals; a final record with the held-out loss and a
 generated sample), ``ckpt/<run>/step-N`` checkpoints, and ``loss.png`` (with ``--compare``, on by
@@ -30,7 +34,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
 
-from .job import MODEL_SIZES, OPTIMIZER_LRS, TrainConfig, TrainError, latest_checkpoint, mesh_str, run_names
+from .job import (MODEL_SIZES, OPTIMIZER_LRS, TrainConfig, TrainError, choose_device, device_choice,
+                  latest_checkpoint, mesh_str, run_names)
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
@@ -104,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use only this many bytes of training text (quick tests)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show the progress bar (default: when stderr is a terminal)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="cuda: one GPU per rank, NCCL, bf16 mixed precision and bf16 Newton-Schulz; cpu: gloo, "
+                        "fp32; auto: cuda where torch.cuda.is_available(), else cpu")
     return p
 
 
@@ -129,13 +137,18 @@ def config_from_args(args: argparse.Namespace, world: int) -> TrainConfig:
             raise TrainError(f"--{name.replace('_', '-')} must be a positive number, got {v}")
     if args.sample_bytes < 0:
         raise TrainError(f"--sample-bytes must be >= 0, got {args.sample_bytes}")
+    choice = choose_device(getattr(args, "device", "auto"))
+    if choice.device == "cuda" and _torchrun_world() is None and world > _cuda_count():
+        raise TrainError(f"--world {world} needs one GPU per rank, found {_cuda_count()}; pass --world "
+                         f"{_cuda_count()}, start the ranks with torchrun across nodes, or --device cpu")
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
     cfg = TrainConfig(out=args.out, model=args.model, optimizer=args.optimizer, steps=args.steps,
                       batch=args.batch, seq_len=args.seq_len, seed=args.seed, collectives=args.collectives,
                       replicas=args.replicas, replica_step=args.replica_step,
                       lr=args.lr, adamw_lr=args.adamw_lr, compare=args.compare, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
                       sample_bytes=args.sample_bytes, resume=args.resume, stop_after=args.stop_after,
-                      threads=threads, max_corpus_bytes=args.max_corpus_bytes, progress=args.progress)
+                      threads=threads, max_corpus_bytes=args.max_corpus_bytes, progress=args.progress,
+                      device=choice.device)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise TrainError(f"--out {args.out!r} is a file, not a folder")
@@ -152,6 +165,24 @@ def config_from_args(args: argparse.Namespace, world: int) -> TrainConfig:
         raise TrainError(f"--out {args.out!r} already holds a run ({', '.join(str(p) for p in leftovers[:3])}); "
                          "pass --resume to continue it, --overwrite to replace it, or another --out")
     return cfg
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _init_rank(cfg: TrainConfig, local_rank: int, **init: object) -> None:
+    """This process's device and process group: NCCL on its own GPU, or gloo."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(cfg.threads)
+    choice = device_choice(cfg.device)
+    if choice.device == "cuda":
+        torch.cuda.set_device(local_rank)  # before any collective: NCCL binds each rank to its GPU
+    dist.init_process_group(choice.backend, timeout=timedelta(minutes=10), **init)  # type: ignore[arg-type]
 
 
 def _all_run_names(cfg: TrainConfig) -> list[str]:
@@ -227,20 +258,21 @@ def _exit_now(status: int) -> None:
 
 
 def _spawned(rank: int, cfg: TrainConfig, world: int, store_path: str) -> None:
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(cfg.threads)
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(minutes=10))
+    _init_rank(cfg, rank, store=store, rank=rank, world_size=world)  # one node: the rank is the local rank
     _exit_now(_rank_main(cfg))
 
 
-def _start_method() -> str:
+def _start_method(device: str = "cpu") -> str:
     # fork: the children share the parent's imported torch (no 3 s re-import each); the parent
-    # has run no torch op (no thread pools, no CUDA), which is what makes forking safe.
+    # has run no torch op (no thread pools, no CUDA), which is what makes forking safe. CUDA:
+    # spawn, since asking torch.cuda.is_available() / device_count() initialized the driver here.
     import multiprocessing
 
+    if device == "cuda":
+        return "spawn"
     return "fork" if "fork" in multiprocessing.get_all_start_methods() and sys.platform == "linux" else "spawn"
 
 
@@ -273,11 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     if tr_world is not None:  # torchrun started us: one rank per process
-        import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(cfg.threads)
-        dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+        _init_rank(cfg, int(os.environ.get("LOCAL_RANK", "0")))
         if args.overwrite and dist.get_rank() == 0:
             _overwrite(cfg)
         dist.barrier()
@@ -290,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="matrixfsdp-train-") as tmp:
         try:
             mp.start_processes(_spawned, args=(cfg, world, os.path.join(tmp, "store")), nprocs=world,
-                               join=True, start_method=_start_method())
+                               join=True, start_method=_start_method(cfg.device))
         except mp.ProcessExitedException as e:
             if e.exit_code == 2:
                 return 2  # a TrainError: rank 0 printed it

@@ -49,7 +49,7 @@ from ..models.moe import MoEConfig, MoEDecoder, MoEDecoderLayer
 from ..placement.owned_tensor import local_tensor
 from .data import VOCAB_SIZE, Corpus, heldout_windows, load_corpus, local_batch
 
-__all__ = ["TrainConfig", "MODEL_SIZES", "OPTIMIZER_LRS", "run_rank", "TrainError", "latest_checkpoint",
+__all__ = ["TrainConfig", "DeviceChoice", "choose_device", "MODEL_SIZES", "OPTIMIZER_LRS", "run_rank", "TrainError", "latest_checkpoint",
            "run_names", "mesh_record", "mesh_str"]
 
 
@@ -84,6 +84,38 @@ OPTIMIZER_LRS: dict[str, tuple[float, float]] = {
 
 
 @dataclass(frozen=True)
+class DeviceChoice:
+    """Where a job runs and what follows from it (:func:`choose_device`)."""
+
+    device: str  #: "cpu" or "cuda"
+    backend: str  #: the process group's: "gloo" for cpu, "nccl" for cuda
+    #: fully_shard's compute dtype (bf16 mixed precision on cuda, gradients reduced in fp32); None:
+    #: fp32 throughout (the CPU default: bf16 matmuls are slow there and the tests pin fp32 bits)
+    param_dtype: torch.dtype | None
+    ns_dtype: torch.dtype  #: Muon's Newton-Schulz dtype (bf16 on cuda, as Muon's reference runs it)
+
+
+def choose_device(flag: str = "auto", cuda_available: bool | None = None) -> DeviceChoice:
+    """``--device``: ``auto`` takes cuda where ``torch.cuda.is_available()``, else cpu; ``cuda``
+    without CUDA raises :class:`TrainError` naming the flag."""
+    if flag not in ("auto", "cpu", "cuda"):
+        raise TrainError(f"--device must be one of auto, cpu, cuda, got {flag!r}")
+    if flag != "cpu" and cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if flag == "cuda" and not cuda_available:
+        raise TrainError("--device cuda: CUDA is not available here (torch.cuda.is_available() is False; "
+                         f"torch {torch.__version__}); pass --device cpu, or --device auto to take CUDA where it is")
+    if flag == "cpu" or not cuda_available:
+        return DeviceChoice("cpu", "gloo", None, torch.float32)
+    return DeviceChoice("cuda", "nccl", torch.bfloat16, torch.bfloat16)
+
+
+def device_choice(device: str) -> DeviceChoice:
+    """The :class:`DeviceChoice` of a resolved ``TrainConfig.device`` (no availability check)."""
+    return choose_device(device, cuda_available=device == "cuda")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     out: str
     model: str = "small"
@@ -107,6 +139,7 @@ class TrainConfig:
     threads: int = 1
     max_corpus_bytes: int | None = None
     progress: bool | None = None  # None: when stderr is a terminal
+    device: str = "cpu"  # resolved by choose_device: "cpu" (gloo, fp32) or "cuda" (nccl, bf16 mixed precision)
 
     def fingerprint(self) -> dict[str, Any]:
         """What a resumed run must share with the checkpoint's run."""
@@ -171,7 +204,7 @@ def _param_digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
         h.update(name.encode())
-        h.update(local_tensor(p).detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(local_tensor(p).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, h.hexdigest())
     return hashlib.sha256("".join(parts).encode()).hexdigest()
@@ -190,8 +223,8 @@ class _Run:
 def _build_model(cfg: TrainConfig) -> Decoder | MoEDecoder:
     shape = MODEL_SIZES[cfg.model]
     model = MoEDecoder(shape) if isinstance(shape, MoEConfig) else Decoder(shape)
-    model.reset_parameters(seed=cfg.seed)  # every rank draws the same full tensors
-    return model
+    model.reset_parameters(seed=cfg.seed)  # every rank draws the same full tensors (on the CPU)
+    return model.to(cfg.device)
 
 
 def _mesh(cfg: TrainConfig) -> Any:
@@ -204,8 +237,8 @@ def _mesh(cfg: TrainConfig) -> Any:
     if W % R:
         raise TrainError(f"--replicas {R} must divide --world {W}")
     if R == 1:
-        return init_device_mesh("cpu", (W,), mesh_dim_names=("dp_shard",))
-    return init_device_mesh("cpu", (R, W // R), mesh_dim_names=("dp_replicate", "dp_shard"))
+        return init_device_mesh(cfg.device, (W,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(cfg.device, (R, W // R), mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def mesh_record(cfg: TrainConfig, world: int) -> dict[str, Any]:
@@ -230,14 +263,18 @@ def _build_matrixfsdp(cfg: TrainConfig) -> _Run:
     mesh = _mesh(cfg)
     plan = matrixfsdp.plan_owners(model, mesh, block_types=(DecoderLayer, MoEDecoderLayer), optimizer=cfg.optimizer,
                                   replica_step=cfg.replica_step)
+    choice = device_choice(cfg.device)
+    kw: dict[str, Any] = {"collectives": cfg.collectives}
+    if choice.param_dtype is not None:
+        kw["mp_policy"] = matrixfsdp.MixedPrecisionPolicy(param_dtype=choice.param_dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        matrixfsdp.fully_shard(layer, mesh=mesh, plan=plan, collectives=cfg.collectives)
-    matrixfsdp.fully_shard(model, mesh=mesh, plan=plan, collectives=cfg.collectives)
+        matrixfsdp.fully_shard(layer, mesh=mesh, plan=plan, **kw)
+    matrixfsdp.fully_shard(model, mesh=mesh, plan=plan, **kw)
     lr, adamw_lr = cfg.lrs()
     opt: torch.optim.Optimizer
     # the model, not its parameters: the optimizer routes by the plan's rule (one routing rule)
     if cfg.optimizer == "muon":
-        opt = matrixfsdp.optim.Muon(model, lr=lr, weight_decay=0.0, adamw_lr=adamw_lr, ns_dtype=torch.float32)
+        opt = matrixfsdp.optim.Muon(model, lr=lr, weight_decay=0.0, adamw_lr=adamw_lr, ns_dtype=choice.ns_dtype)
     elif cfg.optimizer == "shampoo":
         opt = matrixfsdp.optim.Shampoo(model, lr=lr, adamw_lr=adamw_lr)
     elif cfg.optimizer == "soap":
@@ -249,13 +286,17 @@ def _build_matrixfsdp(cfg: TrainConfig) -> _Run:
 
 
 def _build_fsdp2(cfg: TrainConfig) -> _Run:
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = _build_model(cfg)
     mesh = _mesh(cfg)  # 2-D: torch's own HSDP
+    choice = device_choice(cfg.device)
+    kw: dict[str, Any] = {}
+    if choice.param_dtype is not None:  # the same mixed precision as the matrixfsdp run
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=choice.param_dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     lr, _ = OPTIMIZER_LRS["adamw"]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     return _Run("fsdp2-adamw", model, opt, [(lr, None)], torch.nn.utils.clip_grad_norm_, None)
@@ -276,12 +317,12 @@ def _comm(counter: Any) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def _heldout_loss(model: nn.Module, windows: torch.Tensor) -> float:
+def _heldout_loss(model: nn.Module, windows: torch.Tensor, device: str = "cpu") -> float:
     rank, W = dist.get_rank(), dist.get_world_size()
-    mine = windows[rank::W]
+    mine = windows[rank::W].to(device)
     logits = model(mine[:, :-1])
     s = F.cross_entropy(logits.flatten(0, 1).float(), mine[:, 1:].flatten(), reduction="sum")
-    tot = torch.stack([s.double(), torch.tensor(float(mine[:, 1:].numel()), dtype=torch.float64)])
+    tot = torch.stack([s.double(), torch.tensor(float(mine[:, 1:].numel()), dtype=torch.float64, device=device)])
     dist.all_reduce(tot)
     return float(tot[0] / tot[1])
 
@@ -289,14 +330,14 @@ def _heldout_loss(model: nn.Module, windows: torch.Tensor) -> float:
 @torch.no_grad()
 def _sample(model: nn.Module, cfg: TrainConfig, prompt: bytes = b"def ") -> str:
     """Sample ``cfg.sample_bytes`` bytes (temperature 0.8); rank 0 draws, every rank runs the model."""
-    g = torch.Generator().manual_seed(cfg.seed)
-    toks = torch.tensor([list(prompt)], dtype=torch.long)
+    g = torch.Generator().manual_seed(cfg.seed)  # drawn on the CPU on every device
+    toks = torch.tensor([list(prompt)], dtype=torch.long, device=cfg.device)
     for _ in range(cfg.sample_bytes):
-        logits = model(toks[:, -cfg.seq_len:])[0, -1].float()
-        nxt = torch.multinomial(torch.softmax(logits / 0.8, dim=-1), 1, generator=g).view(1, 1)
+        logits = model(toks[:, -cfg.seq_len:])[0, -1].float().cpu()
+        nxt = torch.multinomial(torch.softmax(logits / 0.8, dim=-1), 1, generator=g).view(1, 1).to(cfg.device)
         dist.broadcast(nxt, src=0)
         toks = torch.cat([toks, nxt], dim=1)
-    return bytes(toks[0].tolist()).decode("utf-8", errors="replace")
+    return bytes(toks[0].cpu().tolist()).decode("utf-8", errors="replace")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -393,7 +434,8 @@ def _train_run(cfg: TrainConfig, corpus: Corpus, build: Callable[[TrainConfig], 
         for step in range(start, stop):
             t0 = time.perf_counter()
             lr = _set_lr(run, lr_multiplier(step, cfg.steps))
-            xy = local_batch(corpus, step, batch=cfg.batch, seq_len=cfg.seq_len, seed=cfg.seed, rank=rank, world=W)
+            xy = local_batch(corpus, step, batch=cfg.batch, seq_len=cfg.seq_len, seed=cfg.seed, rank=rank,
+                             world=W).to(cfg.device)
             c = run.counter
             if c is not None:
                 c.reset()
@@ -425,7 +467,7 @@ def _train_run(cfg: TrainConfig, corpus: Corpus, build: Callable[[TrainConfig], 
                 bar.set_postfix(loss=f"{avg_loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
                 bar.update(1)
             if done % cfg.eval_every == 0 or done == cfg.steps:
-                h = _heldout_loss(run.model, windows)
+                h = _heldout_loss(run.model, windows, cfg.device)
                 log({"run": name, "step": done, "heldout_loss": h})
                 if bar is not None:
                     bar.write(f"{name} step {done}: train loss {avg_loss:.4f}, held-out loss {h:.4f}")
@@ -438,7 +480,7 @@ def _train_run(cfg: TrainConfig, corpus: Corpus, build: Callable[[TrainConfig], 
         if logf is not None:
             logf.close()
         return None
-    heldout = _heldout_loss(run.model, windows)
+    heldout = _heldout_loss(run.model, windows, cfg.device)
     sample = _sample(run.model, cfg)
     digest = _param_digest(run.model)
     last = [json.loads(x) for x in log_path.read_text().splitlines()] if rank == 0 else []
