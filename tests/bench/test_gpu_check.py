@@ -19,6 +19,8 @@ SWEEP = ROOT / "benchmarks" / "gpu" / "nccl_sweep.py"
 sys.path.insert(0, str(CHECK.parent))
 check = pytest.importorskip("check")
 sweep = pytest.importorskip("nccl_sweep")
+# the parts' helpers, from the package beside check.py (importing check put its folder on sys.path)
+kernels = pytest.importorskip("check_parts.kernels")
 
 
 def _env() -> dict:
@@ -78,9 +80,9 @@ def test_rows_are_written_when_produced_and_a_timeout_keeps_them(tmp_path):
     assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 2
     assert check._status({"ok": False}, 124, False) == "TIMEOUT (rows kept)"
     assert check._status({"ok": True}, 0, True) == "dry-run passed"
-    assert check.bf16_peak("NVIDIA H100 80GB HBM3") == 989.0 and check.bf16_peak("NVIDIA H200") == 989.0
-    assert check.bf16_peak("NVIDIA A10G") is None
-    assert check.ns_flops(1, 2, 3) == 5 * (4 * 2 * 2 * 3 + 2 * 8)
+    assert kernels.bf16_peak("NVIDIA H100 80GB HBM3") == 989.0 and kernels.bf16_peak("NVIDIA H200") == 989.0
+    assert kernels.bf16_peak("NVIDIA A10G") is None
+    assert kernels.ns_flops(1, 2, 3) == 5 * (4 * 2 * 2 * 3 + 2 * 8)
 
 
 def test_gpu_check_rejects_unknown_parts(tmp_path):
