@@ -88,7 +88,7 @@ def part_kernels(ctx: Ctx) -> dict:
         x = torch.randn(b, *shape, device=dev, dtype=dtype)
         flops = ns_flops(b, *shape)
         try:
-            ms = _time_ms(lambda: batched_newtonschulz(x, coeffs, 5, eps, dtype), reps, dev)
+            ms = _time_ms(lambda x=x: batched_newtonschulz(x, coeffs, 5, eps, dtype), reps, dev)
             tf = flops / ms / 1e9
             emit(op="newton_schulz", how="batched eager", shape=shape, batch=b, dtype=str(dtype)[6:], ms=ms,
                  tflops=tf, pct_of_peak=None if peak is None else 100 * tf / peak)
@@ -116,7 +116,7 @@ def part_kernels(ctx: Ctx) -> dict:
             t0 = time.perf_counter()
             fn(x, coeffs, 5, eps, dt)
             compile_s = time.perf_counter() - t0
-            ms = _time_ms(lambda: fn(x, coeffs, 5, eps, dt), reps, dev)
+            ms = _time_ms(lambda x=x, fn=fn: fn(x, coeffs, 5, eps, dt), reps, dev)
             compiled = counter.frame_count >= 1
             compiled_all &= compiled
             tf = ns_flops(b, *shape) / ms / 1e9
