@@ -121,6 +121,9 @@ class Muon(MatrixOptimizer):
         capturable: a step without host reads (``lr`` may be a 0-dim tensor; see
             [Note: capturable and batched steps] in ``optim/_base.py``), for
             ``torch.compile(opt.step)`` under an LR scheduler and CUDA graphs (default False).
+            Keep a tensor ``lr`` on the parameters' device: it is then used as it is. A float or
+            a CPU-tensor ``lr`` is written into one device scalar per group and step (``fill_``:
+            no copy, no sync), whose value a CUDA graph would freeze.
         batched: stack same-shape matrices into one batched Newton-Schulz and step the rest
             with ``torch._foreach_*`` kernels (default False: per matrix, bitwise torch). The
             batched iteration is not bitwise the per-matrix one on every backend: on the CPU
@@ -152,9 +155,11 @@ class Muon(MatrixOptimizer):
         >>> model(torch.randint(0, 100, (4,))).sum().backward()
         >>> opt.step()
 
-    Compiled, with a scheduler (a tensor ``lr``: one graph for every step after the first)::
+    Compiled, with a scheduler (a tensor ``lr`` on the parameters' device: one graph for every
+    step after the first, no host-to-device copy of it, CUDA-graph capturable)::
 
-        >>> opt = Muon(model.parameters(), lr=torch.tensor(0.02), capturable=True, batched=True)
+        >>> device = next(model.parameters()).device  # e.g. cuda:0
+        >>> opt = Muon(model.parameters(), lr=torch.tensor(0.02, device=device), capturable=True, batched=True)
         >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
         >>> step = torch.compile(opt.step)
         >>> for _ in range(3):
