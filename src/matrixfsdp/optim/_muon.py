@@ -206,7 +206,11 @@ class Muon(MatrixOptimizer):
         adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"`` (default None).
         ns_dtype: dtype of the Newton-Schulz iteration, ``torch.bfloat16`` (default; bitwise
             torch; the choice on CUDA GPUs, where fp32 GEMMs without TF32 are several times
-            slower) or ``torch.float32`` (more accurate; much faster than bf16 on most CPUs).
+            slower) or ``torch.float32`` (more accurate). On CPUs it depends on the CPU: with AMX
+            (``amx_bf16``) bf16 is the faster one (an Intel Xeon with AMX, torch 2.13: bf16 took
+            0.24-0.36x the fp32 time on 1024x1024 to 2048x6144; ``benchmarks/gram_ns_bench.py``);
+            without AMX or ``avx512_bf16``, bf16 matmul is much slower than fp32 (about 25x by
+            earlier notes here), so choose float32 there.
         capturable: a step without host reads (``lr`` may be a 0-dim tensor; see
             [Note: capturable and batched steps] in ``optim/_base.py``), for
             ``torch.compile(opt.step)`` under an LR scheduler and CUDA graphs (default False).
@@ -226,8 +230,9 @@ class Muon(MatrixOptimizer):
             at one restart and at the end ([Note: Gram Newton-Schulz]); square matrices take the
             standard iteration. Opt-in: it pays off for wide or tall matrices (aspect 3 and more)
             and in float32 equals the standard iteration to round-off, while in bfloat16 its
-            distance from the float64 iteration is about twice the standard's (measured figures
-            in docs/optimizers.md). Per-matrix, batched, capturable and expert-stack steps.
+            distance from the float64 iteration is about twice the standard's. Measured on an
+            Intel Xeon CPU with AMX: 0.66-0.75x the standard time in float32 at aspect 3-4
+            (docs/optimizers.md). Per-matrix, batched, capturable and expert-stack steps.
         adamw_lr: AdamW learning rate; ``None`` (default) means the group's ``lr`` at each step.
         adamw_betas: AdamW betas (default ``(0.9, 0.999)``).
         adamw_eps: AdamW eps (default 1e-8).
