@@ -23,6 +23,11 @@ Three measurements, each a JSON row on stdout (``--out X``: ``X.jsonl`` and a ma
   chunk per shape (the whole stack in one ``bmm``, as before issue 29): median seconds, ratios to
   the per-matrix step (issue 29 item 5: should ``batched`` become a default).
 
+* ``kind="restart"`` (``--restart-shapes``, e.g. ``512x1536,256x1280,1536x512``; none by default):
+  how far Gram Newton-Schulz in bfloat16 lands from the standard bfloat16 iteration with no
+  restart and with one restart before each iteration 1..4, on matrices with singular values
+  spread log-uniformly from 1 to 1e-3 (the choice behind ``GRAM_RESTARTS``).
+
 The distances use a seeded Gaussian input; a momentum's spectrum decays faster, where Muon's five
 steps leave small singular values further from 1 (both methods alike in float32).
 """
@@ -59,8 +64,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
-    out = []
-    for item in text.split(","):
+    out: list[tuple[int, int]] = []
+    for item in filter(None, (t.strip() for t in text.split(","))):  # "" is no shape
         rows, sep, cols = item.strip().lower().partition("x")
         if not sep:
             raise argparse.ArgumentTypeError(f"gram_ns_bench: a shape is ROWSxCOLS, got {item!r}")
@@ -148,6 +153,19 @@ def step_rows(shapes: list[tuple[int, int]], count: int, dtypes: list[str], reps
     return rows
 
 
+def restart_rows(shape: tuple[int, int]) -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(0)
+    u, _, vh = torch.linalg.svd(torch.randn(shape, generator=g, dtype=torch.float64), full_matrices=False)
+    x = ((u * torch.logspace(0, -3, u.shape[1], dtype=torch.float64)) @ vh).float()
+    standard = zeropower_via_newtonschulz(x, NS, 5, 1e-7, torch.bfloat16).double()
+    rows = []
+    for restarts in [(), (1,), (2,), (3,), (4,)]:
+        out = gram_newtonschulz(x, NS, 5, 1e-7, torch.bfloat16, restarts=restarts)
+        rows.append({"kind": "restart", "shape": f"{shape[0]}x{shape[1]}", "dtype": "bfloat16",
+                     "restarts": list(restarts), "dist_standard": rel(out, standard)})
+    return rows
+
+
 def report(rows: list[dict[str, Any]], header: list[str]) -> str:
     out = header + ["", "## Newton-Schulz (5 steps): standard against Gram", "",
                     "| shape | dtype | method | ms | vs standard | vs fp32 | dist from U V^T | dist from f64 iteration |",
@@ -163,6 +181,11 @@ def report(rows: list[dict[str, Any]], header: list[str]) -> str:
         if r["kind"] == "step":
             out.append(f"| {r['count']} x ({r['shapes']}) | {r['dtype']} | {r['mode']} | {r['seconds'] * 1e3:.1f} | "
                        f"{r['time_vs_loop']:.2f} |")
+    restart = [r for r in rows if r["kind"] == "restart"]
+    if restart:
+        out += ["", "## Gram restarts (bfloat16, singular values 1 to 1e-3): distance from the standard bf16 iteration",
+                "", "| shape | restart before iteration | distance |", "|---|---|---|"]
+        out += [f"| {r['shape']} | {r['restarts'] or 'none'} | {r['dist_standard']:.3f} |" for r in restart]
     return "\n".join(out) + "\n"
 
 
@@ -174,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--step-shapes", type=parse_shapes, default=parse_shapes("1024x1024,1024x3072"))
     ap.add_argument("--step-count", type=int, default=8, help="matrices of each step shape (0: no step rows)")
+    ap.add_argument("--restart-shapes", type=parse_shapes, default=[], help="shapes of the restart sweep (default none)")
     ap.add_argument("--out", default=None, help="write OUT.jsonl and OUT.md")
     args = ap.parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",")]
@@ -190,6 +214,10 @@ def main(argv: list[str] | None = None) -> None:
               f"- medians of {args.reps} interleaved runs after one warm-up each; shared machine"]
     rows: list[dict[str, Any]] = []
     print(json.dumps({"kind": "env", **env}), flush=True)
+    for shape in args.restart_shapes:
+        for row in restart_rows(shape):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     for shape in args.shapes:
         for row in ns_rows(shape, dtypes, args.reps):
             rows.append(row)

@@ -82,10 +82,11 @@ def _batched_newtonschulz_(y: Tensor, ns_coefficients: tuple[float, float, float
 #: Iterations before which :func:`gram_newtonschulz` restarts (recomputes ``X`` and its Gram
 #: matrix from the accumulated polynomial; [Note: Gram Newton-Schulz]): one restart, before
 #: iteration 3 (0-based) of Muon's 5. Measured in bfloat16 on matrices with singular values from 1
-#: to 1e-3 (512x1536, 256x1280, 1536x512), relative distance from the standard bf16 iteration:
-#: 0.42, 0.30, 0.16, 0.054, 0.066 with no restart and one before iteration 1, 2, 3, 4 (0.80, 0.49,
-#: 0.18, 0.060, 0.10 on 256x1280); on Gaussian matrices every choice was within 2.2-2.7% of the
-#: float64 iteration (standard bf16: 1.2%). In float32 every choice is within 1e-4 of standard.
+#: to 1e-3, relative distance from the standard bf16 iteration with no restart and one before
+#: iteration 1, 2, 3, 4: 0.41, 0.29, 0.16, 0.053, 0.066 (512x1536; 256x1280: 0.79, 0.48, 0.19,
+#: 0.059, 0.10; benchmarks/results/optim/gram_ns_restarts_cpu.md). On Gaussian matrices every
+#: choice landed within 2.2-2.7% of the float64 iteration (standard bf16: 1.2%); in float32 every
+#: choice is within 1e-4 of the standard iteration.
 GRAM_RESTARTS = (3,)
 
 
