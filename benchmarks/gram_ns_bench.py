@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"gram_ns_bench: --dtypes takes {sorted(DTYPES)}, got {d!r}")
     torch.set_num_threads(args.threads)
     env = {**bc.env_info(), "cpu": bc.cpu_model(), "cpu_flags": cpu_flags(), "threads": args.threads}
-    header = [f"# Gram Newton-Schulz, fp32 vs bf16, batched Muon (CPU)", "",
+    header = ["# Gram Newton-Schulz, fp32 vs bf16, batched Muon (CPU)", "",
               f"- command: `{bc.command_line(__file__, argv)}`",
               f"- torch {env['torch']}, CPU {env['cpu']} ({os.cpu_count()} cores, {args.threads} threads; "
               f"flags: {' '.join(env['cpu_flags']) or 'no AMX/avx512_bf16'}), git {env.get('git')}, "
