@@ -187,6 +187,35 @@ def test_batched_muon_matrix_products(capturable):
     assert counts == {False: 180, True: 30}
 
 
+def _batched_step_peak(n=24, shape=(128, 128)):
+    """Peak bytes the CPU allocator holds during a batched Muon step (state exists) of ``n``
+    same-shape float32 matrices: the step's transients, nothing else being allocated."""
+    from matrixfsdp.dryrun.peak import PeakMemory
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for _ in range(n)]
+    opt = Muon(params, lr=0.02, ns_dtype=torch.float32, batched=True)
+    for p in params:
+        p.grad = torch.randn(shape, generator=g)
+    opt.step()
+    with PeakMemory() as pm:
+        opt.step()
+    return pm.peak_bytes
+
+
+def test_batched_muon_transients_are_bounded(monkeypatch):
+    """24 matrices of 128x128 float32 (64 KiB each): the step stacks them in ns_chunks of at most
+    NS_CHUNK_BYTES_CPU (1 MiB: 4 matrices) and frees each chunk before the next. Measured: 1.25 MiB
+    at its peak; with an unbounded chunk 7.5 MiB; the step before issue 29 (every update, a stack
+    in the parameter dtype and its ns_dtype copy at once) 9.0 MiB."""
+    import matrixfsdp.optim._expert_step as expert_step
+
+    bounded = _batched_step_peak()
+    assert bounded <= expert_step.NS_CHUNK_BYTES_CPU * 3 // 2, bounded
+    monkeypatch.setattr(expert_step, "NS_CHUNK_BYTES_CPU", 2**40)  # one chunk: the whole stack
+    assert _batched_step_peak() >= 5 * bounded
+
+
 # ---------------------------------------------------------------------------------- capturable
 
 
@@ -271,6 +300,64 @@ def test_capturable_step_reads_no_device_value(cls):
                 opt.step()
                 sched.step()
         assert (mode.count == 0) == capturable, (capturable, mode.count)
+
+
+class _LrTraffic(TorchDispatchMode):
+    """Counts what a capturable step does with its learning rate on a device other than the CPU
+    (here ``meta``: it runs every op and has no data, so any host read raises): cross-device
+    copies (``lr.to(device)``: a pageable host-to-device copy on CUDA, which stalls the host and
+    fails CUDA-graph capture), ``fill_`` of a device scalar (the value passed as a kernel
+    argument: no copy) and host reads (``aten._local_scalar_dense``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = self.fills = self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name == "_to_copy":
+            self.copies += args[0].device != out.device
+        elif name == "copy_":
+            self.copies += args[0].device != args[1].device
+        self.fills += name == "fill_" and args[0].device.type == "meta"
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return out
+
+
+def test_lr_traffic_counter_sees_a_per_matrix_copy():
+    """The counter is not vacuous: the per-matrix ``lr_tensor(lr, param)`` of a CPU tensor lr and a
+    meta parameter, what the capturable step did for every matrix before issue 29, is a copy."""
+    from matrixfsdp.optim._adamw import lr_tensor
+
+    with _LrTraffic() as mode:
+        lr_tensor(torch.tensor(0.02), torch.empty(2, 2, device="meta"))
+    assert (mode.copies, mode.fills, mode.reads) == (1, 0, 0)
+
+
+@pytest.mark.parametrize("cls", ALL)
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("lr", ["cpu tensor", "float", "device tensor"])
+def test_capturable_lr_is_one_device_tensor_per_group(cls, batched, lr):
+    """Six matrices and two vectors on a device (meta): the step moves no lr to the device, fills
+    one device scalar per group and step from a float or CPU-tensor lr (before issue 29: one copy
+    per matrix and per AdamW group, 7 here), and uses a device-tensor lr as it is, reading it
+    never, the first (state-creating) step included (a host read of a meta tensor raises)."""
+    shapes = [(16, 16)] * 4 + [(8, 16)] * 2 + [(16,)] * 2
+    params = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in shapes]
+    opt = cls(params, lr=0.02 if lr == "float" else torch.tensor(0.02), capturable=True, batched=batched)
+    if lr == "device tensor":
+        opt.param_groups[0]["lr"] = torch.tensor(0.02, device="meta")  # as a user or scheduler sets it
+    for p in params:
+        p.grad = torch.empty_like(p)
+    counts = []
+    for _ in range(2):
+        with _LrTraffic() as mode:
+            opt.step()
+        counts.append((mode.copies, mode.fills, mode.reads))
+    fills = 0 if lr == "device tensor" else 1
+    # the first step's one read: "lr != 0" of the CPU lr (DCP's state-init check; not a device sync)
+    assert counts == [(0, fills, int(lr == "cpu tensor")), (0, fills, 0)], counts
 
 
 # ---------------------------------------------------------------------------------- compiled

@@ -41,7 +41,9 @@ def lr_tensor(lr: float | Tensor, like: Tensor) -> Tensor:
 
     A tensor ``lr`` is used as it is (moved only if it lives elsewhere; keep it on the
     parameters' device for CUDA-graph capture). A Python float becomes a float64 tensor, so
-    ``1 - lr * weight_decay`` is the double the default step computes.
+    ``1 - lr * weight_decay`` is the double the default step computes. The optimizers' steps
+    hand their per-matrix code a group whose rates are already device tensors, one per group
+    ([Note: one lr tensor per group] in ``optim/_base.py``), so this moves nothing there.
     """
     if isinstance(lr, Tensor):
         return lr if lr.device == like.device else lr.to(like.device)

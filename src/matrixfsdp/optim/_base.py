@@ -25,7 +25,8 @@ group index. ``lr`` and ``adamw_lr`` may be 0-dim tensors in groups with ``captu
 Two per-group options change how a group is stepped, never what it computes beyond round-off:
 
 * ``capturable=True``: the step reads no Python number that changes between steps. Learning
-  rates may be 0-dim tensors (an LR scheduler then writes them in place), step counters live on
+  rates may be 0-dim tensors (an LR scheduler then writes them in place; keep them on the
+  parameters' device, see [Note: one lr tensor per group]), step counters live on
   the parameter's device, bias corrections and step sizes are tensor arithmetic, and nothing in
   ``step()`` reads a device value (no ``.item()``). Data-independent schedules (Shampoo's root
   recomputations, SOAP's basis refreshes) follow a host-side count of each parameter's steps,
@@ -203,6 +204,9 @@ class MatrixOptimizer(Optimizer):
         #: host-side step counts of capturable groups (see [Note: host step counts])
         self._step_calls: dict[str, int] = {"calls": 2}  # a dict, from 2: see [Note: host step counts]
         self._host_offsets: dict[Tensor, int] = {}
+        #: capturable groups' learning rates on their parameters' device (see [Note: one lr
+        #: tensor per group])
+        self._lr_tensors: dict[tuple[int, str, torch.device, torch.dtype], Tensor] = {}
         super().__init__(params, defaults)
         if not from_module:
             from ._list_routing import warn_if_list_routing_differs
@@ -561,12 +565,52 @@ class MatrixOptimizer(Optimizer):
             else:
                 self._check_whole(p, param, index)
                 matrix.append((p, param, grad))
+        if not group.get("capturable", False):
+            self._group_step_on(group, adamw, matrix, stacks)
+            return
+        devices: list[torch.device] = []
+        for _, param, _ in chain(adamw, matrix, stacks):
+            if param.device not in devices:
+                devices.append(param.device)
+        if len(devices) == 1:  # the usual case
+            self._group_step_on(self._device_lrs(index, group, devices[0]), adamw, matrix, stacks)
+            return
+        for device in devices:
+            self._group_step_on(self._device_lrs(index, group, device), *(
+                [it for it in items if it[1].device == device] for items in (adamw, matrix, stacks)))
+
+    def _group_step_on(self, group: dict[str, Any], adamw: list[tuple[Tensor, Tensor, Tensor]],
+                       matrix: list[tuple[Tensor, Tensor, Tensor]], stacks: list[tuple[Tensor, Tensor, int]]) -> None:
         if adamw:
             self._adamw_group(adamw, group)
         if matrix:
             self._matrix_group(matrix, group)
         for p, param, splits in stacks:
             self._experts_step(param, local_tensor(p.grad), self.state[p], group, splits)
+
+    # [Note: one lr tensor per group]
+    # A capturable step computes with its learning rates as 0-dim tensors on the parameters'
+    # device. Made per matrix from a float or a CPU tensor (``torch.tensor(lr, device=...)``,
+    # ``lr.to(device)``), each would be a pageable host-to-device copy: on CUDA a stall per matrix,
+    # and CUDA-graph capture fails. So each capturable group keeps one tensor per device and rate,
+    # refreshed once per step with ``fill_`` (the value travels as a kernel argument: no copy, no
+    # sync), and the step reads the group through a view holding those tensors. A tensor ``lr``
+    # already on the device is used as it is: that is the one to capture a CUDA graph with (a
+    # filled value would be frozen into the graph). Values are the ones ``lr_tensor`` makes: a
+    # float as float64, a tensor in its own dtype, so results are bitwise as before.
+    def _device_lrs(self, index: int, group: dict[str, Any], device: torch.device) -> dict[str, Any]:
+        """``group`` with ``lr`` and ``adamw_lr`` as 0-dim tensors on ``device`` (see the Note)."""
+        view = dict(group)
+        for key in ("lr", "adamw_lr"):
+            lr = group.get(key)
+            if lr is None or (isinstance(lr, Tensor) and lr.device == device):
+                continue
+            dtype = lr.dtype if isinstance(lr, Tensor) else torch.float64
+            cached = self._lr_tensors.get((index, key, device, dtype))
+            if cached is None:
+                cached = self._lr_tensors[(index, key, device, dtype)] = torch.empty((), dtype=dtype, device=device)
+            view[key] = cached.fill_(lr)
+        return view
 
     def _adamw_group(self, items: list[tuple[Tensor, Tensor, Tensor]], group: dict[str, Any]) -> None:
         """AdamW on a group's element-wise parameters: foreach when batched or capturable."""
@@ -664,6 +708,7 @@ class MatrixOptimizer(Optimizer):
         self.__dict__.setdefault("_step_calls", {"calls": 2})
         self.__dict__.setdefault("_host_offsets", {})
         self.__dict__.setdefault("_remote_state", set())
+        self.__dict__.setdefault("_lr_tensors", {})
         for group in self.param_groups:
             for key in STEP_FLAGS:
                 group.setdefault(key, False)
@@ -679,6 +724,10 @@ class MatrixOptimizer(Optimizer):
     # first real step starts from -- zeros, counters at 0, SOAP marked "statistics pending" -- and
     # leaves every parameter untouched.
     def _is_state_init_call(self, params: list[Tensor]) -> bool:
+        # DCP zeroes a learning rate as a number or a CPU tensor (torch.tensor(0.0)), never as a
+        # tensor on an accelerator, which is not read: that would synchronize the device
+        if any(isinstance(g["lr"], Tensor) and g["lr"].device.type != "cpu" for g in self.param_groups):
+            return False
         if any(g["lr"] != 0 for g in self.param_groups):
             return False
         seen = False

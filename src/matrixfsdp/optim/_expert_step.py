@@ -30,7 +30,8 @@ from torch import Tensor
 
 __all__ = ["matrices", "init_stacked", "loop_step", "ns_chunks", "NS_CHUNK_BYTES", "NS_CHUNK_BYTES_CPU", "route_name"]
 
-#: The most bytes of one Newton-Schulz batch of an expert stack (its ``ns_dtype`` copy and the
+#: The most bytes of one Newton-Schulz batch of an expert stack or of a batched Muon group's
+#: same-shape matrices ([Note: batched Muon] in ``optim/_muon.py``: its ``ns_dtype`` copy and the
 #: Gram products); a stack larger than that is orthogonalized in chunks. On accelerators batching
 #: saves kernel launches, so the bound is memory; on the CPU a batch gains only while it stays in a
 #: core's cache (measured on an AMD EPYC, one thread: 16 experts of 64 x 32 batched 2.6x faster

@@ -9,7 +9,7 @@ an import of torch's private helper.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -21,6 +21,7 @@ __all__ = ["Muon"]
 
 _NS_DTYPES = (torch.bfloat16, torch.float32)
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+_NS_METHODS = ("standard", "gram")
 
 
 def zeropower_via_newtonschulz(
@@ -32,9 +33,14 @@ def zeropower_via_newtonschulz(
     to ``x.dtype`` a plain cast would alias ``x`` -- the momentum buffer when ``nesterov=False`` --
     and the in-place normalization below would corrupt it).
     """
+    return _newtonschulz_(x.to(dtype, copy=True), ns_coefficients, ns_steps, eps)
+
+
+def _newtonschulz_(y: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float) -> Tensor:
+    """:func:`zeropower_via_newtonschulz` on ``y``, a 2-D tensor of the iteration's dtype it may
+    overwrite (torch's op sequence)."""
     a, b, c = ns_coefficients
-    y = x.to(dtype, copy=True)
-    tall = x.size(0) > x.size(1)
+    tall = y.size(0) > y.size(1)
     if tall:  # iterate on the smaller Gram matrix
         y = y.T
     y.div_(y.norm().clamp(min=eps))  # spectral norm <= Frobenius norm <= 1
@@ -55,9 +61,14 @@ def batched_newtonschulz(
     the bits equal the per-matrix iteration depends on the backend's batched GEMM (on the CPU
     with MKL they differ by a few ulp for most shapes; see docs/optimizers.md).
     """
+    return _batched_newtonschulz_(x.to(dtype, copy=True), ns_coefficients, ns_steps, eps)
+
+
+def _batched_newtonschulz_(y: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                           eps: float) -> Tensor:
+    """:func:`batched_newtonschulz` on ``y``, a stack of the iteration's dtype it may overwrite."""
     a, b, c = ns_coefficients
-    y = x.to(dtype, copy=True)
-    tall = x.size(-2) > x.size(-1)
+    tall = y.size(-2) > y.size(-1)
     if tall:
         y = y.mT
     y.div_(torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True).clamp(min=eps))
@@ -66,6 +77,85 @@ def batched_newtonschulz(
         gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         y = torch.baddbmm(y, gram_update, y, beta=a)
     return y.mT if tall else y
+
+
+#: Iterations before which :func:`gram_newtonschulz` restarts (recomputes ``X`` and its Gram
+#: matrix from the accumulated polynomial; [Note: Gram Newton-Schulz]): one restart, before
+#: iteration 3 (0-based) of Muon's 5. Measured in bfloat16 on matrices with singular values from 1
+#: to 1e-3, relative distance from the standard bf16 iteration with no restart and one before
+#: iteration 1, 2, 3, 4: 0.41, 0.29, 0.16, 0.053, 0.066 (512x1536; 256x1280: 0.79, 0.48, 0.19,
+#: 0.059, 0.10; benchmarks/results/optim/gram_ns_restarts_cpu.md). On Gaussian matrices every
+#: choice landed within 2.2-2.7% of the float64 iteration (standard bf16: 1.2%); in float32 every
+#: choice is within 1e-4 of the standard iteration.
+GRAM_RESTARTS = (3,)
+
+
+def gram_newtonschulz(
+    x: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float, dtype: torch.dtype,
+    restarts: tuple[int, ...] = GRAM_RESTARTS,
+) -> Tensor:
+    """:func:`zeropower_via_newtonschulz` (``x`` 2-D) or :func:`batched_newtonschulz` (``x`` a
+    3-D stack) computed on the small Gram matrix (see [Note: Gram Newton-Schulz]); a square matrix
+    takes the standard iteration, op for op. Returns a new tensor of ``dtype``."""
+    return _gram_newtonschulz_(x.to(dtype, copy=True), ns_coefficients, ns_steps, eps, restarts)
+
+
+# [Note: Gram Newton-Schulz]
+# Muon's quintic step on X (m x n, m <= n; a tall matrix is transposed) is X <- P(R) X with
+# R = X X^T (m x m) and P(R) = a I + b R + c R^2. Every P is a polynomial in the first Gram matrix
+# R_0, so after k steps X_k = Q_k X_0 with Q_k = P_{k-1} ... P_0, and the next Gram matrix is
+# R_{k+1} = P_k R_k P_k. The Gram iteration runs those m x m recurrences (R^2, Q P, R P, P (R P):
+# four m^3 products, two in the last step) and touches X (m x n) only to form R_0 and, at the end,
+# Q X_0: 2 m^2 n + O(m^3) instead of the standard (2 m^2 n + m^3) per step. So it pays for wide
+# matrices (aspect n/m of 3 and more) and not for square ones, which take the standard
+# iteration. It is the same polynomial in exact arithmetic; in floating point R_k drifts from
+# Q_k R_0 Q_k (in bfloat16 it can grow negative eigenvalues, which the polynomial amplifies), so it
+# restarts at GRAM_RESTARTS: X <- Q X and R <- X X^T, recomputed from the matrix. From the
+# published description (Gram Newton-Schulz, Dao AI Lab, as adopted by VeOmni and DeepSpeed);
+# our own code and restart choice.
+def _gram_newtonschulz_(y: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float,
+                        restarts: tuple[int, ...] = GRAM_RESTARTS) -> Tensor:
+    """:func:`gram_newtonschulz` on ``y`` (2-D or a stack, of the iteration's dtype), which it may
+    overwrite."""
+    if y.size(-2) == y.size(-1) or ns_steps == 0:
+        if y.ndim == 2:
+            return _newtonschulz_(y, ns_coefficients, ns_steps, eps)
+        return _batched_newtonschulz_(y, ns_coefficients, ns_steps, eps)
+    a, b, c = ns_coefficients
+    mm, addmm = (torch.mm, torch.addmm) if y.ndim == 2 else (torch.bmm, torch.baddbmm)
+    tall = y.size(-2) > y.size(-1)
+    if tall:
+        y = y.mT
+    norm = y.norm() if y.ndim == 2 else torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True)
+    y.div_(norm.clamp(min=eps))  # as the standard iteration
+    r = mm(y, y.mT)
+    q: Tensor | None = None
+    for k in range(ns_steps):
+        if q is not None and k in restarts:
+            y = mm(q, y)
+            r = mm(y, y.mT)
+            q = None
+        p = addmm(r, r, r, beta=b, alpha=c)  # b R + c R^2
+        p.diagonal(dim1=-2, dim2=-1).add_(a)  # + a I
+        q = p if q is None else mm(q, p)
+        if k + 1 < ns_steps and k + 1 not in restarts:
+            r = mm(p, mm(r, p))
+    y = mm(cast(Tensor, q), y)  # (set: ns_steps > 0)
+    return y.mT if tall else y
+
+
+def orthogonalize(x: Tensor, group: dict[str, Any]) -> Tensor:
+    """Muon's Newton-Schulz of ``x`` (a matrix, or a stack of same-shape matrices) with ``group``'s
+    hyperparameters; a new tensor of ``group["ns_dtype"]``, ``x`` untouched."""
+    return _orthogonalize_(x.to(group["ns_dtype"], copy=True), group)
+
+
+def _orthogonalize_(y: Tensor, group: dict[str, Any]) -> Tensor:
+    """:func:`orthogonalize` of ``y``, already of the iteration's dtype, which it may overwrite."""
+    args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+    if group.get("ns_method", "standard") == "gram":  # absent in groups saved before it existed
+        return _gram_newtonschulz_(y, *args)
+    return _newtonschulz_(y, *args) if y.ndim == 2 else _batched_newtonschulz_(y, *args)
 
 
 def lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
@@ -117,14 +207,33 @@ class Muon(MatrixOptimizer):
         adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"`` (default None).
         ns_dtype: dtype of the Newton-Schulz iteration, ``torch.bfloat16`` (default; bitwise
             torch; the choice on CUDA GPUs, where fp32 GEMMs without TF32 are several times
-            slower) or ``torch.float32`` (more accurate; much faster than bf16 on most CPUs).
+            slower) or ``torch.float32`` (more accurate). On CPUs it depends on the CPU: with AMX
+            (``amx_bf16``) bf16 is the faster one (an Intel Xeon with AMX, torch 2.13: bf16 took
+            0.24-0.36x the fp32 time on 1024x1024 to 2048x6144; ``benchmarks/gram_ns_bench.py``);
+            without AMX or ``avx512_bf16``, bf16 matmul is much slower than fp32 (about 25x by
+            earlier notes here), so choose float32 there.
         capturable: a step without host reads (``lr`` may be a 0-dim tensor; see
             [Note: capturable and batched steps] in ``optim/_base.py``), for
             ``torch.compile(opt.step)`` under an LR scheduler and CUDA graphs (default False).
-        batched: stack same-shape matrices into one batched Newton-Schulz and step the rest
-            with ``torch._foreach_*`` kernels (default False: per matrix, bitwise torch). The
-            batched iteration is not bitwise the per-matrix one on every backend: on the CPU
-            (MKL) the orthogonalized update differs by a few float32 ulp for most shapes.
+            Keep a tensor ``lr`` on the parameters' device: it is then used as it is. A float or
+            a CPU-tensor ``lr`` is written into one device scalar per group and step (``fill_``:
+            no copy, no sync), whose value a CUDA graph would freeze.
+        batched: stack same-shape matrices into batched Newton-Schulz and step the rest with
+            ``torch._foreach_*`` kernels (default False: per matrix, bitwise torch). Stacks are
+            cut into chunks of bounded bytes (``ns_chunks``: 64 MiB on accelerators, 1 MiB on the
+            CPU), each cast to ``ns_dtype`` as it is stacked and freed before the next, so the
+            step's transients are one chunk's ([Note: batched Muon]). The batched iteration is not
+            bitwise the per-matrix one on every backend: on the CPU (MKL) the orthogonalized update
+            differs by a few float32 ulp for most shapes with two threads.
+        ns_method: ``"standard"`` (default: the iteration above, torch's) or ``"gram"``: the same
+            quintic polynomial (same ``ns_coefficients`` and ``ns_steps``) evaluated on the small
+            Gram matrix of a rectangular matrix, touching the matrix itself only at the start,
+            at one restart and at the end ([Note: Gram Newton-Schulz]); square matrices take the
+            standard iteration. Opt-in: it pays off for wide or tall matrices (aspect 3 and more)
+            and in float32 equals the standard iteration to round-off, while in bfloat16 its
+            distance from the float64 iteration is about twice the standard's. Measured on an
+            Intel Xeon CPU with AMX: 0.66-0.75x the standard time in float32 at aspect 3-4
+            (docs/optimizers.md). Per-matrix, batched, capturable and expert-stack steps.
         adamw_lr: AdamW learning rate; ``None`` (default) means the group's ``lr`` at each step.
         adamw_betas: AdamW betas (default ``(0.9, 0.999)``).
         adamw_eps: AdamW eps (default 1e-8).
@@ -152,9 +261,11 @@ class Muon(MatrixOptimizer):
         >>> model(torch.randint(0, 100, (4,))).sum().backward()
         >>> opt.step()
 
-    Compiled, with a scheduler (a tensor ``lr``: one graph for every step after the first)::
+    Compiled, with a scheduler (a tensor ``lr`` on the parameters' device: one graph for every
+    step after the first, no host-to-device copy of it, CUDA-graph capturable)::
 
-        >>> opt = Muon(model.parameters(), lr=torch.tensor(0.02), capturable=True, batched=True)
+        >>> device = next(model.parameters()).device  # e.g. cuda:0
+        >>> opt = Muon(model.parameters(), lr=torch.tensor(0.02, device=device), capturable=True, batched=True)
         >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
         >>> step = torch.compile(opt.step)
         >>> for _ in range(3):
@@ -177,6 +288,7 @@ class Muon(MatrixOptimizer):
         adjust_lr_fn: str | None = None,
         *,
         ns_dtype: torch.dtype = torch.bfloat16,
+        ns_method: str = "standard",
         adamw_lr: float | None = ADAMW_DEFAULTS["adamw_lr"],
         adamw_betas: tuple[float, float] = ADAMW_DEFAULTS["adamw_betas"],
         adamw_eps: float = ADAMW_DEFAULTS["adamw_eps"],
@@ -197,6 +309,7 @@ class Muon(MatrixOptimizer):
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
             "ns_dtype": ns_dtype,
+            "ns_method": ns_method,
         }
         adamw = {
             "adamw_lr": adamw_lr,
@@ -219,6 +332,9 @@ class Muon(MatrixOptimizer):
             self._fail(
                 f"adjust_lr_fn must be one of {_ADJUST_LR_FNS}, got adjust_lr_fn={group['adjust_lr_fn']!r}", where
             )
+        ns_method = group.get("ns_method", "standard")
+        if not isinstance(ns_method, str) or ns_method not in _NS_METHODS:
+            self._fail(f"ns_method must be one of {_NS_METHODS}, got ns_method={ns_method!r}", where)
         if group["ns_dtype"] not in _NS_DTYPES:
             self._fail(
                 f"ns_dtype must be torch.bfloat16 or torch.float32, got ns_dtype={group['ns_dtype']!r}", where
@@ -229,9 +345,7 @@ class Muon(MatrixOptimizer):
 
     def _matrix_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         update = self._matrix_prepare(grad, state, group)
-        ortho = zeropower_via_newtonschulz(
-            update, group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"]
-        )
+        ortho = orthogonalize(update, group)
         # The local tensor is the whole matrix here, so its shape is the global one.
         lr = group["lr"]
         step_lr = adjusted_lr(lr, group["adjust_lr_fn"], param.shape)
@@ -252,9 +366,7 @@ class Muon(MatrixOptimizer):
         return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
     def _matrix_finish(self, prepared: Tensor, dtype: torch.dtype, group: dict[str, Any]) -> Tensor:
-        ortho = zeropower_via_newtonschulz(
-            prepared, group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"]
-        )
+        ortho = orthogonalize(prepared, group)
         out = torch.zeros(tuple(prepared.shape), dtype=dtype, device=prepared.device)
         # as update() computes it (the step on zeros): the same rounding as a whole-state host
         return out.add_(ortho, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], prepared.shape))
@@ -263,9 +375,7 @@ class Muon(MatrixOptimizer):
         self, p: Tensor, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]
     ) -> None:
         update = self._matrix_prepare(grad, state, group)
-        ortho = zeropower_via_newtonschulz(
-            update, group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"]
-        )
+        ortho = orthogonalize(update, group)
         lr = lr_tensor(group["lr"], param)
         param.mul_(1 - lr * group["weight_decay"])
         # addcmul, not add(alpha=): no lr-dependent Python number reaches a kernel
@@ -284,12 +394,11 @@ class Muon(MatrixOptimizer):
         lr = lr_tensor(group["lr"], mats) if capturable else group["lr"]
         mats.mul_(1 - lr * group["weight_decay"])
         ratio = lr_ratio(group["adjust_lr_fn"], mats.shape[1:])
-        ns_args = (group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
         for chunk in ns_chunks(mats.shape[0], mats.shape[1], mats.shape[2], group["ns_dtype"], mats.device):
             if chunk.stop - chunk.start == 1:  # one matrix: the 2-D iteration (mm, bitwise the rule's)
-                ortho = zeropower_via_newtonschulz(update[chunk.start], *ns_args).unsqueeze(0)
+                ortho = orthogonalize(update[chunk.start], group).unsqueeze(0)
             else:
-                ortho = batched_newtonschulz(update[chunk], *ns_args)
+                ortho = orthogonalize(update[chunk], group)
             if capturable:  # no lr-dependent Python number reaches a kernel
                 mats[chunk].addcmul_(ortho, lr * -ratio)
             else:
@@ -300,7 +409,11 @@ class Muon(MatrixOptimizer):
             super()._matrix_group(items, group)
             return
         # [Note: batched Muon] the per-matrix op sequence, each element-wise op one foreach call
-        # over the group and each Newton-Schulz product one bmm/baddbmm per shape.
+        # over the group and each Newton-Schulz product one bmm/baddbmm per chunk of same-shape
+        # matrices. Chunks are ns_chunks' (bounded bytes, as an expert stack's): each chunk's
+        # updates are made, cast into one ns_dtype stack as it is filled, orthogonalized, applied
+        # and freed before the next, so the step's transients are one chunk's, not every matrix's
+        # update, stack and its cast copy at once (an owner of 1/8 of Qwen3-8B: ~8 GB before).
         states = [self.state[p] for p, _, _ in items]
         for state, (_, _, grad) in zip(states, items):
             if "momentum_buffer" not in state:
@@ -310,22 +423,31 @@ class Muon(MatrixOptimizer):
         bufs = [state["momentum_buffer"] for state in states]
         momentum = group["momentum"]
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
-        updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
         buckets: dict[tuple[Any, ...], list[int]] = {}
-        for i, u in enumerate(updates):
-            buckets.setdefault((tuple(u.shape), u.dtype, u.device), []).append(i)
+        for i, b in enumerate(bufs):  # (an update has its buffer's shape, dtype and device)
+            buckets.setdefault((tuple(b.shape), b.dtype, b.device), []).append(i)
         capturable = group.get("capturable", False)
         lr = lr_tensor(group["lr"], params[0]) if capturable else group["lr"]
         torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-        ns_args = (group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
-        for (shape, _, _), index in buckets.items():
-            if len(index) == 1:  # nothing to batch: the per-matrix iteration, bitwise
-                orthos = [zeropower_via_newtonschulz(updates[index[0]], *ns_args)]
-            else:
-                orthos = list(batched_newtonschulz(torch.stack([updates[i] for i in index]), *ns_args).unbind(0))
-            targets = [params[i] for i in index]
+        ns_dtype = group["ns_dtype"]
+        for (shape, _, device), index in buckets.items():
             ratio = lr_ratio(group["adjust_lr_fn"], torch.Size(shape))
-            if capturable:
-                torch._foreach_addcmul_(targets, orthos, [lr * -ratio] * len(targets))
-            else:
-                torch._foreach_add_(targets, orthos, alpha=-(lr * ratio))
+            chunks = ns_chunks(len(index), shape[0], shape[1], ns_dtype, device) if len(index) > 1 else [slice(0, 1)]
+            for chunk in chunks:
+                part = index[chunk]
+                updates = [bufs[i] for i in part]
+                if group["nesterov"]:
+                    updates = torch._foreach_lerp([grads[i] for i in part], updates, momentum)
+                if len(index) == 1:  # nothing to batch: the per-matrix iteration, bitwise
+                    orthos = [orthogonalize(updates[0], group)]
+                else:  # (a one-matrix chunk too: the batched bits of the others)
+                    stack = torch.empty((len(part), *shape), dtype=ns_dtype, device=device)
+                    torch._foreach_copy_(list(stack.unbind(0)), updates)  # cast as we stack
+                    del updates
+                    orthos = list(_orthogonalize_(stack, group).unbind(0))
+                targets = [params[i] for i in part]
+                if capturable:
+                    torch._foreach_addcmul_(targets, orthos, [lr * -ratio] * len(targets))
+                else:
+                    torch._foreach_add_(targets, orthos, alpha=-(lr * ratio))
+                del orthos

@@ -73,7 +73,8 @@ class Shampoo(MatrixOptimizer):
             betas ``(0.9, 0.999)``, eps ``1e-8``.
         capturable: a step without host reads (``lr`` may be a 0-dim tensor, step counters on
             the parameter's device; root recomputations follow a host-side step count), for
-            ``torch.compile`` and CUDA graphs between recomputations (default False).
+            ``torch.compile`` and CUDA graphs between recomputations (default False); keep a tensor
+            ``lr`` on the parameters' device (see :class:`~matrixfsdp.optim.Muon`).
         batched: step the element-wise parameters with one foreach AdamW (default False).
         allow_tf32: let the float32 factor GEMMs (``G G^T``, ``G^T G``, ``L_root M R_root``) of
             CUDA parameters use TF32 tensor cores, about 8x the fp32 GEMM rate on an A100/H100,

@@ -99,7 +99,8 @@ class SOAP(MatrixOptimizer):
             betas ``(0.9, 0.999)``, eps ``1e-8``.
         capturable: a step without host reads (``lr`` may be a 0-dim tensor, step counters on
             the parameter's device; basis refreshes follow a host-side step count), for
-            ``torch.compile`` and CUDA graphs after the first call (default False).
+            ``torch.compile`` and CUDA graphs after the first call (default False); keep a tensor
+            ``lr`` on the parameters' device (see :class:`~matrixfsdp.optim.Muon`).
         batched: step the element-wise parameters with one foreach AdamW (default False).
         allow_tf32: let the float32 GEMMs of CUDA parameters (projections into and out of the
             eigenbasis, ``G G^T``, ``G^T G``, the refresh's power step) use TF32 tensor cores;
