@@ -75,28 +75,33 @@ def test_the_cuda_configuration_trains_on_the_cpu_with_its_mixed_precision(tmp_p
     import os
 
     import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from matrixfsdp.train import job
 
     bf16 = DeviceChoice("cpu", "gloo", torch.bfloat16, torch.bfloat16)
     cfg = TrainConfig(out=str(tmp_path / "o"), model="nano", steps=2, ckpt_every=2, eval_every=2, sample_bytes=4,
                       max_corpus_bytes=100000, threads=1, batch=4, seq_len=32)
-    policies = []
-    real = MixedPrecisionPolicy.__init__
+    policies: dict[str, set] = {"matrixfsdp": set(), "fsdp2": set()}
 
-    def spy(self, *a, **k):
-        policies.append(k.get("param_dtype"))
-        real(self, *a, **k)
+    def spy(name, real):
+        def f(module, *a, **k):
+            policies[name].add(getattr(k.get("mp_policy"), "param_dtype", None))
+            return real(module, *a, **k)
+        return f
+
+    import matrixfsdp
+    import torch.distributed.fsdp as fsdp
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         with mock.patch.object(job, "device_choice", return_value=bf16), \
-                mock.patch.object(MixedPrecisionPolicy, "__init__", spy):
+                mock.patch.object(matrixfsdp, "fully_shard", spy("matrixfsdp", matrixfsdp.fully_shard)), \
+                mock.patch.object(fsdp, "fully_shard", spy("fsdp2", fsdp.fully_shard)):
             finals = job.run_rank(cfg)
     finally:
         dist.destroy_process_group()
-    assert policies == [torch.bfloat16, torch.bfloat16]  # the matrixfsdp run's and stock FSDP2's
+    # every fully_shard call of the matrixfsdp run and of stock FSDP2's computes in bf16
+    assert policies == {"matrixfsdp": {torch.bfloat16}, "fsdp2": {torch.bfloat16}}, policies
     assert [f["run"] for f in finals] == ["matrixfsdp-muon", "fsdp2-adamw"]
     for name in ("matrixfsdp-muon", "fsdp2-adamw"):
         recs = [json.loads(x) for x in (tmp_path / "o" / f"{name}.jsonl").read_text().splitlines()]
