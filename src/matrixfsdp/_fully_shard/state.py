@@ -36,10 +36,11 @@ which is what [Note: ordering of collectives] needs. Blocks whose inputs need no
 which takes token ids) are post-backwarded by the final callback in a fixed order. Ranks must run
 the same blocks forward and backward (as with FSDP2); which *parameters* get a gradient may differ
 (see [Note: unused parameters]). At most ``max_reduce_inputs`` reductions (default
-``MAX_REDUCES_IN_FLIGHT``, one: FSDP2's default) hold their input buffers: the oldest is finished
-*before* a new block's gradients are copied in, so the compute stream waits for the previous
-reduction there and its input's memory is reused for the next (FSDP2's
-``set_reduce_scatter_max_input_buffers`` dial, same name and meaning).
+``MAX_REDUCE_INPUTS``, one: FSDP2's default) hold their input buffers when a new block's gradients
+are copied in: the oldest input is released first, which waits (on an accelerator, the compute
+stream) for its reduce-scatter only, not for the HSDP replica phase after it, and its memory is
+reused for the next (FSDP2's ``set_reduce_scatter_max_input_buffers`` dial, same name and
+meaning). Reduced gradients land with a lag of at most ``MAX_REDUCES_IN_FLIGHT`` reductions.
 
 [Note: stale state]
 Nothing depends on garbage collection or on which outputs a rank kept. Some iterations never finish
@@ -80,11 +81,15 @@ from .param import ManagedParam
 from ..engine.reducer import PinnedStaging, Reducer, read_flags
 from .param_group import BlockReduce, CommContext, ParamGroup, ReplicaComm, land_grad
 
-__all__ = ["ShardConfig", "BlockState", "RootContext", "TrainingState", "MAX_REDUCES_IN_FLIGHT"]
+__all__ = ["ShardConfig", "BlockState", "RootContext", "TrainingState", "MAX_REDUCES_IN_FLIGHT",
+           "MAX_REDUCE_INPUTS"]
 
-#: default cap on reductions issued but not finished when the next one copies in (each holds its
-#: input buffer, about the block's size): FSDP2's default, one
-MAX_REDUCES_IN_FLIGHT = 1
+#: default cap on reductions holding their input buffer (about the block's size) when the next
+#: one copies in: FSDP2's default, one
+MAX_REDUCE_INPUTS = 1
+#: reductions issued but not finished (their results are this rank's chunks, small): the oldest
+#: lands its gradients when a new one would exceed this, so the replica phase has a block of slack
+MAX_REDUCES_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -243,9 +248,13 @@ class RootContext:
         return self.root.reduce_inputs_cap
 
     def _make_room(self) -> None:
-        """Finish the oldest reductions until a new input fits under the cap (before it is
-        allocated: the copy-in reuses their memory, as FSDP2's)."""
-        while len(self.pending) >= self.max_reduce_inputs:
+        """Before a new input is allocated: release the oldest inputs until it fits under the cap
+        (the copy-in reuses their memory, as FSDP2's), and land the oldest results beyond
+        ``MAX_REDUCES_IN_FLIGHT``."""
+        held = [p.pending for p in self.pending if p.pending.inp is not None]
+        while len(held) >= self.max_reduce_inputs:
+            held.pop(0).release_input()
+        while len(self.pending) >= max(MAX_REDUCES_IN_FLIGHT, self.max_reduce_inputs):
             self.finish_oldest()
 
     def issue_reduce(self, state: "BlockState", grads: list[torch.Tensor | None]) -> None:
@@ -279,7 +288,7 @@ class BlockState:
         self.requires_gradient_sync = True
         self.gradient_divide_factor: float | None = None  # None: W (the DDP average)
         #: the root's is used: see ``set_reduce_scatter_max_input_buffers``
-        self.reduce_inputs_cap = MAX_REDUCES_IN_FLIGHT
+        self.reduce_inputs_cap = MAX_REDUCE_INPUTS
         self.forward_prefetch: list[BlockState] | None = None
         self.backward_prefetch: list[BlockState] | None = None
         self.ctx: RootContext | None = None

@@ -451,4 +451,14 @@ class ReplicateState:
             self.next_launch = len(order)
         for b in self.buckets:
             b.drop()
+        # a rank that finished this backward marked the exchange stale (a step may follow): so
+        # does this one, or it would skip the next forward's gathers the others issue
+        self.exchange.mark_stale()
+        # the reduced gradients held out of the dropped backward go back, as if it never ran
+        for key, g in self.stash.items():
+            p = self._param_by_id(key)
+            if p is not None:
+                p.grad = g
+                self.assigned[key] = g
+        self.stash = {}
         self.active = False

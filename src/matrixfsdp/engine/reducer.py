@@ -216,12 +216,28 @@ class PendingReduce:
     reducer: "Reducer"
     handle: Handle
     out: torch.Tensor  #: this rank's chunk (+ summed usage flags)
-    inp: torch.Tensor  #: kept alive until the collective completed
+    inp: torch.Tensor | None  #: kept alive until the collective completed (see release_input)
     post: float
     used: tuple[bool, ...]  #: per parameter: this rank contributed a gradient
     #: on an accelerator: the reduced gradients (and the tensors behind them) the reduce stream
     #: produced after the collective; ``None`` on the CPU (made by ``finish``)
     reduced: tuple[list[torch.Tensor | None], list[torch.Tensor]] | None = None
+    #: on an accelerator: recorded on the reduce stream right after the reduce-scatter, before
+    #: the replica phase (FSDP2's ``reduce_scatter_event``)
+    rs_event: Any = None
+
+    def release_input(self) -> None:
+        """Give the input buffer back once the reduce-scatter that reads it is done, without
+        waiting for the rest (the replica phase, the division, the cast): on an accelerator the
+        current stream waits for :attr:`rs_event` (FSDP2's input-buffer cap waits for just that),
+        on the CPU the host waits for the collective. :meth:`Reducer.finish` follows later."""
+        if self.inp is None:
+            return
+        if self.rs_event is not None:
+            torch.accelerator.current_stream(self.inp.device).wait_event(self.rs_event)
+        else:
+            self.handle.wait()  # the reduce-scatter only: the CPU replica phase runs at finish
+        self.inp = None
 
 
 @dataclass(eq=False)
@@ -429,8 +445,9 @@ class Reducer:
                 buf.mul_(1.0 / pre)
             out = torch.empty(self.splits[self.rank], dtype=dt, device=buf.device)
             handle = self.coll.reduce_scatter_segments(out, buf, self.splits, async_op=not comm.on_device)
-            reduced = None
+            reduced = rs_event = None
             if comm.on_device:
+                rs_event = comm.reduce.record_event()
                 # the replica phase, the division and the cast follow the collective off the
                 # compute stream (FSDP2's post-reduce): on the reduce stream, or with replicas on
                 # the all-reduce stream (after the reduce stream), so the next block's in-node
@@ -443,7 +460,7 @@ class Reducer:
                     mine = self._combine_replicas(out, async_op=False)
                     reduced = self._reduced_grads(out, post, mine)
                     handle = Handle(event=post_stream.record_event())
-        return PendingReduce(self, handle, out, buf, post, tuple(used), reduced)
+        return PendingReduce(self, handle, out, buf, post, tuple(used), reduced, rs_event)
 
     # ============================================================================ replicas
     def _split_prefix(self) -> tuple[int, list[int], int]:
