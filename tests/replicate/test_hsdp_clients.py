@@ -179,6 +179,45 @@ def test_break3_exception_mid_backward_with_rank_dependent_unused_parameters():
         assert r["diff"] == 0.0, r
 
 
+def exception_on_one_rank_only() -> dict:
+    """Rank 1 alone raises mid-backward; rank 0 finishes it (and marks the exchange stale).
+    Both zero the gradients and train on: the same collectives on both ranks, the owners'
+    values everywhere after the next forward's gathers."""
+    rank = dist.get_rank()
+    mesh = _mesh(1, 2)
+    m = Branchy()
+    plan = matrixfsdp.plan_owners(m, mesh, policy="alpha_balanced", elementwise="owned")
+    model = matrixfsdp.replicate(m, mesh=mesh, plan=plan)
+    fail = [False]
+
+    def check_grad(p):
+        if fail[0] and rank == 1:
+            raise _Boom("gradient check failed on rank 1")
+    model.a.weight.register_post_accumulate_grad_hook(check_grad)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+        fail[0] = step == 1
+        try:
+            model(x, use_p=True).pow(2).sum().backward()
+        except _Boom:
+            pass
+        fail[0] = False
+        opt.step()
+        opt.zero_grad()
+    model.sync_params()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(every, flat)
+    return {"same": bool(torch.equal(every[0], every[1]))}
+
+
+def test_an_exception_on_one_rank_only_keeps_the_collectives_matched():
+    with DistPool(2, timeout=60) as pool:
+        res = pool.run(exception_on_one_rank_only)
+    assert all(r["same"] for r in res), res
+
+
 # ============================================================================ BREAK-4 (medium)
 def frozen_after_replicate_find_unused_false() -> dict:
     cfg = TinyConfig()
