@@ -380,6 +380,14 @@ class ParamGroup:
                 u.grad = None
         return grads
 
+    def drop_grads(self) -> None:
+        """Clear the unsharded leaves' gradients as they are, never taking them (after an aborted
+        backward): taking a TP leaf's Partial gradient reduces it over TP, and only the ranks
+        whose backward got that far hold one (a hang)."""
+        for mp in self.params:
+            if mp.unsharded is not None:
+                mp.unsharded.grad = None
+
     def has_unsharded_grads(self) -> bool:
         return any(mp.unsharded is not None and mp.unsharded.grad is not None for mp in self.params)
 

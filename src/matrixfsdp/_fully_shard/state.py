@@ -161,11 +161,7 @@ class RootContext:
                 Reducer.drop(p.pending)  # the engine's abort: issued on every rank, result dropped
             self.undecided = []
             for s in self.states:
-                # dropped as they are, never taken: taking a TP leaf's Partial gradient reduces it
-                # over TP, and only the ranks whose backward got that far hold one (a hang)
-                for mp in s.group.params:
-                    if mp.unsharded is not None:
-                        mp.unsharded.grad = None
+                s.group.drop_grads()
         self.pinned = False
         self.awaiting_backward = False
         for s in self.states:
