@@ -55,6 +55,8 @@ from ..mesh import backend_map
 __all__ = [
     "CommCounter",
     "Handle",
+    "current_stream",
+    "wait_on_current_stream",
     "SegmentCollectives",
     "AllToAllCollectives",
     "P2PCollectives",
@@ -145,6 +147,28 @@ class CommCounter:
         return {k: dict(v) for k, v in dataclasses.asdict(self).items()}
 
 
+def current_stream(device: torch.device) -> Any:
+    """``device``'s current stream as its device module's type (``torch.cuda.Stream`` on CUDA),
+    never the generic ``torch.Stream`` (see [Note: event waits])."""
+    return torch.get_device_module(device.type).current_stream(device)
+
+
+def wait_on_current_stream(event: Any) -> None:
+    """Make the current stream of ``event``'s device wait for ``event`` (no host sync).
+
+    [Note: event waits]
+    Every device wait of the runtime is ``event.wait(stream)``, with the event recorded on a
+    device-module stream (so a ``torch.cuda.Event``) and the stream from
+    :func:`current_stream`, as FSDP2 does. The event's own type then picks the implementation.
+    The generic ``torch.Stream.wait_event`` must not be given a ``torch.cuda.Event``: in torch's
+    C++ (``torch/csrc/Stream.cpp``, ``THPStream_wait_event``) it casts the event to the generic
+    ``THPEvent`` and blocks on its base ``c10::Event``, which ``torch.cuda.Event``'s constructor
+    never initializes (``THCPEvent`` keeps its CUDA event in its own ``cuda_event`` member), so
+    ``c10::Event::block`` returns at ``if (!was_marked_for_recording_)``: the wait is silently
+    skipped, a data race. ``tests/engine/test_event_waits.py`` pins the rule."""
+    event.wait(current_stream(event.device))
+
+
 class Handle:
     """A waitable for one issued collective: zero or more ``dist.Work`` (host-waited, as gloo's
     async works are), an optional device ``event`` (accelerators: the waiting stream is made to
@@ -164,7 +188,7 @@ class Handle:
             w.wait()
         event, self._event = self._event, None
         if event is not None:
-            torch.accelerator.current_stream().wait_event(event)
+            wait_on_current_stream(event)
         then, self._then = self._then, None
         if then is not None:
             then()

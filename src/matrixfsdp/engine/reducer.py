@@ -86,7 +86,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..comm.collectives import Handle, SegmentCollectives, collectives_for
+from ..comm.collectives import (Handle, SegmentCollectives, collectives_for, current_stream,
+                                wait_on_current_stream)
 from ..mesh import MeshInfo
 from .layout import BlockLayout, aligned_numel
 from .streams import CommContext
@@ -180,7 +181,7 @@ def read_flags(entries: Sequence[tuple[Any, torch.Tensor, torch.Tensor]], *,
         return FlagRead(entries, flags)
     host = (staging or PinnedStaging()).take(flags.numel(), flags.dtype)
     host.copy_(flags, non_blocking=True)
-    event = torch.accelerator.current_stream(flags.device).record_event()
+    event = current_stream(flags.device).record_event()
     return FlagRead(entries, host, event)
 
 
@@ -234,7 +235,7 @@ class PendingReduce:
         if self.inp is None:
             return
         if self.rs_event is not None:
-            torch.accelerator.current_stream(self.inp.device).wait_event(self.rs_event)
+            wait_on_current_stream(self.rs_event)  # see [Note: event waits] in comm/collectives.py
         else:
             self.handle.wait()  # the reduce-scatter only: the CPU replica phase runs at finish
         self.inp = None
@@ -563,8 +564,9 @@ class Reducer:
                 # allocated on the reduce stream, read by the compute stream from now on
                 # (gradients are views of them): their memory must not return to the reduce
                 # stream's pool early
+                compute = current_stream(out.device)
                 for t in (out, *made):
-                    t.record_stream(torch.accelerator.current_stream(out.device))
+                    t.record_stream(compute)
         n = self.chunk
         flags: list[torch.Tensor | None] = [None] * self.num_flags
         for k, j in enumerate(self.flagged[self.rank]):

@@ -41,5 +41,7 @@ class CommContext:
         """Run the enclosed ops on ``stream`` after it waited for the compute stream."""
         if stream is None:
             return contextlib.nullcontext()
-        stream.wait_stream(torch.accelerator.current_stream(self.device))
-        return torch.get_device_module(self.device.type).stream(stream)
+        mod = torch.get_device_module(self.device.type)
+        # device-module types throughout (see [Note: event waits] in comm/collectives.py)
+        stream.wait_stream(mod.current_stream(self.device))
+        return mod.stream(stream)
