@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import matrixfsdp
 from _harness import get_pool
@@ -41,6 +42,19 @@ def _grads(b, a, step):
         p.grad = distribute_tensor(full, p.device_mesh, p.placements)
 
 
+class _HostBuilt(TorchDispatchMode):
+    """Tensors built from host data (``torch.tensor(list)``: ``lift_fresh``); on an accelerator
+    each is a host-to-device copy from pageable memory, a host sync."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func is torch.ops.aten.lift_fresh.default
+        return func(*args, **(kwargs or {}))
+
+
 def _run(scenario, shard_state, grouping="fused", b_dtype=torch.float32, steps=2):
     """Two steps of a two-member host step; ``scenario`` says who lacks ``b``'s gradient in the
     first step: ``"zeros"`` (rank 1 holds zeros), ``"none"`` (rank 1 holds ``None``), ``"all_none"``
@@ -64,7 +78,9 @@ def _run(scenario, shard_state, grouping="fused", b_dtype=torch.float32, steps=2
         elif step == 0 and scenario == "zeros" and rank == 1:
             b.grad._local_tensor.zero_()
         ex.counter.reset()
-        ex.step(items, state)
+        with _HostBuilt() as built:
+            ex.step(items, state)
+        out.setdefault("host_built", []).append(built.n)
         out["after"].append({n: p.detach().full_tensor().float() for n, p in (("b", b), ("a", a))})
         out.setdefault("calls", []).append(dict(ex.counter.calls))
         out.setdefault("sent", []).append(dict(ex.counter.bytes_sent))
@@ -92,6 +108,10 @@ def test_a_gradient_missing_on_one_rank_is_stepped_as_zeros_with_the_same_collec
             assert r[("none", ss)]["calls"] == r[("zeros", ss)]["calls"] == [{"all_to_all_single": 2}] * 2
             assert r[("none", ss)]["sent"] == r[("zeros", ss)]["sent"]
             assert r[("all_none", ss)]["calls"] == r[("zeros", ss)]["calls"]
+            # the flag chunks are made once per pattern (issue 40): none built from a host list
+            # in a step whose patterns an earlier step had (before: one per host and direction)
+            for sc in ("zeros", "none", "all_none"):
+                assert r[(sc, ss)]["host_built"][0] > 0 and r[(sc, ss)]["host_built"][1] == 0, sc
             # None on one rank is zeros there, bitwise, in the parameters and in the state
             for k in range(2):
                 _same(r[("none", ss)]["after"][k], r[("zeros", ss)]["after"][k])

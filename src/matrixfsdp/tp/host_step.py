@@ -108,11 +108,25 @@ class TPHostStep:
         # group, or the group also serving other collectives, keep separate counts)
         self.coll = AllToAllCollectives(self.group)
         self.host_steps = 0  #: whole-matrix steps this rank ran
+        self._flag_chunks: dict[tuple[torch.device, tuple[float, ...]], torch.Tensor] = {}
 
     @property
     def _nflag(self) -> int:
         """Flag elements per member in each chunk (see [Note: gradients missing on some ranks])."""
         return 0 if self.grads_agree else 1
+
+    def _flag_chunk(self, flags: Sequence[float], device: torch.device) -> torch.Tensor:
+        """The flags of one chunk as a device tensor, made once per pattern and kept (read only:
+        the packed send copies it). Built from the host list each step it would be one
+        host-to-device copy from pageable memory (a host sync) per host, per micro-group, per
+        step; the patterns are few (all ones while every rank has every gradient)."""
+        key = (device, tuple(flags))
+        t = self._flag_chunks.get(key)
+        if t is None:
+            if len(self._flag_chunks) >= 1024:  # ranks losing gradients in ever new patterns
+                self._flag_chunks.clear()
+            t = self._flag_chunks[key] = torch.tensor(key[1], device=device)
+        return t
 
     @property
     def counter(self) -> CommCounter:
@@ -212,7 +226,7 @@ class TPHostStep:
                     in_splits[h] += g.numel() + self._nflag
                     flags.append(float(m.param.grad is not None))
             if flags and self._nflag:
-                send_parts.append(torch.tensor(flags, device=m.param._local_tensor.device))
+                send_parts.append(self._flag_chunk(flags, m.param._local_tensor.device))
         n_mine = sum(m.host == r for m in members) * self._nflag
         out_splits = [sum(m.shard_numel(q, T) for m in members if m.host == r) + n_mine for q in range(T)]
         return self._all_to_all(send_parts, in_splits, out_splits, members)
@@ -289,8 +303,8 @@ class TPHostStep:
                 send_parts.append(part.reshape(-1))
                 in_splits[q] += part.numel() + self._nflag
             if mine and self._nflag:
-                send_parts.append(torch.tensor([float(m.fqn in updates) for m in mine],
-                                               device=mine[0].param._local_tensor.device))
+                send_parts.append(self._flag_chunk([float(m.fqn in updates) for m in mine],
+                                                   mine[0].param._local_tensor.device))
         out_splits = [sum(m.shard_numel(r, T) for m in members if m.host == h)
                       + sum(m.host == h for m in members) * self._nflag for h in range(T)]
         return self._all_to_all(send_parts, in_splits, out_splits, members)
