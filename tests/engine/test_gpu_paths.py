@@ -99,6 +99,36 @@ def test_copy_in_casts_in_one_fused_copy_and_builds_flags_once_per_pattern():
     assert count.ops.get("cat") == 1 and count.copies() == 1, count.ops
 
 
+def test_replicate_flags_are_one_scatter_per_step():
+    # issue 40: write_flags (replicate's buckets) launched a zeros, one fill per used parameter
+    # and an index_select per step; now one index_copy_ from the pattern's cached flag block
+    W = 4
+    layout = BlockLayout.from_plans(_plans(W), W)
+    for flags_to in ("all", "holders"):
+        red = Reducer(layout, rank=0, coll=SimpleNamespace(world_size=W),
+                      comm=CommContext(torch.device("cpu")), reduce_dtype=torch.float32,
+                      grad_dtypes=[torch.float32] * 5, flags_to=flags_to)
+        torch.manual_seed(0)
+        grads = [torch.randn(p.shape) for p in layout.params]
+        grads[2] = None
+        used = [g is not None for g in grads]
+        buf = red.new_input(torch.device("cpu"))
+        for j, g in enumerate(grads):
+            red.put(buf, j, g)
+        red.write_flags(buf, used)  # the first step of a pattern builds its block
+        assert torch.equal(buf, _expected(red, grads))
+        buf.fill_(7.0)
+        for j, g in enumerate(grads):
+            red.put(buf, j, g)
+        with OpCount() as count:
+            red.write_flags(buf, used)
+        assert count.ops == {"index_copy_": 1}, count.ops
+        # every piece and flag rewritten (the padding is zeroed once per input, by new_input)
+        pads = torch.ones(red.numel, dtype=torch.bool)
+        pads[red._index("pads", torch.device("cpu"))] = False
+        assert torch.equal(buf[pads], _expected(red, grads)[pads])
+
+
 def test_pinned_staging_is_made_once_and_grown_only_when_needed():
     st = PinnedStaging(pin_memory=False)  # pinning needs an accelerator; the reuse rule does not
     a = st.take(10, torch.float32)

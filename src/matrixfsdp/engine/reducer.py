@@ -416,16 +416,12 @@ class Reducer:
 
     def write_flags(self, buf: torch.Tensor, used: Sequence[bool]) -> None:
         """Every destination's flag block (after :meth:`put`): 1 where this rank used the
-        parameter, from device constants (no host-to-device copy)."""
-        F, dt = self.num_flags, self.reduce_dtype
-        if not F:
+        parameter, in one scatter from the device constant of this usage pattern (no host-to-
+        device copy, no kernel per parameter)."""
+        if not self.num_flags:
             return
-        flags = torch.zeros(F, dtype=dt, device=buf.device)
-        for j, u in enumerate(used):
-            if u:
-                flags[j: j + 1].fill_(1.0)
         buf.index_copy_(0, self._index("flag_dst", buf.device),
-                        flags.index_select(0, self._index("flag_src", buf.device)))
+                        self._flag_block(tuple(used), self.reduce_dtype, buf.device))
 
     # ============================================================================ launch
     @property
