@@ -302,6 +302,77 @@ def test_capturable_step_reads_no_device_value(cls):
         assert (mode.count == 0) == capturable, (capturable, mode.count)
 
 
+@pytest.mark.parametrize("cls", ALL)
+def test_state_init_check_reads_once_not_per_gradient(cls):
+    """lr 0 with no state yet ([Note: state-initialization step]): DCP's initializing call (every
+    gradient zeros) and a warm-up from lr 0 whose first gradients are zeros each read the
+    gradients once (issue 40; before: one ``.any()``, a device sync on CUDA, per gradient until
+    a nonzero one, 4 and 3 here). The warm-up still steps: its state exists afterwards."""
+    for warm_up in (False, True):
+        params = _params()
+        opt = cls(params, lr=0.0, **FAST[cls])
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        if warm_up:
+            params[-1].grad = torch.ones_like(params[-1])
+        before = [p.detach().clone() for p in params]
+        with _HostReads() as mode:
+            assert opt._is_state_init_call(params) is not warm_up
+        assert mode.count == 1, (warm_up, mode.count)
+        opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(params, before))  # lr 0, no decay
+        assert all(opt.state[p] for p in params)
+    assert cls(_params(), lr=0.0, **FAST[cls])._is_state_init_call(_params()) is False  # no gradient
+
+
+class _ForeachMulDtypes(TorchDispatchMode):
+    """``_foreach_mul_`` by a 0-dim tensor: (list dtypes, factor dtype) per call. CUDA fuses the
+    call only where the factor has the list's dtype (ATen's FOREACH_BINARY_OP_SCALAR_TENSOR), else
+    it runs one ``mul_`` per tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[set, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._foreach_mul_.Tensor:
+            self.calls.append(({t.dtype for t in args[0]}, args[1].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_capturable_decay_is_one_fused_mul(batched, monkeypatch):
+    """A float lr becomes a float64 device scalar ([Note: one lr tensor per group]); the weight
+    decay's ``_foreach_mul_`` of float32 parameters by it took CUDA's per-tensor path (issue 40).
+    Now the factor has the list's dtype, bf16 parameters keep the float64 factor; the bits are
+    those of the float64 factor (each per-tensor mul_ rounded it to the list's dtype anyway)."""
+    import matrixfsdp.optim._adamw as adamw_mod
+    import matrixfsdp.optim._muon as muon_mod
+
+    def run(dtype):
+        params = [torch.nn.Parameter(p.detach().to(dtype)) for p in _params()]
+        opt = Muon(params, lr=0.02, capturable=True, batched=batched, weight_decay=0.1, ns_dtype=torch.float32)
+        for gs in _grads(SHAPES, 2):
+            for p, g in zip(params, gs):
+                p.grad = g.to(dtype)
+            with _ForeachMulDtypes() as mode:
+                opt.step()
+        return [p.detach().clone() for p in params], mode.calls
+
+    for dtype in (torch.float32, torch.bfloat16):
+        after, calls = run(dtype)
+        # AdamW's decay of the vector (both modes) and batched Muon's decay of the matrices
+        assert len(calls) == 1 + batched, calls
+        for listed, factor in calls:
+            assert listed == {dtype} and factor == (dtype if dtype == torch.float32 else torch.float64), calls
+        with monkeypatch.context() as m:  # the float64 factor, as before
+            m.setattr(adamw_mod, "foreach_scale_", torch._foreach_mul_)
+            m.setattr(muon_mod, "foreach_scale_", torch._foreach_mul_)
+            before, calls = run(dtype)
+        assert {f for _, f in calls} == {torch.float64}
+        assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+
 class _LrTraffic(TorchDispatchMode):
     """Counts what a capturable step does with its learning rate on a device other than the CPU
     (here ``meta``: it runs every op and has no data, so any host read raises): cross-device

@@ -23,6 +23,7 @@ __all__ = [
     "adam_denom_capturable",
     "new_step_counter",
     "lr_tensor",
+    "foreach_scale_",
 ]
 
 
@@ -48,6 +49,29 @@ def lr_tensor(lr: float | Tensor, like: Tensor) -> Tensor:
     if isinstance(lr, Tensor):
         return lr if lr.device == like.device else lr.to(like.device)
     return torch.tensor(lr, dtype=torch.float64, device=like.device)
+
+
+def foreach_scale_(tensors: list[Tensor], factor: float | Tensor) -> None:
+    """``t.mul_(factor)`` for every tensor, as fused ``_foreach_mul_`` calls where the bits allow.
+
+    CUDA fuses ``_foreach_mul_`` by a 0-dim tensor only when that tensor has the list's dtype
+    (ATen's ``FOREACH_BINARY_OP_SCALAR_TENSOR``: ``tensors[0].scalar_type() ==
+    scalar.scalar_type()``), else it runs one ``mul_`` per tensor. A capturable step's factor
+    comes from a float64 learning rate (:func:`lr_tensor`), so a float32 or float64 list gets it
+    cast to its own dtype: the one rounding each per-tensor ``mul_`` made of it anyway (the 0-dim
+    operand is cast to the common dtype), so the bits are unchanged. A reduced-precision list keeps
+    the factor as it is: its ``mul_`` multiplies by the factor in float (CPU ``mul_kernel`` reads
+    the operand's original value), which a bfloat16 factor would round first. A Python float is
+    already fused (the ``Scalar`` overload)."""
+    if not isinstance(factor, Tensor):
+        torch._foreach_mul_(tensors, factor)
+        return
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype, ts in by_dtype.items():
+        exact = dtype in (torch.float32, torch.float64) and factor.dtype in (torch.float32, torch.float64)
+        torch._foreach_mul_(ts, factor.to(dtype) if exact and factor.dtype != dtype else factor)
 
 
 def adam_denom(exp_avg_sq: Tensor, step: float, beta2: float, eps: float) -> Tensor:
@@ -136,7 +160,7 @@ def adamw_foreach_capturable(
     lr_t = lr_tensor(lr, params[0])
     torch._foreach_add_(steps, 1)
     if weight_decay != 0:
-        torch._foreach_mul_(params, 1 - lr_t * weight_decay)
+        foreach_scale_(params, 1 - lr_t * weight_decay)  # fused: see foreach_scale_
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)

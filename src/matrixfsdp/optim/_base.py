@@ -730,13 +730,19 @@ class MatrixOptimizer(Optimizer):
             return False
         if any(g["lr"] != 0 for g in self.param_groups):
             return False
-        seen = False
-        for p in params:
-            if p.grad is not None:
-                seen = True
-                if local_tensor(p.grad).any():
-                    return False
-        return seen
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+        # one host read per device for all the gradients, not one per gradient: on an
+        # accelerator each read is a device sync, and a warm-up from lr 0 whose first gradients
+        # are zeros (unused or frozen parameters) read them one by one
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for g in grads:
+            if g.numel():  # (empty shards: all zeros; and the inf-norm of an empty tensor raises)
+                by_device.setdefault(g.device, []).append(g)
+        for gs in by_device.values():
+            # max |g| per gradient in one foreach call: nonzero iff g.any() (NaN included)
+            if torch.stack(torch._foreach_norm(gs, float("inf"))).ne(0).any():
+                return False
+        return bool(grads)
 
     def _init_states(self) -> None:
         for _, group, p, route in self._routed():

@@ -14,6 +14,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from ._adamw import foreach_scale_
 from ._base import ADAMW_DEFAULTS, MatrixOptimizer, is_real, lr_tensor
 from ._expert_step import matrices, ns_chunks
 
@@ -428,7 +429,7 @@ class Muon(MatrixOptimizer):
             buckets.setdefault((tuple(b.shape), b.dtype, b.device), []).append(i)
         capturable = group.get("capturable", False)
         lr = lr_tensor(group["lr"], params[0]) if capturable else group["lr"]
-        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        foreach_scale_(params, 1 - lr * group["weight_decay"])  # one fused kernel per dtype
         ns_dtype = group["ns_dtype"]
         for (shape, _, device), index in buckets.items():
             ratio = lr_ratio(group["adjust_lr_fn"], torch.Size(shape))
