@@ -146,11 +146,12 @@ LIMITS = {"preflight": 10, "race": 40, "smoke": 60, "sync_debug": 30, "memory": 
 QUICK_LIMITS = {"preflight": 10, "race": 25, "smoke": 50, "sync_debug": 25, "memory": 20,
                 "kernels": ASSUMED_FIRST_COMPILE_S + 15, "compile": 2 * ASSUMED_FIRST_COMPILE_S + 10,
                 "race_sanitizer": 0}
-#: the CPU dry run (gloo, tiny sizes, no CUDA start), its start-up the measured process import:
-#: about 2x the walls measured on the 2-core box under a load average of 7.5 (torch 2.13: race
-#: 42 s, smoke 13, sync_debug 3, memory 5, kernels 1.4, compile 12; the parts that ran in 1-5 s
-#: get 20-30 s: a first call's lazy imports can land in any of them)
-DRY_LIMITS = {"preflight": 5, "race": 90, "smoke": 40, "sync_debug": 20, "memory": 20, "kernels": 20, "compile": 40,
+#: the CPU dry run (gloo, tiny sizes, no CUDA start, one CPU thread), its start-up the measured
+#: process import: at least 2x the walls measured on the 2-core box under a load average of 15
+#: (torch 2.13 / 2.11: race 2.3 / 2.6 s, smoke 11.8 / 10.2, sync_debug 2.2 / 1.4, memory 5.9 / 5.6,
+#: kernels 2.1 / 2.0, compile 14.8 / 5.8); the parts that ran in 1-6 s get 20 s: a first call's
+#: lazy imports can land in any of them
+DRY_LIMITS = {"preflight": 5, "race": 20, "smoke": 40, "sync_debug": 20, "memory": 20, "kernels": 20, "compile": 40,
               "race_sanitizer": 0}
 DRY_STARTUP_S = math.ceil(MEASURED_PROCESS_IMPORT_S * 1.5)
 DRY_BUDGET_S = DRIVER_START_S + DRY_STARTUP_S + sum(DRY_LIMITS.values())
@@ -356,6 +357,8 @@ class Driver:
 
     def run_inline(self, parts: list[str]) -> None:
         dev = self.device()
+        if not self.cuda and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(1)  # as the worker's OMP_NUM_THREADS=1 (run_worker)
         _preflight.STARTUP.update(_startup_stamps())
         for part in parts:
             t0 = time.monotonic()
@@ -387,6 +390,8 @@ class Driver:
                                                            if p and Path(p).resolve() != SRC])
         env.update(PYTHONUNBUFFERED="1", MATRIXFSDP_CHECK_SPAWNED=repr(time.time()))
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # race's bitwise runs; read when cuBLAS starts
+        if not self.cuda:  # the dry run's tiny matrices: one thread (OpenMP's spinning threads on a
+            env.setdefault("OMP_NUM_THREADS", "1")  # shared 2-core box made race 6x slower)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", ",".join(parts), "--stage", str(self.stage),
                "--out", str(self.out), "--device", "cuda" if self.cuda else "cpu"] + (["--quick"] if self.args.quick else [])
         # its own session: a timeout kills the worker and whatever it started (compile workers)
