@@ -272,11 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=int, default=120, help="process group timeout, seconds")
     ap.add_argument("--spawn", type=int, default=0, help="start this many ranks here (no torchrun)")
     ap.add_argument("--out", default=None, help="rows folder (default $OUT/nccl_sweep, else "
-                                                "benchmarks/results/gpu/nccl_sweep-<date>)")
+                                                "runs/nccl_sweep-<date>, which git ignores)")
     args = ap.parse_args(argv)
     if args.out is None:
         args.out = str(Path(os.environ["OUT"]) / "nccl_sweep" if os.environ.get("OUT")
-                       else ROOT / "benchmarks" / "results" / "gpu" / f"nccl_sweep-{datetime.date.today().isoformat()}")
+                       else ROOT / "runs" / f"nccl_sweep-{datetime.date.today().isoformat()}")
     if args.backend == "nccl":
         if os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") != "1":
             ap.error("TORCH_NCCL_DUMP_ON_TIMEOUT=1 must be set (a hung collective then dumps every rank's "

@@ -112,8 +112,10 @@ class Ctx:
     dev: torch.device
     backend: str
     quick: bool
-    out: Path
+    out: Path  # the results folder: rows.jsonl (the driver keeps the parts' json and logs elsewhere)
     part: str
+    #: ``race_sanitizer``: the race part again, under torch's CUDA sanitizer (3 steps, no profiler)
+    sanitizer: bool = False
 
     @property
     def cuda(self) -> bool:
@@ -123,6 +125,8 @@ class Ctx:
         env = os.environ.get("MATRIXFSDP_CHECK_STEPS")
         if env:
             return int(env)
+        if self.sanitizer:  # every op is tracked on the host: a few steps show the accesses
+            return 3
         return full if self.cuda and not self.quick else quick if self.cuda else dry
 
     def row(self, **row: Any) -> dict:

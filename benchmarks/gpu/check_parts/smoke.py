@@ -1,7 +1,7 @@
 """Part 2 of ``benchmarks/gpu/check.py``, ``smoke``: every API that touches collectives
 (``fully_shard`` with each ``collectives=``, ``replicate`` stage 1 and 2, clipping,
 ``full_tensor``, checkpoint save/load, HF ``save_pretrained``) under ``"nccl"`` and
-``"cpu:gloo,cuda:nccl"`` (the driver runs it once per backend; the composite backend runs the
+``"cpu:gloo,cuda:nccl"`` (one after the other in one process; the composite backend runs the
 collectives' checks only); the 2-D meshes (1,1) (HSDP, TP), recording whether the replica phase
 and the TP host step ran."""
 
@@ -17,6 +17,21 @@ from .core import Ctx, bf16_mp, delta, lm_loss, pg_sequence, shard_decoder, tiny
 
 
 def part_smoke(ctx: Ctx) -> dict:
+    """Under ``"nccl"``, then the composite ``"cpu:gloo,cuda:nccl"`` (its collectives' checks only),
+    in this process one after the other; on the CPU under ``"gloo"``."""
+    backends = ["nccl", "cpu:gloo,cuda:nccl"] if ctx.cuda else ["gloo"]
+    per = {b: _smoke(ctx, b) for b in backends}
+    first = per[backends[0]]
+    checks = {f"{b}: {name}": v for b, r in per.items() for name, v in r["checks"].items()}
+    ok = all(r["ok"] for r in per.values())
+    key = ", ".join(f"{b} {r['n_ok']}/{len(r['checks'])} ok" for b, r in per.items())
+    shown = first["shown_on_one_device"]
+    return {"ok": ok, "device": str(ctx.dev), "backends": backends, "per_backend": per, "checks": checks,
+            "shown_on_one_device": shown,
+            "key": f"{key}; HSDP replica phase ran={shown['hsdp_replica_phase']}, TP host step ran={shown['tp_host_step']}"}
+
+
+def _smoke(ctx: Ctx, backend: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import matrixfsdp
@@ -40,9 +55,10 @@ def part_smoke(ctx: Ctx) -> dict:
             checks[name] = f"skipped: {e}"
         except Exception as e:  # recorded, the other checks still run
             checks[name] = f"FAILED {type(e).__name__}: {e}"[:500]
-        ctx.row(check=name, status=checks[name], wall_s=round(time.perf_counter() - t0, 2), **info[name])
+        ctx.row(backend=backend, check=name, status=checks[name], wall_s=round(time.perf_counter() - t0, 2),
+                **info[name])
 
-    with w1_group(ctx.backend, dev), tempfile.TemporaryDirectory() as tmp, force_collectives():
+    with w1_group(backend, dev), tempfile.TemporaryDirectory() as tmp, force_collectives():
         mesh = init_device_mesh(dev.type, (1,))
         pg = mesh.get_group()
         cfg, base = tiny_decoder(0)
@@ -101,7 +117,7 @@ def part_smoke(ctx: Ctx) -> dict:
             # the replica phase's all-reduce: the engine drops replicate groups of size 1
             return {"replica_phase_ran": counter.calls.get("all_reduce", 0) > 0,
                     "replicate_counter": dict(counter.calls)}
-        second = ctx.backend != "nccl" and ctx.cuda  # the composite backend: the collectives' checks only
+        second = backend != "nccl" and ctx.cuda  # the composite backend: the collectives' checks only
         if not second:
             check("fully_shard on a (dp_replicate=1, dp_shard=1) mesh", hsdp)
 
@@ -144,7 +160,5 @@ def part_smoke(ctx: Ctx) -> dict:
     ok = all(v == "ok" or v.startswith("skipped") for v in checks.values())
     shown = {"hsdp_replica_phase": info.get("fully_shard on a (dp_replicate=1, dp_shard=1) mesh", {}).get("replica_phase_ran"),
              "tp_host_step": info.get("fully_shard + TP on a (dp_shard=1, tp=1) mesh", {}).get("tp_host_step_ran")}
-    n_ok = sum(v == "ok" for v in checks.values())
-    return {"ok": ok, "backend": ctx.backend, "device": str(dev), "checks": checks, "shown_on_one_device": shown,
-            "key": f"{n_ok}/{len(checks)} ok; HSDP replica phase ran={shown['hsdp_replica_phase']}, "
-                   f"TP host step ran={shown['tp_host_step']}"}
+    return {"ok": ok, "backend": backend, "checks": checks, "shown_on_one_device": shown,
+            "n_ok": sum(v == "ok" for v in checks.values())}

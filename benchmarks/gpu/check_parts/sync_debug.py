@@ -3,7 +3,8 @@
 event wait, invisible to torch's sync debug), with declared expectations: Muon with an unused
 parameter (one read per backward), Muon with ``set_find_unused_parameters(False)`` (none), Shampoo
 and SOAP (none but one ``eigh`` error-flag read per ``torch.linalg.eigh`` call at preconditioner
-refreshes)."""
+refreshes). A positive control runs first: one deliberate ``.item()`` must be counted, and an
+in-place add not at all; otherwise the part fails."""
 
 from __future__ import annotations
 
@@ -86,6 +87,19 @@ def part_sync_debug(ctx: Ctx) -> dict:
         ("SOAP find_unused=False", "SOAP", dict(lr=3e-3, precondition_frequency=2), False, False),
     )
     out: dict[str, Any] = {}
+    # the controls: without them a sync debug mode whose warnings are not captured (a torch that
+    # stopped warning, a filter) would count 0 everywhere and every case would pass
+    control: dict[str, Any]
+    if ctx.cuda:
+        x = torch.ones(8, device=dev)
+        device_sync(dev)
+        control = {"deliberate_item_syncs": _torch_syncs(lambda: x.sum().item(), True),
+                   "no_sync_op_syncs": _torch_syncs(lambda: x.add_(1), True)}
+        control["ok"] = control["deliberate_item_syncs"] >= 1 and control["no_sync_op_syncs"] == 0
+    else:
+        control = {"ok": True, "status": "skipped: no CUDA sync debug mode on the CPU (dry run)"}
+    ctx.row(case="control: one deliberate .item() counted, x.add_(1) not", **control)
+    out["control"] = control
     with w1_group(ctx.backend, dev), force_collectives():
         mesh = init_device_mesh(dev.type, (1,))
         for case, name, kw, unused, find_unused in cases:
@@ -140,6 +154,8 @@ def part_sync_debug(ctx: Ctx) -> dict:
                          "eigh_calls": eigh, "qr_calls": sum(r["qr"] for r in per_step), "torch_syncs": None if not ctx.cuda else sum(syncs),
                          "expected": {"flag_reads": expected_reads, "torch_syncs": f"<= eigh calls ({eigh})"}}
     ok = all(v["ok"] for v in out.values())
-    key = "; ".join(f"{k.split()[0]}{'' if 'True' in k else '/nofind'}: syncs={v['torch_syncs']} reads={v['flag_reads']}"
-                    for k, v in out.items())
+    cases_key = "; ".join(f"{k.split()[0]}{'' if 'True' in k else '/nofind'}: syncs={v['torch_syncs']} "
+                          f"reads={v['flag_reads']}" for k, v in out.items() if k != "control")
+    key = (f"control {'ok' if control['ok'] else 'FAILED'}: {control.get('deliberate_item_syncs', 'n/a')} "
+           f"sync(s) for one .item(); {cases_key}")
     return {"ok": ok, "steps": steps, "results": out, "key": key}
