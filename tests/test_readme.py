@@ -25,9 +25,14 @@ def test_readme_names_exactly_two_commands_and_ci_runs_the_test_one():
     assert "pytest" in test and "-c constraints.txt" in test
     ci = (ROOT / ".ci" / "run").read_text()
     assert test in ci.splitlines(), "'.ci/run' must run the README's test command verbatim"
-    # and again on the newest torch release, with the machine's pip cap lifted (DEVELOPERS.md)
-    newest = "PIP_CONSTRAINT=/dev/null " + test.replace("constraints.txt", "constraints-torch2.15.txt")
+    # the other tested releases run the torch-internals subset ([Note: the torch-internals
+    # subset]): the GPU image's 2.11, and the newest with the machine's pip cap lifted (DEVELOPERS.md)
+    subset = test + " -m torch_internals"
+    gpu_image = subset.replace("constraints.txt", "constraints-torch2.11.txt")
+    newest = "PIP_CONSTRAINT=/dev/null " + subset.replace("constraints.txt", "constraints-torch2.15.txt")
+    assert gpu_image in ci.splitlines(), gpu_image
     assert newest in ci.splitlines(), newest
+    assert "torch==2.11.0" in (ROOT / "constraints-torch2.11.txt").read_text().splitlines()
     assert "torch==2.15.0" in (ROOT / "constraints-torch2.15.txt").read_text().splitlines()
 
 
