@@ -45,10 +45,11 @@ from ..engine.exchange import Exchange, GatherUnit, any_rank, version_stamp
 from ..engine.reducer import replica_comm
 from ..engine.swap import attached_state
 from ..mesh import MeshInfo
-from ..placement.owner import StepReceipt, mesh_scratch, owner_of, set_owner
+from ..placement.owner import FQN_ATTR, StepReceipt, mesh_scratch, owner_of, set_owner
 from ..planner.owner_plan import OwnerPlan, ParamPlan
 from ..planner.owners import plan_owners
 from ..planner.rules import DecidedRule, MatrixRule, head_rows_of
+from ..placement.stepping import check_planned
 from .param import ManagedParam, shard_param
 from .param_group import CommContext, check_one_dtype
 from .hosted import attach_dp_hosts
@@ -163,8 +164,12 @@ def plan_call(params: list[ManagedParam], info: MeshInfo, state: BlockState,
                                                 requires_grad=orig.requires_grad))
     head_rows = head_rows_of(module)
     decided = DecidedRule(decided={mp.fqn: rule.kind(mp.fqn, mp.orig, mp.sites[0][0], head_rows) for mp in params})
+    # placement="owned": a call's plan is one scope of its own, and hosting needs one executor per
+    # root with the whole model's host groups; a hosted entry with no host attached would be an
+    # evenly sharded matrix that the optimizer steps element-wise (issue 39: the default became
+    # placement="auto" in 5e016cd, and this path never attached hosts).
     plan = plan_owners(holder, (info.replicate_size, W) if info.is_hsdp else W, blocks=[holder],
-                       matrix_rule=decided)
+                       matrix_rule=decided, placement="owned")
     loads = [0.0] * W
     for pp in plan.params:
         if pp.owner is not None:
@@ -296,12 +301,24 @@ def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, i
         if s is not state:  # (checked above, before sharding)
             check_wrapped(name, module.get_submodule(name), s, mesh, "its root")
     make_root(state, entries, info)
+    if plan is not None:
+        check_routing([state], f"drop-in fully_shard({type(module).__name__}) plan")
     names: dict[int, str] = {}
     for n, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), n)
     for _, s in entries:
         for mp in s.params:  # names relative to the (new) root
             mp.fqn = names.get(id(mp.sharded), mp.fqn)
+            setattr(mp.sharded, FQN_ATTR, mp.fqn)
+
+
+def check_routing(states: list[BlockState], where: str) -> None:
+    """After a plan is applied: every parameter it placed as a matrix is stepped as one (see
+    [Note: routing invariant] in ``planner/rules.py``); same plan, same answer on every rank."""
+    for s in states:
+        for mp in s.params:
+            if mp.sharded is not None:
+                check_planned(mp.sharded, where, mp.fqn)
 
 
 def _is_planned_model(module: nn.Module, plan: OwnerPlan) -> bool:
@@ -365,6 +382,7 @@ def _resolve(root: nn.Module, plan: OwnerPlan, info: MeshInfo) -> None:
     ctx = make_root(entries[0][2], [(name, s) for name, _, s in entries], info)
     attach_tp_hosts(ctx.states, plan, mesh, rank)
     attach_dp_hosts(ctx.states, plan, mesh)
+    check_routing(ctx.states, f"fully_shard(plan=<plan {plan.digest[:12]}>)")
 
 
 # ================================================================================ checks

@@ -75,7 +75,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..placement.owned_tensor import local_tensor  # one local-tensor helper for the package
-from ..placement.stepping import expert_splits_of, planned_kind, stepping_of  # the one descriptor optimizers ask
+from ..placement.stepping import check_planned, expert_splits_of, planned_kind, stepping_of  # the one descriptor optimizers ask
 from ..placement.tp_host import tp_host_of
 from ._adamw import adamw_foreach, adamw_foreach_capturable, adamw_step, lr_tensor, new_step_counter
 from ._expert_step import init_stacked, loop_step, matrices, route_name
@@ -208,6 +208,9 @@ class MatrixOptimizer(Optimizer):
         #: tensor per group])
         self._lr_tensors: dict[tuple[int, str, torch.device, torch.dtype], Tensor] = {}
         super().__init__(params, defaults)
+        for group in self.param_groups:  # the routing invariant (see [Note: routing invariant])
+            for p in group["params"]:
+                check_planned(p, f"{type(self).__name__} construction")
         if not from_module:
             from ._list_routing import warn_if_list_routing_differs
 

@@ -1,0 +1,234 @@
+"""Issue 39: every matrix gets its matrix rule, or a clear error (see [Note: routing invariant] in
+planner/rules.py). Real gloo runs at W=2 and W=3; the wide planning-only property test is
+tests/planner/test_routing_property.py.
+
+* finding 1: drop-in ``fully_shard`` (per block + root, no plan) on MLP blocks with odd widths
+  made ``down.weight`` an evenly sharded DTensor with no host (the drop-in plan hosted it, and
+  nothing attached the host), so ``Muon(model)`` stepped it with AdamW; caused by 5e016cd
+  (``placement="auto"`` became the planner's default, the drop-in path never attached hosts);
+* finding 2: 3-D stacks held directly on a ``MoE`` module beside a router ``Linear(D, E)`` were
+  planned element-wise;
+* explicit requests: a group asking for the matrix rule (by name, or ``"auto"`` with an explicit
+  list) for a parameter the plan made element-wise is refused on every rank alike.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from _harness import get_pool
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, d: int, f: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.gate = nn.Linear(d, f, bias=False)
+        self.up = nn.Linear(d, f, bias=False)
+        self.down = nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class MLPNet(nn.Module):
+    def __init__(self, d: int = 31, f: int = 63, n: int = 3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(MLPBlock(d, f) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class MoE(nn.Module):
+    """gpt-oss / reference-implementation layout: stacks held directly on the MoE module."""
+
+    def __init__(self, d: int = 12, f: int = 10, e: int = 4, k: int = 2):
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(d, e, bias=False)
+        self.w1 = nn.Parameter(torch.randn(e, f, d) / d ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(e, d, f) / f ** 0.5)
+        self.w3 = nn.Parameter(torch.randn(e, f, d) / d ** 0.5)
+
+    def forward(self, x):
+        scores = self.router(x).softmax(-1)
+        top, idx = scores.topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.w1.shape[0]):
+            w = (top * (idx == e)).sum(-1, keepdim=True)
+            h = F.silu(x @ self.w1[e].T) * (x @ self.w3[e].T)
+            out = out + w * (h @ self.w2[e].T)
+        return out
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, d: int = 12):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.moe = MoE(d)
+
+    def forward(self, x):
+        return x + self.moe(self.norm(x))
+
+
+class MoENet(nn.Module):
+    def __init__(self, n: int = 2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(MoEBlock() for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _full(p):
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+
+
+def _wrap(model, plan_mode: str, mesh):
+    from matrixfsdp import fully_shard, plan_owners
+
+    plan = plan_owners(model, mesh, blocks=list(model.blocks)) if plan_mode == "planned" else None
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, plan=plan)
+    fully_shard(model, mesh=mesh, plan=plan)
+
+
+def parity_check(kind: str, plan_mode: str, steps: int = 2) -> dict:
+    """``Muon(model)`` sharded vs ``Muon(model)`` plain, same batch on every rank."""
+    from matrixfsdp.optim import Muon
+    from matrixfsdp.placement.stepping import planned_kind
+
+    W = dist.get_world_size()
+    ref = MLPNet() if kind == "mlp" else MoENet()
+    model = copy.deepcopy(ref)
+    _wrap(model, plan_mode, init_device_mesh("cpu", (W,)))
+    kinds = {n: planned_kind(p) for n, p in model.named_parameters()}
+    opts = [Muon(m, lr=0.02, ns_dtype=torch.float32) for m in (ref, model)]
+    d = ref.blocks[0].norm.normalized_shape[0]
+    x = torch.randn(6, d, generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        for m, o in zip((ref, model), opts):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    diffs = {n: (_full(b) - a.detach()).abs().max().item()
+             for (n, a), (_, b) in zip(ref.named_parameters(), model.named_parameters())}
+    moved = max((_full(b) - a.detach()).abs().max().item()
+                for a, b in zip(MLPNet().parameters() if kind == "mlp" else MoENet().parameters(),
+                                model.parameters()))
+    return {"kinds": kinds, "diff": max(diffs.values()), "worst": max(diffs, key=diffs.get), "moved": moved}
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_dropin_mlp_blocks_route_every_matrix_to_muon(W):
+    """Finding 1 (failed before the fix at W=2: down.weight 'elementwise', 4e-2 off the plain run)."""
+    res = get_pool(W).run(parity_check, "mlp", "dropin")
+    for r in res:
+        wrong = {n: k for n, k in r["kinds"].items() if "norm" not in n and k != "matrix"}
+        assert not wrong, wrong
+        assert r["moved"] > 1e-2  # the step did move them
+        assert r["diff"] < 1e-5, (r["worst"], r["diff"])
+
+
+@pytest.mark.parametrize("plan_mode", ["planned", "dropin"])
+def test_moe_stacks_on_module_are_expert_stacks(plan_mode):
+    """Finding 2 (failed before: the stacks were 'elementwise' and stepped with AdamW)."""
+    res = get_pool(2).run(parity_check, "moe", plan_mode)
+    for r in res:
+        stacks = {n: k for n, k in r["kinds"].items() if n.rpartition(".")[2] in ("w1", "w2", "w3")}
+        assert set(stacks.values()) == {"experts"}, stacks
+        assert r["kinds"]["blocks.0.moe.router.weight"] == "matrix"
+        assert r["diff"] < 1e-5, (r["worst"], r["diff"])
+
+
+def refusal_check(how: str) -> str:
+    """A group asking for the matrix rule for a parameter the plan made element-wise."""
+    from matrixfsdp import MatrixRule, fully_shard, plan_owners
+    from matrixfsdp.optim import Muon
+
+    W = dist.get_world_size()
+    model = MoENet()
+    mesh = init_device_mesh("cpu", (W,))
+    rule = MatrixRule(experts=False)  # the plan makes the stacks element-wise
+    plan = plan_owners(model, mesh, blocks=list(model.blocks), matrix_rule=rule)
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, plan=plan)
+    fully_shard(model, mesh=mesh, plan=plan)
+    moe = model.blocks[0].moe
+    if how == "stack_by_name":
+        groups = [dict(params=[moe.w1], algorithm="muon", experts=1)]
+    elif how == "stack_auto":
+        groups = [dict(params=[moe.w1, moe.w2], experts=1)]
+    else:  # a 2-D matrix the plan made element-wise (a matrix_filter plan)
+        plan = None
+        model = MLPNet(d=9, f=11, n=1)
+        plan = plan_owners(model, mesh, blocks=list(model.blocks), matrix_filter=lambda n, p: "down" not in n)
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh, plan=plan)
+        fully_shard(model, mesh=mesh, plan=plan)
+        groups = [dict(params=[model.blocks[0].down.weight], algorithm="muon")]
+    try:
+        Muon(groups, lr=0.02)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("how", ["stack_by_name", "stack_auto", "matrix_by_name"])
+def test_explicit_matrix_request_on_elementwise_param_is_refused(W, how):
+    msgs = get_pool(W).run(refusal_check, how)
+    assert len(set(msgs)) == 1, msgs  # the same error on every rank
+    msg = msgs[0]
+    assert msg.startswith("Muon: param group 0 asks for the 'muon' rule for "), msg
+    name = "blocks.0.down.weight" if how == "matrix_by_name" else "blocks.0.moe.w1"
+    assert repr(name) in msg and "element-wise" in msg and "algorithm='adamw'" in msg, msg
+    if how != "matrix_by_name":
+        assert "MatrixRule(expert_stacks=" in msg or "experts=False" in msg, msg
+
+
+def unhosted_check() -> str:
+    """A whole-model plan that hosts a matrix, with the host attachment knocked out: the
+    resolution's invariant check must name the parameter, on every rank alike."""
+    from unittest import mock
+
+    from matrixfsdp import fully_shard, plan_owners
+
+    W = dist.get_world_size()
+    model = MLPNet(n=1)  # at W=2 the plan hosts down.weight (checked below)
+    mesh = init_device_mesh("cpu", (W,))
+    plan = plan_owners(model, mesh, blocks=list(model.blocks))
+    hosted = sorted(p.fqn for p in plan.params if p.placement == "hosted")
+    if not hosted:
+        return "nothing hosted"
+    with mock.patch("matrixfsdp._fully_shard.init.attach_dp_hosts", lambda *a, **k: None):
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh, plan=plan)
+        try:
+            fully_shard(model, mesh=mesh, plan=plan)
+        except RuntimeError as e:
+            return f"{hosted[0]} | {e}"
+    return "no error"
+
+
+def test_matrix_placed_evenly_without_host_is_an_internal_error():
+    msgs = get_pool(2).run(unhosted_check)
+    assert len(set(msgs)) == 1, msgs
+    first, _, msg = msgs[0].partition(" | ")
+    assert "matrixfsdp internal error (fully_shard(plan=<plan " in msg, msgs[0]
+    assert f"parameter {first!r}" in msg and "placement 'hosted'" in msg, msgs[0]
