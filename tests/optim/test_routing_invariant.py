@@ -158,35 +158,38 @@ def test_moe_stacks_on_module_are_expert_stacks(plan_mode):
 
 def refusal_check(how: str) -> str:
     """A group asking for the matrix rule for a parameter the plan made element-wise."""
-    from matrixfsdp import MatrixRule, fully_shard, plan_owners
+    from matrixfsdp import MatrixRule, plan_owners
     from matrixfsdp.optim import Muon
 
     W = dist.get_world_size()
-    model = MoENet()
     mesh = init_device_mesh("cpu", (W,))
-    rule = MatrixRule(experts=False)  # the plan makes the stacks element-wise
-    plan = plan_owners(model, mesh, blocks=list(model.blocks), matrix_rule=rule)
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh, plan=plan)
-    fully_shard(model, mesh=mesh, plan=plan)
-    moe = model.blocks[0].moe
-    if how == "stack_by_name":
-        groups = [dict(params=[moe.w1], algorithm="muon", experts=1)]
-    elif how == "stack_auto":
-        groups = [dict(params=[moe.w1, moe.w2], experts=1)]
-    else:  # a 2-D matrix the plan made element-wise (a matrix_filter plan)
-        plan = None
+    if how == "matrix_by_name":  # a 2-D matrix a plan's matrix_filter made element-wise, evenly sharded
+        # (an owned tail's owner holds it whole: asked by name, it gets the matrix rule there)
         model = MLPNet(d=9, f=11, n=1)
-        plan = plan_owners(model, mesh, blocks=list(model.blocks), matrix_filter=lambda n, p: "down" not in n)
-        for b in model.blocks:
-            fully_shard(b, mesh=mesh, plan=plan)
-        fully_shard(model, mesh=mesh, plan=plan)
+        plan = plan_owners(model, mesh, blocks=list(model.blocks),
+                           matrix_filter=lambda n, p: p.ndim == 2 and "down" not in n, elementwise="even")
+        _apply(model, mesh, plan)
         groups = [dict(params=[model.blocks[0].down.weight], algorithm="muon")]
+    else:  # stacks a plan made element-wise (MatrixRule(experts=False))
+        model = MoENet()
+        _apply(model, mesh, plan_owners(model, mesh, blocks=list(model.blocks),
+                                        matrix_rule=MatrixRule(experts=False)))
+        moe = model.blocks[0].moe
+        groups = ([dict(params=[moe.w1], algorithm="muon", experts=1)] if how == "stack_by_name"
+                  else [dict(params=[moe.w1, moe.w2], experts=1)])
     try:
         Muon(groups, lr=0.02)
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def _apply(model, mesh, plan):
+    from matrixfsdp import fully_shard
+
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, plan=plan)
+    fully_shard(model, mesh=mesh, plan=plan)
 
 
 @pytest.mark.parametrize("W", [2, 3])

@@ -48,7 +48,7 @@ from ..mesh import MeshInfo
 from ..placement.owner import FQN_ATTR, StepReceipt, mesh_scratch, owner_of, set_owner
 from ..planner.owner_plan import OwnerPlan, ParamPlan
 from ..planner.owners import plan_owners
-from ..planner.rules import DecidedRule, MatrixRule, head_rows_of
+from ..planner.rules import DecidedRule, MatrixRule, head_rows_of, moe_structure
 from ..placement.stepping import check_planned
 from .param import ManagedParam, shard_param
 from .param_group import CommContext, check_one_dtype
@@ -162,8 +162,9 @@ def plan_call(params: list[ManagedParam], info: MeshInfo, state: BlockState,
         orig = mp.orig
         m.register_parameter(attr, nn.Parameter(torch.empty(orig.shape, dtype=orig.dtype, device="meta"),
                                                 requires_grad=orig.requires_grad))
-    head_rows = head_rows_of(module)
-    decided = DecidedRule(decided={mp.fqn: rule.kind(mp.fqn, mp.orig, mp.sites[0][0], head_rows) for mp in params})
+    head_rows, structure = head_rows_of(module), moe_structure(module)
+    decided = DecidedRule(decided={mp.fqn: rule.kind(mp.fqn, mp.orig, mp.sites[0][0], head_rows, structure)
+                                   for mp in params})
     # placement="owned": a call's plan is one scope of its own, and hosting needs one executor per
     # root with the whole model's host groups; a hosted entry with no host attached would be an
     # evenly sharded matrix that the optimizer steps element-wise (issue 39: the default became
