@@ -235,3 +235,130 @@ def test_matrix_placed_evenly_without_host_is_an_internal_error():
     first, _, msg = msgs[0].partition(" | ")
     assert "matrixfsdp internal error (fully_shard(plan=<plan " in msg, msgs[0]
     assert f"parameter {first!r}" in msg and "placement 'hosted'" in msg, msgs[0]
+
+
+class SampledBlock(nn.Module):
+    def __init__(self, up: str, down: str):
+        super().__init__()
+        self.up_name, self.down_name = up, down
+
+    def forward(self, h):
+        n = self.norm(h)
+        out = h + getattr(self, self.down_name)(F.silu(getattr(self, self.up_name)(n)))
+        return out if self.moe is None else out + self.moe(n)
+
+
+class SampledNet(nn.Module):
+    """A sampled model for the parity runs (the property test's ingredients, with a forward): an
+    embedding, blocks of a norm and an up/down pair with odd widths under names drawn from roles
+    they do not play (gate, head, output, router, experts), a gpt-oss-style MoE part, a head (tied
+    or not), a frozen parameter."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        import random
+
+        rnd = random.Random(seed)
+        torch.manual_seed(seed)
+        D, F, V = rnd.choice([7, 9, 11]), rnd.choice([13, 15, 17]), 19
+        self.up_name, self.down_name = rnd.sample(["gate", "head", "output", "router", "experts", "up"], 2)
+        self.embed = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList()
+        for _ in range(2):
+            b = SampledBlock(self.up_name, self.down_name)
+            b.norm = nn.LayerNorm(D)
+            b.add_module(self.up_name, nn.Linear(D, F, bias=rnd.random() < 0.5))
+            b.add_module(self.down_name, nn.Linear(F, D, bias=False))
+            b.moe = MoE(D, F, e=3) if rnd.random() < 0.7 else None
+            self.blocks.append(b)
+        self.head = nn.Linear(D, V, bias=False)
+        if rnd.random() < 0.5:
+            self.head.weight = self.embed.weight
+        self.blocks[0].norm.bias.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def sampled_parity(seed: int, how: str, steps: int = 2) -> dict:
+    from matrixfsdp import fully_shard, plan_owners, replicate
+    from matrixfsdp.optim import Muon
+    from matrixfsdp.placement.stepping import planned_kind
+
+    W = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (W,))
+    ref = SampledNet(seed)
+    model = copy.deepcopy(ref)
+    if how == "replicate":
+        replicate(model, mesh=mesh)
+    else:
+        plan = plan_owners(model, mesh, blocks=list(model.blocks)) if how == "planned" else None
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh, plan=plan)
+        fully_shard(model, mesh=mesh, plan=plan)
+    opts = [Muon(m, lr=0.02, ns_dtype=torch.float32, adamw_lr=0.01) for m in (ref, model)]
+    x = torch.randint(0, 19, (2, 6), generator=torch.Generator().manual_seed(seed))
+    for _ in range(steps):
+        for m, o in zip((ref, model), opts):
+            o.zero_grad()
+            m(x).float().logsumexp(-1).mean().backward()
+            o.step()
+    if how == "replicate":
+        model.sync_params()  # non-owners receive the owners' updates at the next forward otherwise
+    names = {id(p): n for n, p in ref.named_parameters()}
+    routes = [{names[id(p)]: o._route(g, p) for g in o.param_groups for p in g["params"]} for o in opts[:1]]
+    got = {n: opts[1]._route(g, p) for g in opts[1].param_groups for p in g["params"]
+           for n in [dict((id(q), k) for k, q in model.named_parameters())[id(p)]]}
+    diffs = {n: (_full(b) - a.detach()).abs().max().item()
+             for (n, a), b in zip(ref.named_parameters(), model.parameters())}
+    return {"same_routes": routes[0] == got, "routes": got, "diff": max(diffs.values()),
+            "worst": max(diffs, key=diffs.get),
+            "kinds": {n: planned_kind(p) for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("W,seed,how", [(2, 1, "dropin"), (2, 2, "planned"), (3, 3, "dropin"), (3, 4, "replicate")])
+def test_sampled_models_match_the_plain_run(W, seed, how):
+    """Two Muon(model) steps sharded equal the plain run within float rounding, with the same rule
+    for every parameter (the sampled half of the property; the wide half plans only)."""
+    for r in get_pool(W).run(sampled_parity, seed, how, timeout=300):
+        assert r["same_routes"], r["routes"]
+        assert r["diff"] < 2e-5, (r["worst"], r["diff"])
+
+
+class VocabRows(nn.Module):
+    """A block matrix with as many rows as the embedding's vocabulary: an output head by the
+    rule on the whole model, which the block's own drop-in call cannot see (found while building
+    the property test)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(5, 7)
+        self.blocks = nn.ModuleList([MLPBlock(7, 5)])  # gate/up: [5, 7], 5 rows = the vocabulary
+
+
+def vocab_rows_check(explicit: bool) -> str:
+    from matrixfsdp import MatrixRule, fully_shard
+
+    W = dist.get_world_size()
+    model, mesh = VocabRows(), init_device_mesh("cpu", (W,))
+    kw = dict(matrix_rule=MatrixRule(vocab_sizes=(5,))) if explicit else {}
+    fully_shard(model.blocks[0], mesh=mesh, **kw)
+    try:
+        fully_shard(model, mesh=mesh, **kw)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_dropin_root_refuses_kinds_its_blocks_could_not_see(W):
+    msgs = get_pool(W).run(vocab_rows_check, False)
+    assert len(set(msgs)) == 1, msgs
+    assert msgs[0].startswith("matrixfsdp.fully_shard: drop-in calls planned 'blocks.0.gate.weight' as 'matrix', "
+                              "but the routing rule on the whole VocabRows makes it 'elementwise'"), msgs[0]
+    assert "MatrixRule(vocab_sizes=" in msgs[0] and "plan_owners(model, mesh" in msgs[0]
+    assert get_pool(W).run(vocab_rows_check, True) == ["no error"] * W  # the fix it names

@@ -137,6 +137,15 @@ def _tally(W: int, states: Iterable[BlockState]) -> list[float]:
     return tally
 
 
+def plan_dropin(holder: nn.Module, decided: MatrixRule, world: Any) -> OwnerPlan:
+    """The planner call of one drop-in call (pure: the property test plans with it too)."""
+    # placement="owned": a call's plan is one scope of its own, and hosting needs one executor per
+    # root with the whole model's host groups; a hosted entry with no host attached would be an
+    # evenly sharded matrix that the optimizer steps element-wise (issue 39: the default became
+    # placement="auto" in 5e016cd, and this path never attached hosts).
+    return plan_owners(holder, world, blocks=[holder], matrix_rule=decided, placement="owned")
+
+
 def plan_call(params: list[ManagedParam], info: MeshInfo, state: BlockState,
               adopted: list[BlockState], module: nn.Module, rule: MatrixRule) -> OwnerPlan:
     """The plan of one plan-less ``fully_shard`` call (see [Note: drop-in planning]); records
@@ -165,12 +174,7 @@ def plan_call(params: list[ManagedParam], info: MeshInfo, state: BlockState,
     head_rows, structure = head_rows_of(module), moe_structure(module)
     decided = DecidedRule(decided={mp.fqn: rule.kind(mp.fqn, mp.orig, mp.sites[0][0], head_rows, structure)
                                    for mp in params})
-    # placement="owned": a call's plan is one scope of its own, and hosting needs one executor per
-    # root with the whole model's host groups; a hosted entry with no host attached would be an
-    # evenly sharded matrix that the optimizer steps element-wise (issue 39: the default became
-    # placement="auto" in 5e016cd, and this path never attached hosts).
-    plan = plan_owners(holder, (info.replicate_size, W) if info.is_hsdp else W, blocks=[holder],
-                       matrix_rule=decided, placement="owned")
+    plan = plan_dropin(holder, decided, (info.replicate_size, W) if info.is_hsdp else W)
     loads = [0.0] * W
     for pp in plan.params:
         if pp.owner is not None:
@@ -280,7 +284,46 @@ def make_root(root: BlockState, entries: list[tuple[str, BlockState]], info: Mes
     return ctx
 
 
-def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, info: MeshInfo) -> None:
+_KIND_OF_PLACEMENT = {"matrix": "matrix", "hosted": "matrix", "experts": "experts", "tail": "elementwise",
+                      "even": "elementwise"}
+
+
+def dropin_mismatches(kinds: dict[str, Any], placements: dict[str, str]) -> list[tuple[str, str, str]]:
+    """``(fqn, kind the earlier call planned, kind of the whole model)`` for every parameter whose
+    drop-in placement disagrees with the rule on the whole module (see [Note: routing invariant]
+    in ``planner/rules.py``): a block's call cannot see what lies outside it (the embedding whose
+    vocabulary makes a weight an output head, a router beside a wrapped experts module)."""
+    out = []
+    for fqn, placement in sorted(placements.items()):
+        k = kinds.get(fqn)
+        planned = _KIND_OF_PLACEMENT.get(placement)
+        if k is not None and planned is not None and k.kind != planned:
+            out.append((fqn, planned, k.kind))
+    return out
+
+
+def check_dropin_kinds(module: nn.Module, entries: list[tuple[str, BlockState]], rule: MatrixRule) -> None:
+    """A drop-in root: every parameter its earlier calls planned gets the kind the rule gives it on
+    the whole module, or a ``ValueError`` (same modules and plans on every rank: raised alike)."""
+    placements = {mp.fqn: mp.plan.placement for _, s in entries for mp in s.params  # type: ignore[union-attr]
+                  if mp.plan is not None}
+    bad = dropin_mismatches(rule.kinds(module), placements)
+    if not bad:
+        return
+    fqn, planned, whole = bad[0]
+    more = f" (and {len(bad) - 1} more: {[b[0] for b in bad[1:4]]})" if len(bad) > 1 else ""
+    raise ValueError(
+        f"{API}: drop-in calls planned {fqn!r} as {planned!r}, but the routing rule on the whole "
+        f"{type(module).__name__} makes it {whole!r}{more}: the call that wrapped it could not see the "
+        "modules around it (an embedding whose vocabulary size makes it an output head, a router "
+        "beside an experts module wrapped alone); plan the whole model (plan = plan_owners(model, mesh, "
+        "blocks=...), then fully_shard(..., plan=plan)), or pass every fully_shard call the same "
+        "explicit matrix_rule (MatrixRule(vocab_sizes=..., expert_stacks=..., router_names=...))"
+    )
+
+
+def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, info: MeshInfo,
+                 rule: MatrixRule | None = None) -> None:
     """Shard one plan-less call's parameters and make its module the root of every wrapped module
     under it (see [Note: drop-in planning])."""
     mesh = info.mesh
@@ -311,6 +354,8 @@ def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, i
         for mp in s.params:  # names relative to the (new) root
             mp.fqn = names.get(id(mp.sharded), mp.fqn)
             setattr(mp.sharded, FQN_ATTR, mp.fqn)
+    if rule is not None and len(entries) > 1:
+        check_dropin_kinds(module, entries, rule)
 
 
 def check_routing(states: list[BlockState], where: str) -> None:
