@@ -68,10 +68,12 @@ def models(draw):
             if on_child:
                 holder.add_module(draw(st.sampled_from(["experts", "bank", "ffn"])), target)
             router = draw(st.sampled_from([None, "router", "gate", "head", "output", "score"]))
-            if router is not None:
+            if router is not None and not hasattr(holder, router):
                 holder.add_module(router, nn.Linear(D, E, bias=False))
             if draw(st.booleans()):  # shared experts: a dense MLP
                 holder.shared = nn.Sequential(nn.Linear(D, draw(ODD), bias=False))
+            if hasattr(b, holder_name):
+                holder_name += "_moe"
             b.add_module(holder_name, holder)
         if draw(st.booleans()):
             b.conv = nn.Conv1d(D, D, 3)
