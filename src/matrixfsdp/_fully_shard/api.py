@@ -141,7 +141,7 @@ def fully_shard(
                 gc.collect()
                 call_plan = plan_call(params, info, state, adopted, module, rule)
                 verify_plan_digest(call_plan, info, api=API)
-        resolve_call(module, state, call_plan, info)
+        resolve_call(module, state, call_plan, info, rule)
         end_call(state, info, adopted)
     elif _is_planned_model(module, plan):
         _resolve(module, plan, info)

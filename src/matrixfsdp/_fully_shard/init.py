@@ -45,10 +45,11 @@ from ..engine.exchange import Exchange, GatherUnit, any_rank, version_stamp
 from ..engine.reducer import replica_comm
 from ..engine.swap import attached_state
 from ..mesh import MeshInfo
-from ..placement.owner import StepReceipt, mesh_scratch, owner_of, set_owner
+from ..placement.owner import FQN_ATTR, StepReceipt, mesh_scratch, owner_of, set_owner
 from ..planner.owner_plan import OwnerPlan, ParamPlan
 from ..planner.owners import plan_owners
-from ..planner.rules import DecidedRule, MatrixRule, head_rows_of
+from ..planner.rules import DecidedRule, MatrixRule, head_rows_of, moe_structure
+from ..placement.stepping import check_planned
 from .param import ManagedParam, shard_param
 from .param_group import CommContext, check_one_dtype
 from .hosted import attach_dp_hosts
@@ -136,6 +137,15 @@ def _tally(W: int, states: Iterable[BlockState]) -> list[float]:
     return tally
 
 
+def plan_dropin(holder: nn.Module, decided: MatrixRule, world: Any) -> OwnerPlan:
+    """The planner call of one drop-in call (pure: the property test plans with it too)."""
+    # placement="owned": a call's plan is one scope of its own, and hosting needs one executor per
+    # root with the whole model's host groups; a hosted entry with no host attached would be an
+    # evenly sharded matrix that the optimizer steps element-wise (issue 39: the default became
+    # placement="auto" in 5e016cd, and this path never attached hosts).
+    return plan_owners(holder, world, blocks=[holder], matrix_rule=decided, placement="owned")
+
+
 def plan_call(params: list[ManagedParam], info: MeshInfo, state: BlockState,
               adopted: list[BlockState], module: nn.Module, rule: MatrixRule) -> OwnerPlan:
     """The plan of one plan-less ``fully_shard`` call (see [Note: drop-in planning]); records
@@ -161,10 +171,10 @@ def plan_call(params: list[ManagedParam], info: MeshInfo, state: BlockState,
         orig = mp.orig
         m.register_parameter(attr, nn.Parameter(torch.empty(orig.shape, dtype=orig.dtype, device="meta"),
                                                 requires_grad=orig.requires_grad))
-    head_rows = head_rows_of(module)
-    decided = DecidedRule(decided={mp.fqn: rule.kind(mp.fqn, mp.orig, mp.sites[0][0], head_rows) for mp in params})
-    plan = plan_owners(holder, (info.replicate_size, W) if info.is_hsdp else W, blocks=[holder],
-                       matrix_rule=decided)
+    head_rows, structure = head_rows_of(module), moe_structure(module)
+    decided = DecidedRule(decided={mp.fqn: rule.kind(mp.fqn, mp.orig, mp.sites[0][0], head_rows, structure)
+                                   for mp in params})
+    plan = plan_dropin(holder, decided, (info.replicate_size, W) if info.is_hsdp else W)
     loads = [0.0] * W
     for pp in plan.params:
         if pp.owner is not None:
@@ -274,7 +284,46 @@ def make_root(root: BlockState, entries: list[tuple[str, BlockState]], info: Mes
     return ctx
 
 
-def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, info: MeshInfo) -> None:
+_KIND_OF_PLACEMENT = {"matrix": "matrix", "hosted": "matrix", "experts": "experts", "tail": "elementwise",
+                      "even": "elementwise"}
+
+
+def dropin_mismatches(kinds: dict[str, Any], placements: dict[str, str]) -> list[tuple[str, str, str]]:
+    """``(fqn, kind the earlier call planned, kind of the whole model)`` for every parameter whose
+    drop-in placement disagrees with the rule on the whole module (see [Note: routing invariant]
+    in ``planner/rules.py``): a block's call cannot see what lies outside it (the embedding whose
+    vocabulary makes a weight an output head, a router beside a wrapped experts module)."""
+    out = []
+    for fqn, placement in sorted(placements.items()):
+        k = kinds.get(fqn)
+        planned = _KIND_OF_PLACEMENT.get(placement)
+        if k is not None and planned is not None and k.kind != planned:
+            out.append((fqn, planned, k.kind))
+    return out
+
+
+def check_dropin_kinds(module: nn.Module, entries: list[tuple[str, BlockState]], rule: MatrixRule) -> None:
+    """A drop-in root: every parameter its earlier calls planned gets the kind the rule gives it on
+    the whole module, or a ``ValueError`` (same modules and plans on every rank: raised alike)."""
+    placements = {mp.fqn: mp.plan.placement for _, s in entries for mp in s.params  # type: ignore[union-attr]
+                  if mp.plan is not None}
+    bad = dropin_mismatches(rule.kinds(module), placements)
+    if not bad:
+        return
+    fqn, planned, whole = bad[0]
+    more = f" (and {len(bad) - 1} more: {[b[0] for b in bad[1:4]]})" if len(bad) > 1 else ""
+    raise ValueError(
+        f"{API}: drop-in calls planned {fqn!r} as {planned!r}, but the routing rule on the whole "
+        f"{type(module).__name__} makes it {whole!r}{more}: the call that wrapped it could not see the "
+        "modules around it (an embedding whose vocabulary size makes it an output head, a router "
+        "beside an experts module wrapped alone); plan the whole model (plan = plan_owners(model, mesh, "
+        "blocks=...), then fully_shard(..., plan=plan)), or pass every fully_shard call the same "
+        "explicit matrix_rule (MatrixRule(vocab_sizes=..., expert_stacks=..., router_names=...))"
+    )
+
+
+def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, info: MeshInfo,
+                 rule: MatrixRule | None = None) -> None:
     """Shard one plan-less call's parameters and make its module the root of every wrapped module
     under it (see [Note: drop-in planning])."""
     mesh = info.mesh
@@ -296,12 +345,26 @@ def resolve_call(module: nn.Module, state: BlockState, plan: OwnerPlan | None, i
         if s is not state:  # (checked above, before sharding)
             check_wrapped(name, module.get_submodule(name), s, mesh, "its root")
     make_root(state, entries, info)
+    if plan is not None:
+        check_routing([state], f"drop-in fully_shard({type(module).__name__}) plan")
     names: dict[int, str] = {}
     for n, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), n)
     for _, s in entries:
         for mp in s.params:  # names relative to the (new) root
             mp.fqn = names.get(id(mp.sharded), mp.fqn)
+            setattr(mp.sharded, FQN_ATTR, mp.fqn)
+    if rule is not None and len(entries) > 1:
+        check_dropin_kinds(module, entries, rule)
+
+
+def check_routing(states: list[BlockState], where: str) -> None:
+    """After a plan is applied: every parameter it placed as a matrix is stepped as one (see
+    [Note: routing invariant] in ``planner/rules.py``); same plan, same answer on every rank."""
+    for s in states:
+        for mp in s.params:
+            if mp.sharded is not None:
+                check_planned(mp.sharded, where, mp.fqn)
 
 
 def _is_planned_model(module: nn.Module, plan: OwnerPlan) -> bool:
@@ -365,6 +428,7 @@ def _resolve(root: nn.Module, plan: OwnerPlan, info: MeshInfo) -> None:
     ctx = make_root(entries[0][2], [(name, s) for name, _, s in entries], info)
     attach_tp_hosts(ctx.states, plan, mesh, rank)
     attach_dp_hosts(ctx.states, plan, mesh)
+    check_routing(ctx.states, f"fully_shard(plan=<plan {plan.digest[:12]}>)")
 
 
 # ================================================================================ checks

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..mesh import MeshInfo
-from ..placement.owner import FQN_ATTR, StepReceipt, owner_of, set_owner
+from ..placement.owner import FQN_ATTR, PLACEMENT_ATTR, StepReceipt, owner_of, set_owner
 from ..placement.tp_host import set_tp_host, tp_host_of
 from ..placement.experts import expert_rows
 from ..placement.owned_tensor import local_tensor, make_sharded_param, owned_of
@@ -113,6 +113,7 @@ class ManagedParam:
             set_owner(new, dataclasses.replace(owner_of(new), exchange=info.exchange,  # type: ignore[arg-type]
                                                receipt=receipt))
         setattr(new, FQN_ATTR, self.fqn)
+        setattr(new, PLACEMENT_ATTR, pp.placement)
         if old.grad is not None:
             old.grad = None  # a use of the old storage would block the swap; it is stale anyway
         torch.utils.swap_tensors(old, new)
@@ -170,5 +171,6 @@ def shard_param(mp: ManagedParam, info: MeshInfo) -> None:
                                     kind=pp.placement, requires_grad=orig.requires_grad,
                                     step_replica=pp.step_replica, tp=mp.tp, experts=pp.experts, splits=pp.splits)
     setattr(mp.sharded, FQN_ATTR, mp.fqn)  # optimizers' warnings name it
+    setattr(mp.sharded, PLACEMENT_ATTR, pp.placement)  # the routing invariant checks it
     mp.orig = None
     mp.to_sharded()

@@ -75,7 +75,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..placement.owned_tensor import local_tensor  # one local-tensor helper for the package
-from ..placement.stepping import expert_splits_of, planned_kind, stepping_of  # the one descriptor optimizers ask
+from ..placement.owner import FQN_ATTR, owner_of
+from ..placement.stepping import check_planned, expert_splits_of, planned_kind, stepping_of  # the one descriptor optimizers ask
 from ..placement.tp_host import tp_host_of
 from ._adamw import adamw_foreach, adamw_foreach_capturable, adamw_step, lr_tensor, new_step_counter
 from ._expert_step import init_stacked, loop_step, matrices, route_name
@@ -199,6 +200,11 @@ class MatrixOptimizer(Optimizer):
         elif matrix_rule is not None:
             raise ValueError(f"{type(self).__name__}: matrix_rule routes the parameters of a model; pass the "
                              f"model itself ({type(self).__name__}(model, matrix_rule=...)), not parameters")
+        elif not isinstance(params, Tensor):  # (torch's own check refuses a bare tensor)
+            params = list(params)
+        #: the groups being added were written by the user as dicts (see _refuse_elementwise)
+        self._explicit_groups = (not from_module and isinstance(params, list) and bool(params)
+                                 and isinstance(params[0], dict))
         #: ids of owned parameters whose owner (another rank) has state (see present_state)
         self._remote_state: set[int] = set()
         #: host-side step counts of capturable groups (see [Note: host step counts])
@@ -208,6 +214,10 @@ class MatrixOptimizer(Optimizer):
         #: tensor per group])
         self._lr_tensors: dict[tuple[int, str, torch.device, torch.dtype], Tensor] = {}
         super().__init__(params, defaults)
+        self._explicit_groups = True  # later add_param_group calls
+        for group in self.param_groups:  # the routing invariant (see [Note: routing invariant])
+            for p in group["params"]:
+                check_planned(p, f"{type(self).__name__} construction")
         if not from_module:
             from ._list_routing import warn_if_list_routing_differs
 
@@ -223,9 +233,9 @@ class MatrixOptimizer(Optimizer):
         matrices, expert stacks (one group per ``splits``, key ``"experts"``), AdamW.
         ``Optimizer(model.parameters())`` with ``algorithm="auto"`` cannot see modules: there a
         plain 2D tensor gets the matrix rule (embeddings and heads included)."""
-        from ..planner.rules import head_rows_of
+        from ..planner.rules import head_rows_of, moe_structure
 
-        head_rows = head_rows_of(model)
+        head_rows, structure = head_rows_of(model), moe_structure(model)
         matrix, rest = [], []
         stacks: dict[int, list[Tensor]] = {}
         for fqn, p in model.named_parameters():
@@ -233,7 +243,7 @@ class MatrixOptimizer(Optimizer):
             if planned is not None:
                 kind, splits = planned, expert_splits_of(p)
             else:
-                kind, splits = rule.kind(fqn, p, model.get_submodule(fqn.rpartition(".")[0]), head_rows)
+                kind, splits = rule.kind(fqn, p, model.get_submodule(fqn.rpartition(".")[0]), head_rows, structure)
             if kind == "experts":
                 stacks.setdefault(splits, []).append(p)
             else:
@@ -323,6 +333,7 @@ class MatrixOptimizer(Optimizer):
         for p in group["params"]:
             if torch.is_complex(p):
                 self._fail(f"complex parameters are not supported, got dtype={p.dtype}", where)
+            self._refuse_elementwise(group, p, index)
             route = self._route(group, p)
             if route != "adamw":
                 splits = self._expert_splits(group, p, route)
@@ -340,6 +351,42 @@ class MatrixOptimizer(Optimizer):
                         "",
                     )
                 self._check_whole(p, local_tensor(p), index)
+
+    def _refuse_elementwise(self, group: dict[str, Any], p: Tensor, index: int) -> None:
+        """An explicit request for the matrix rule is honoured or refused, never rerouted (see
+        [Note: routing invariant] in ``planner/rules.py``): a group naming the matrix rule, or an
+        ``"auto"`` group the user wrote whose 2-D parameter (the plain model's shape rule) or 3-D
+        parameter with ``experts`` set (the expert rule) would get it, holding a parameter the
+        owner plan made element-wise. Same plan, same answer on every rank."""
+        if planned_kind(p) != "elementwise" or p.ndim not in (2, 3):
+            return
+        algorithm = group["algorithm"]
+        if algorithm == "auto":
+            if not self._explicit_groups or not (p.ndim == 2 or group.get("experts")):
+                return  # Optimizer(params) with a bare list: the warning of _list_routing.py
+            how = "(algorithm='auto' on an explicit parameter list, where the plain model gives it that rule)"
+        elif algorithm == self.rule:
+            if owner_of(p) is not None and p.ndim == 2:
+                return  # an owned tail: its owner holds the whole matrix and honours the request
+            how = f"(algorithm={algorithm!r})"
+        else:
+            return
+        name = getattr(p, FQN_ATTR, None) or f"#{next(i for i, q in enumerate(group['params']) if q is p)}"
+        if p.ndim == 3:
+            reason = ("its plan did not take it for an expert stack (no router of its module scores its "
+                      "experts, or MatrixRule(experts=False))")
+            fix = (f"plan it as one: matrix_rule=MatrixRule(expert_stacks=({name.rpartition('.')[2]!r},)) to "
+                   "plan_owners and the optimizer (or to fully_shard without a plan)")
+        else:
+            reason = ("its plan made it element-wise (an embedding, an output head, a router under "
+                      "MatrixRule(routers=False), or a plan's matrix_filter)")
+            fix = "plan it as a matrix (plan_owners' matrix_filter or matrix_rule)"
+        raise ValueError(
+            f"{type(self).__name__}: param group {index} asks for the {self.rule!r} rule for {name!r} of shape "
+            f"{tuple(p.shape)} {how}, but {reason}: it is stored element-wise (evenly sharded or an owned "
+            f"tail) and would be stepped by AdamW; {fix}, or put it in a group with algorithm='adamw'; "
+            f"{type(self).__name__}(model) routes every parameter as the plan does"
+        )
 
     def _check_stack(self, p: Tensor, splits: int, index: int, group: dict[str, Any]) -> None:
         """An expert stack under the matrix rule: 3-D, rows dividing by ``splits``, whole experts

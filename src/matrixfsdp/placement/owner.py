@@ -56,6 +56,10 @@ __all__ = ["Owned", "StepReceipt", "owner_of", "owned_of", "is_owned", "keeps_st
 _ATTR = "_matrixfsdp_owned"
 #: set by fully_shard on each sharded parameter (owned or even): its fqn, for messages
 FQN_ATTR = "_matrixfsdp_fqn"
+#: set by fully_shard on each sharded parameter: the plan's placement of it (``"matrix"``,
+#: ``"hosted"``, ``"experts"``, ``"tail"``, ``"even"``), checked against how an optimizer would
+#: step it (see [Note: routing invariant] in ``planner/rules.py``)
+PLACEMENT_ATTR = "_matrixfsdp_placement"
 
 #: what ranks other than the owner hold (see the Note)
 STORAGES = ("sharded", "replicated")

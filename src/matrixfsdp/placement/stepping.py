@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from torch.distributed.device_mesh import DeviceMesh
 
 from .experts import expert_stack_of
-from .owner import keeps_state, owner_of
+from .owner import FQN_ATTR, PLACEMENT_ATTR, keeps_state, owner_of
 from .tp_host import tp_host_of
 
 try:  # torch builds without distributed have no DTensor; then nothing is one.
@@ -26,7 +26,7 @@ try:  # torch builds without distributed have no DTensor; then nothing is one.
 except ImportError:  # pragma: no cover
     _DTensor = None
 
-__all__ = ["Stepping", "stepping_of", "planned_kind", "expert_splits_of"]
+__all__ = ["Stepping", "stepping_of", "planned_kind", "expert_splits_of", "check_planned"]
 
 
 class Stepping(NamedTuple):
@@ -70,6 +70,32 @@ def planned_kind(p: Any) -> str | None:
     if _DTensor is not None and isinstance(p, _DTensor):
         return "elementwise"  # evenly sharded: the plan made it element-wise
     return None
+
+
+#: plan placements whose parameter must be stepped by the matrix rule
+_MATRIX_PLACEMENTS = ("matrix", "hosted", "experts")
+
+
+def check_planned(p: Any, where: str, name: str | None = None) -> None:
+    """The routing invariant (see [Note: routing invariant] in ``planner/rules.py``): a parameter
+    the plan placed as a matrix (owned, hosted or an expert stack) must be stepped as one, i.e.
+    :func:`planned_kind` says ``"matrix"`` or ``"experts"``; an evenly sharded matrix without a
+    host would silently get AdamW. Local and deterministic (the same plan on every rank gives the
+    same answer), so every rank raises alike; ``where`` names the plan or API for the message."""
+    placement = getattr(p, PLACEMENT_ATTR, None)
+    if placement not in _MATRIX_PLACEMENTS:
+        return
+    kind = planned_kind(p)
+    if kind in ("matrix", "experts"):
+        return
+    label = name or getattr(p, FQN_ATTR, None) or f"a parameter of shape {tuple(p.shape)}"
+    raise RuntimeError(
+        f"matrixfsdp internal error ({where}): parameter {label!r} of shape {tuple(p.shape)} has plan "
+        f"placement {placement!r} (a matrix) but is stored as {type(p).__name__} with no owner, host or "
+        f"expert record, so an optimizer would step it element-wise (planned kind {kind!r}); this is a bug "
+        "in matrixfsdp: please report it with the plan (plan.report()); plan_owners(..., placement='owned') "
+        "avoids hosting meanwhile"
+    )
 
 
 def expert_splits_of(p: Any) -> int:

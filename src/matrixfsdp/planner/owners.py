@@ -34,7 +34,7 @@ from .micro_groups import plan_micro_groups
 from .balance import _Role, balanced
 from .owner_plan import REPLICA_STEPS, OwnerPlan, ParamPlan, even_rows
 from .partition import BUCKET_POLICIES, partition_buckets, partition_replicas
-from .rules import MatrixRule, ParamKind, check_rule, default_matrix_filter, head_rows_of
+from .rules import MatrixRule, ParamKind, check_rule, default_matrix_filter, head_rows_of, moe_structure
 
 __all__ = ["plan_owners", "POLICIES", "ELEMENTWISE", "default_matrix_filter"]
 
@@ -153,7 +153,7 @@ def _collect(
     world_size: int,
 ) -> list[_Spec]:
     modules = dict(model.named_modules())
-    head_rows = head_rows_of(model)
+    head_rows, structure = head_rows_of(model), moe_structure(model)
     block_set = set(block_fqns)
     specs = []
     for fqn, p in model.named_parameters():  # de-duplicates tied parameters (first name wins)
@@ -166,7 +166,7 @@ def _collect(
             if cand in block_set:
                 block = cand
                 break
-        kind = rule.kind(fqn, p, module, head_rows)
+        kind = rule.kind(fqn, p, module, head_rows, structure)
         if matrix_filter is not None and kind.kind != "experts":
             is_matrix = bool(matrix_filter(fqn, p))
             if is_matrix and p.ndim != 2:
