@@ -264,3 +264,17 @@ def test_tiny_moe_trains_and_resumes(tmp_path):
     train(*argv, "--out", str(out), "--resume")
     for run in RUNS:
         assert comparable(records(out, run)) == comparable(records(ref, run)), run
+
+
+def test_help_says_each_default_once():
+    """``--help`` printed "(default: per --optimizer, above) (default: None)" and the like."""
+    import re
+
+    from matrixfsdp.train.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    for opt in re.findall(r"\s(--[a-z-]+) [A-Z_]+ ", text):  # options taking a value
+        entry = text.split(f" {opt} ", 2)[-1].split(" --", 1)[0]
+        assert entry.count("default") <= 1, (opt, entry)
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "(default: 200)" in text  # --steps
