@@ -489,13 +489,14 @@ def _mark_fresh(states: list[BlockState]) -> None:
                 local = mp.local
                 if local.numel() and local.is_floating_point():
                     local.fill_(float("nan"))
-                    fresh.append((mp.fqn, local, local._version))
+                    fresh.append((mp, local, local._version))
         ctx.fresh = fresh
 
 
 def _warn_unwritten(ctx: RootContext) -> None:
     fresh, ctx.fresh = ctx.fresh or [], None
-    candidates = [(fqn, t) for fqn, t, v in fresh if t._version == v]
+    # storage swapped since (a checkpoint load, repair_layout) counts as written
+    candidates = [(mp.fqn, t) for mp, t, v in fresh if mp.local is t and t._version == v]
     if not candidates:
         return
     with torch.no_grad():
