@@ -36,14 +36,14 @@ def test_llama_style_config_without_head_dim(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "llama", "vocab_size": 32000, "hidden_size": 512,
                                "intermediate_size": 1376, "num_hidden_layers": 2, "num_attention_heads": 8}))
-    assert main(["--hf-config", str(cfg), "--world", "3", "--no-ranks"]) == 0
+    assert main(["--hf-config", str(cfg), "--world", "3", "--no-ranks", "--blocks"]) == 0
     out = capsys.readouterr().out
     assert "OwnerPlan  world_size=3" in out and "model.layers.1" in out
     assert "q_norm" not in out
 
 
 def test_report_lists_ranks_bounds_and_gamma(capsys):
-    assert main(["--model", "qwen3-1.7b", "--world", "16"]) == 0
+    assert main(["--model", "qwen3-1.7b", "--world", "16", "--ranks", "--blocks"]) == 0
     out = capsys.readouterr().out
     assert "lower bound" in out and "gamma_B" in out
     assert sum(1 for line in out.splitlines() if line.strip().split(" ")[0].isdigit()) >= 16
@@ -84,7 +84,7 @@ def test_help_names_the_default_model_and_every_option(capsys):
 
 
 def test_report_sorted_naturally_explains_gamma_and_fits_120_columns(capsys):
-    assert main(["--model", "qwen3-0.6b", "--world", "64"]) == 0
+    assert main(["--model", "qwen3-0.6b", "--world", "64", "--ranks", "--blocks"]) == 0
     out = capsys.readouterr().out
     blocks = [line.split()[0] for line in out.splitlines() if line.startswith("  model.layers.")]
     assert blocks[:3] == ["model.layers.0", "model.layers.1", "model.layers.2"] and len(blocks) == 28
@@ -159,7 +159,7 @@ def test_tp_report_lists_micro_groups(capsys):
 
 
 def test_moe_preset_reports_experts_against_the_baselines(capsys):
-    assert main(["--model", "qwen3-30b-a3b", "--world", "8", "--no-blocks"]) == 0
+    assert main(["--model", "qwen3-30b-a3b", "--world", "8", "--ranks", "--no-blocks"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("# qwen3-30b-a3b: 30.53B parameters (3.35B active) in bfloat16, planned in ")
     assert "experts: 96 stacks, 18432 expert matrices, " in out
@@ -226,3 +226,37 @@ def test_a_poor_plan_warns_and_names_the_replicas_that_fix_it(capsys):
     with torch.device("meta"):
         model = Decoder(PRESETS["qwen3-8b"]).to(torch.bfloat16)
     assert plan_warnings(plan_owners(model, 64, block_types=(DecoderLayer,))) == []
+
+
+def test_summary_is_the_default_and_the_tables_are_opt_in(capsys):
+    """At large W the per-rank and per-block tables ran to thousands of lines, the warning at the
+    top and the suggestion at the bottom: now the tables are opt-in (--ranks, --blocks; the old
+    --no-ranks / --no-blocks still parse) and the warnings end the report, next to the suggestion."""
+    assert main(["--model", "qwen3-0.6b", "--world", "512"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert len(lines) < 40 and "  rank  owned" not in out and "gamma_B   bound   ratio" not in out
+    assert "# left out: --ranks, --blocks" in out
+    warn = next(i for i, line in enumerate(lines) if "WARNING" in line)
+    sugg = next(i for i, line in enumerate(lines) if line.startswith("# suggestion"))
+    assert warn < sugg and all(not line.startswith("  ") or line.startswith("    ") or line.startswith("      ")
+                               for line in lines[warn + 1:sugg])  # nothing but the warnings in between
+    assert main(["--model", "qwen3-0.6b", "--world", "512", "--no-ranks", "--no-blocks"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == lines[1:]  # the first line times the planner
+    assert main(["--model", "qwen3-0.6b", "--world", "8", "--ranks", "--blocks"]) == 0
+    out = capsys.readouterr().out
+    assert "  rank  owned" in out and "gamma_B   bound   ratio" in out and "left out" not in out
+
+
+def test_moe_ranks_holding_experts_are_not_idle(capsys):
+    """An expert matrix is stepped whole by the rank holding it: tiny-moe at W=32 puts 2-4 on
+    every rank (the warning said 10 of 32 ranks step nothing); at W=128, 40 ranks hold nothing.
+    The remedy says why placement='auto', the default, hosted nothing."""
+    assert main(["--model", "tiny-moe", "--world", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "2-4 per shard rank" in out and "WARNING" not in out and "suggestion" not in out
+    assert main(["--model", "tiny-moe", "--world", "128"]) == 0
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "40 of 128 shard ranks own, host or hold the experts of no tensor" in flat
+    assert "placement='auto' (the default) hosted nothing: it hosts matrices only to keep a rank within" in flat
+    assert "--placement auto" not in flat

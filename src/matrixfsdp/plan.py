@@ -90,8 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "loaded rank on the mesh, parameter + gradient + state bytes (default 1.25, met where hosting can; an explicit "
                         "budget that cannot be met is an error naming the smallest that can)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (OwnerPlan.to_json)")
-    p.add_argument("--no-ranks", action="store_true", help="omit the per-rank table")
-    p.add_argument("--no-blocks", action="store_true", help="omit the per-block gamma_B table")
+    # off by default: at large W the tables run to thousands of lines and bury the summary and the
+    # warnings (--no-ranks / --no-blocks, the old opt-outs, are still accepted)
+    p.add_argument("--ranks", action=argparse.BooleanOptionalAction, default=False,
+                   help="also print the per-rank table (owned tensors, bytes, cost per rank)")
+    p.add_argument("--blocks", action=argparse.BooleanOptionalAction, default=False,
+                   help="also print the per-block gamma_B table")
     return p
 
 
@@ -144,11 +148,15 @@ def _run(args: argparse.Namespace) -> int:
     name = str(hf) if hf else args.model
     active = f" ({cfg.num_active_params / 1e9:.2f}B active)" if moe else ""
     print(f"# {name}: {cfg.num_params / 1e9:.2f}B parameters{active} in {dtype_name}, planned in {ms:.1f} ms")
-    print(plan.report(per_rank=not args.no_ranks, per_block=not args.no_blocks))
-    if plan_warnings(plan) and args.replicas == 1 and args.tp == 1:
+    print(plan.report(per_rank=args.ranks, per_block=args.blocks))
+    warned = bool(plan_warnings(plan))
+    if warned and args.replicas == 1 and args.tp == 1:
         source = f"--hf-config {args.hf_config}" if hf else f"--model {args.model}"
         fit = _fitting_replicas(model, args.world, (MoEDecoderLayer,) if moe else (DecoderLayer,), args, source)
-        print("\n" + "\n".join(textwrap.wrap(f"# suggestion: {fit}", 120, subsequent_indent="#   ")))
+        print("\n".join(textwrap.wrap(f"# suggestion: {fit}", 120, subsequent_indent="#   ")))
+    hidden = [f for f, on in (("--ranks", args.ranks), ("--blocks", args.blocks)) if not on]
+    if hidden:
+        print(f"\n# left out: {', '.join(hidden)} (the per-rank and per-block tables)")
     return 0
 
 

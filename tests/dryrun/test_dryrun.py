@@ -145,3 +145,21 @@ def test_bad_tp_input_is_refused_with_a_reason():
         out = subprocess.run([sys.executable, "-m", "matrixfsdp.dryrun", *args], capture_output=True, text=True,
                              timeout=120, env=env)
         assert out.returncode == 2 and needle in out.stderr, (args, out.stderr[-2000:])
+
+
+def test_progress_per_sampled_rank_and_no_profiler_noise():
+    """The dry run used to run for minutes without output at large W, and print kineto's
+    profiler lines and a FutureWarning a user cannot act on: now stderr names each sampled
+    rank's phases (a tqdm bar on a terminal, a line per phase here) and nothing else; Shampoo
+    and SOAP are accepted (planned for their own state)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "matrixfsdp.dryrun", "--model", "tiny", "--world", "4",
+                          "--roles", "rank0", "--steps", "1", "--optimizer", "shampoo"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [f"dryrun: rank 0 (rank0): {ph}" for ph in
+                                       ("starting", "planning", "sharding", "to_empty", "step 1/1", "done")]
+    assert "tiny, fully_shard, mesh 4, bfloat16, shampoo" in out.stdout
+    from matrixfsdp.dryrun.__main__ import build_parser
+
+    assert build_parser().parse_args(["--world", "4", "--optimizer", "soap"]).optimizer == "soap"

@@ -98,6 +98,12 @@ def check_decoder_meta_init() -> dict:
     matrixfsdp.checkpoint.load(ckpt, resumed)
     loaded = all(torch.equal(local_of(p), local_of(q))
                  for p, q in zip(resumed.parameters(), eager.parameters()))
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # loaded parameters count as written
+        warnings.simplefilter("always")
+        resumed(torch.zeros(1, 4, dtype=torch.long))
+    loaded = loaded and not any("never written" in str(w.message) for w in caught)
     dist.barrier()
     if rank == 0:
         shutil.rmtree(path[0], ignore_errors=True)
@@ -274,3 +280,56 @@ def test_identity_repair_and_refusals():
         assert "parameters are still on the meta device" in r["meta_load_error"], r
         assert r["broken_before_repair"] and r["repaired"], r
         assert r["accum_dropped"], r
+
+
+def check_unwritten_parameters_warn() -> dict:
+    """Meta init, to_empty, every parameter initialized but one: the first forward warns naming
+    it on the rank(s) holding it; writes through ``.data`` and through set_full_ count as
+    written; the second forward is silent; a fully initialized model never warns."""
+    import warnings
+
+    W = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (W,))
+    cfg = PRESETS["tiny"]
+    out = {}
+    for skip in ("model.layers.1.mlp.down_proj.weight", None):
+        with torch.device("meta"):
+            model = Decoder(cfg)
+        plan = matrixfsdp.plan_owners(model, mesh, block_types=(DecoderLayer,))
+        _shard_decoder(model, mesh, plan)
+        model.to_empty(device="cpu")
+        g = torch.Generator().manual_seed(0)
+        for i, (name, p) in enumerate(model.named_parameters()):
+            full = torch.randn(p.shape, generator=g) * 0.02
+            if name == skip:
+                continue
+            if i % 2:  # through .data (the segment): the version counter does not move
+                local_of(p).data.copy_(torch.full_like(local_of(p), 0.01))
+            else:
+                set_full_(p, full)
+        tokens = torch.zeros(2, 5, dtype=torch.long)
+        with warnings.catch_warnings(record=True) as first:
+            warnings.simplefilter("always")
+            loss = model(tokens).float().sum()
+        with warnings.catch_warnings(record=True) as second:
+            warnings.simplefilter("always")
+            model(tokens)
+        msgs = [str(w.message) for w in first if "never written since to_empty" in str(w.message)]
+        owner = plan[skip].owner if skip else None
+        out[str(skip)] = {"msgs": msgs, "second": [str(w.message) for w in second], "owner": owner,
+                          "finite": bool(torch.isfinite(loss))}
+    return out
+
+
+def test_unwritten_parameter_warns_at_the_first_forward():
+    res = get_pool(2).run(check_unwritten_parameters_warn)
+    name = "model.layers.1.mlp.down_proj.weight"
+    for rank, r in enumerate(res):
+        skipped, full = r[name], r["None"]
+        holds = skipped["owner"] in (rank, None)
+        assert len(skipped["msgs"]) == int(holds), skipped
+        if holds:
+            assert f"1 parameters never written since to_empty (still NaN): {name}; initialize them with " \
+                   "matrixfsdp.set_full_" in skipped["msgs"][0]
+        assert not any("never written" in m for m in skipped["second"])
+        assert full["msgs"] == [] and full["finite"], full

@@ -98,6 +98,37 @@ def test_resume_is_bitwise_at_the_same_world_size(reference, tmp_path):
     assert (out / "loss.png").exists() and "matrixfsdp-muon: 6 steps at W=2" in res.stdout
 
 
+def test_resume_with_more_steps_trains_on(reference, tmp_path):
+    """``--resume --steps 8`` after a finished 6-step run trains steps 7 and 8 (it used to exit 0
+    with the 6-step summary); the first 6 steps stay bitwise, the schedule keeps the first run's
+    end (the extra steps run at its floor, 0.1x), and a changed setting is still refused."""
+    out = tmp_path / "more"
+    shutil.copytree(reference, out)
+    res = train(*[a if a != "6" else "8" for a in SMOKE], "--out", str(out), "--resume", "--no-compare")
+    assert "resuming from step 6 to step 8" in res.stdout and "matrixfsdp-muon: 8 steps at W=2" in res.stdout
+    got, ref = records(out, RUNS[0]), records(reference, RUNS[0])
+    steps = [r for r in got if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert comparable([r for r in got if r.get("step", 0) <= 6 and not r.get("final")]) == \
+        comparable([r for r in ref if not r.get("final")])
+    assert [r["lr"] for r in steps[6:]] == pytest.approx([0.1 * 0.02] * 2)
+    assert got[-1]["final"] and got[-1]["step"] == 8 and got[-1]["lr_schedule_steps"] == 6
+    assert sorted(p.name for p in (out / "ckpt" / RUNS[0]).iterdir())[-1] == "step-000008.json"
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--lr", "0.05"], "was written by another configuration; --lr was None, now 0.05"),
+    (["--steps", "4"], "is at step 6, past --steps 4; pass --steps 6 or more"),
+])
+def test_resume_of_a_finished_run_still_checks_the_configuration(reference, tmp_path, argv, msg):
+    out = tmp_path / "finished"
+    shutil.copytree(reference, out)
+    before = (out / f"{RUNS[0]}.jsonl").read_bytes()
+    res = train(*SMOKE, "--out", str(out), "--resume", *argv, check=False)
+    assert res.returncode == 2 and msg in res.stderr, res.stdout + res.stderr
+    assert (out / f"{RUNS[0]}.jsonl").read_bytes() == before
+
+
 def test_resume_at_another_world_size(reference, tmp_path):
     out = interrupted_copy(reference, tmp_path / "w1", compare_started=True)
     train(*SMOKE, "--out", str(out), "--resume", "--world", "1", "--sample-bytes", "0")
@@ -233,3 +264,17 @@ def test_tiny_moe_trains_and_resumes(tmp_path):
     train(*argv, "--out", str(out), "--resume")
     for run in RUNS:
         assert comparable(records(out, run)) == comparable(records(ref, run)), run
+
+
+def test_help_says_each_default_once():
+    """``--help`` printed "(default: per --optimizer, above) (default: None)" and the like."""
+    import re
+
+    from matrixfsdp.train.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    for opt in re.findall(r"\s(--[a-z-]+) [A-Z_]+ ", text):  # options taking a value
+        entry = text.split(f" {opt} ", 2)[-1].split(" --", 1)[0]
+        assert entry.count("default") <= 1, (opt, entry)
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "(default: 200)" in text  # --steps

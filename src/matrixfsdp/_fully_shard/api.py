@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import warnings
 import weakref
 from typing import Any, Iterable, NoReturn
 
@@ -407,6 +408,7 @@ class MatrixFSDPModule:
                 s.group.to_sharded()  # puts every mp.sharded back
         for s in states:
             s.move_to(dev)
+        _mark_fresh(states)
         return self
 
     def _states(self, recurse: bool) -> list[BlockState]:
@@ -455,10 +457,57 @@ def _lazy_init(state: BlockState) -> None:
     ctx = state.root_ctx
     if state is ctx.root and not in_backward():
         check_layout(ctx)  # once per iteration, at the root's forward outside backward
+        if ctx.fresh is not None:  # the first forward after to_empty only
+            _warn_unwritten(ctx)
     if not ctx.checked:
         # torch's fully_shard applied after ours would otherwise fail obscurely (or silently).
         _check_not_torch_fsdp(ctx.root.module)
         ctx.checked = True
+
+
+# [Note: unwritten parameters]
+# After meta-device init, ``to_empty`` storage holds whatever memory held; a parameter nobody
+# initializes (a missed ``set_full_``, a checkpoint without that key) trains on garbage or NaN,
+# silently, on every step (stock FSDP2 is equally silent). ``to_empty`` fills every segment it
+# allocates with NaN and records its version counter; the first root forward warns, naming them,
+# about segments whose counter has not moved *and* which are still all NaN (writes through
+# ``.data`` bypass the counter, hence the content check, run on those candidates only). Local,
+# no collective: each rank names the segments it holds. A warning, not an error: a raise on the
+# owner ranks only would leave the others waiting in the forward's collectives. After that
+# forward the check costs one ``is None`` test per root forward.
+_UNWRITTEN = "parameters never written since to_empty"
+
+
+def _mark_fresh(states: list[BlockState]) -> None:
+    for ctx in {id(s.ctx): s.ctx for s in states if s.ctx is not None}.values():
+        fresh = []
+        mine = {id(s) for s in states}
+        for s in ctx.states:
+            if id(s) not in mine:
+                continue
+            for mp in s.params:
+                local = mp.local
+                if local.numel() and local.is_floating_point():
+                    local.fill_(float("nan"))
+                    fresh.append((mp, local, local._version))
+        ctx.fresh = fresh
+
+
+def _warn_unwritten(ctx: RootContext) -> None:
+    fresh, ctx.fresh = ctx.fresh or [], None
+    # storage swapped since (a checkpoint load, repair_layout) counts as written
+    candidates = [(mp.fqn, t) for mp, t, v in fresh if mp.local is t and t._version == v]
+    if not candidates:
+        return
+    with torch.no_grad():
+        flags = torch.stack([t.isnan().all() for _, t in candidates]).tolist()  # one host sync
+    unwritten = [fqn for (fqn, _), nan in zip(candidates, flags) if nan]
+    if unwritten:
+        warnings.warn(
+            f"{API}: {len(unwritten)} {_UNWRITTEN} (still NaN): {', '.join(unwritten[:8])}"
+            f"{', ...' if len(unwritten) > 8 else ''}; initialize them with matrixfsdp.set_full_ or load "
+            "a checkpoint after model.to_empty(...) (see docs/fully_shard.md, meta-device init)",
+            stacklevel=4)
 
 
 def check_layout(ctx: RootContext) -> None:

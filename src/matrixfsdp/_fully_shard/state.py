@@ -136,6 +136,10 @@ class RootContext:
     undecided: list[tuple[nn.Parameter, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
     #: HSDP split: the step replicas' values to the other owners (see [Note: deferred gathers])
     exchange: Exchange | None = None
+    #: set by ``to_empty``: (param, local storage, its version counter) of every non-empty floating
+    #: segment it allocated (NaN-filled); checked once at the next root forward, then None
+    #: (see [Note: unwritten parameters] in ``api.py``)
+    fresh: list[tuple[Any, torch.Tensor, int]] | None = None
 
     def __post_init__(self) -> None:
         #: the anchor, the running backward and its final callback (see [Note: backward tracking])

@@ -9,6 +9,9 @@ See [Note: dry runs] in ``rank.py`` for what is exact and what is not.
 from __future__ import annotations
 
 import multiprocessing
+import pickle
+import queue
+import traceback
 from typing import Any, Callable
 
 import torch
@@ -106,14 +109,16 @@ def _check_world(world_size: int, replicas: int, tp: int = 1) -> None:
 def dry_run(model: str, world_size: int, *, replicas: int = 1, front_end: str = "fully_shard",
             optimizer: str = "muon", roles: tuple[str, ...] = ROLES, dtype: torch.dtype = torch.bfloat16,
             seq_len: int = 16, ns_steps: int = 5, steps: int = 2, plan_kwargs: dict[str, Any] | None = None,
-            tp: int = 1) -> list[RankReport]:
+            tp: int = 1, progress: Callable[[int, str, str], None] | None = None) -> list[RankReport]:
     """Run the sampled ranks of a ``world_size``-rank job of preset ``model``, one after the other,
     each in a fresh process of its own (spawned; its own fake process group); one
     :class:`RankReport` per distinct rank, in ``roles`` order (a rank sampled for two roles runs
     once, named by the first). A process per rank: state that outlives a process group within a
     process (torch's DTensor sharding-propagation cache compares meshes by value, so a TP
     parameter of a second process group came out on the first one's mesh) cannot leak from one
-    sampled rank into the next."""
+    sampled rank into the next. ``progress(rank, role, phase)``, if given, is called as each
+    sampled rank starts a phase (``"starting"``, ``"planning"``, ``"sharding"``, ``"to_empty"``,
+    ``"step i/n"``, ``"done"``). Shampoo and SOAP are planned for their own state and FLOPs."""
     if front_end not in FRONT_ENDS:
         raise ValueError(f"matrixfsdp.dryrun: front_end must be one of {FRONT_ENDS}, got {front_end!r}")
     if optimizer not in OPTIMIZERS:
@@ -122,6 +127,8 @@ def dry_run(model: str, world_size: int, *, replicas: int = 1, front_end: str = 
         raise ValueError(f"matrixfsdp.dryrun: tp={tp} runs fully_shard's FSDP2 + TP pattern, got front_end={front_end!r}")
     if front_end == "replicate" and plan_kwargs is None:
         plan_kwargs = dict(REPLICATE_PLAN)  # what replicate plans when given no plan
+    if optimizer in ("shampoo", "soap") and "optimizer" not in (plan_kwargs or {}):
+        plan_kwargs = {**(plan_kwargs or {}), "optimizer": optimizer}  # their state and FLOPs, not Muon's
     build = preset_builder(model, dtype)
     picks = sample_ranks(build, world_size, replicas, roles, plan_kwargs, tp)
     out: list[RankReport] = []
@@ -133,11 +140,58 @@ def dry_run(model: str, world_size: int, *, replicas: int = 1, front_end: str = 
         seen.add(rank)
         kw = dict(world_size=world_size, rank=rank, role=role, replicas=replicas, front_end=front_end,
                   optimizer=optimizer, seq_len=seq_len, ns_steps=ns_steps, steps=steps, plan_kwargs=plan_kwargs, tp=tp)
-        with ctx.Pool(1) as pool:
-            out.append(pool.apply(_run_preset, (model, dtype), kw))
+        if progress is not None:
+            progress(rank, role, "starting")
+        out.append(_in_process(ctx, rank, role, model, dtype, kw, progress))
+        if progress is not None:
+            progress(rank, role, "done")
     return out
 
 
-def _run_preset(model: str, dtype: torch.dtype, **kw: Any) -> RankReport:
-    """:func:`run_rank` of preset ``model`` (a spawned process's entry: builders do not pickle)."""
-    return run_rank(preset_builder(model, dtype), name=model, **kw)
+def _in_process(ctx: Any, rank: int, role: str, model: str, dtype: torch.dtype, kw: dict[str, Any],
+                progress: Callable[[int, str, str], None] | None) -> RankReport:
+    """Run one sampled rank in a spawned process, relaying its phases to ``progress``; its
+    exception is raised here."""
+    q = ctx.Queue()
+    proc = ctx.Process(target=_run_preset, args=(q, model, dtype), kwargs=kw, daemon=True)
+    proc.start()
+    try:
+        while True:
+            try:
+                kind, value = q.get(timeout=1.0)
+            except queue.Empty:
+                if not proc.is_alive():
+                    raise RuntimeError(f"matrixfsdp.dryrun: the process of rank {rank} ({role}) exited with "
+                                       f"status {proc.exitcode} before reporting") from None
+                continue
+            if kind == "phase":
+                if progress is not None:
+                    progress(rank, role, value)
+            elif kind == "done":
+                return value
+            else:
+                raise value
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _run_preset(q: Any, model: str, dtype: torch.dtype, **kw: Any) -> None:
+    """:func:`run_rank` of preset ``model`` (a spawned process's entry: builders do not pickle);
+    phases, then the report or the exception, go to the parent through ``q``."""
+    import warnings
+
+    # matrixfsdp's collectives call reduce_scatter_tensor, which torch 2.13 deprecates: a note for
+    # the developers, nothing a dry run's user can act on
+    warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor. is deprecated", category=FutureWarning)
+    try:
+        report = run_rank(preset_builder(model, dtype), name=model, progress=lambda ph: q.put(("phase", ph)), **kw)
+    except BaseException as e:  # noqa: BLE001 - raised again in the parent
+        try:
+            pickle.dumps(e)
+        except Exception:  # noqa: BLE001
+            e = RuntimeError(f"matrixfsdp.dryrun: rank {kw.get('rank')} failed:\n{traceback.format_exc()}")
+        q.put(("error", e))
+        return
+    q.put(("done", report))

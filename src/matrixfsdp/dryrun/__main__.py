@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "fully_shard over the data-parallel dimension (default: %(default)s)")
     p.add_argument("--front-end", default="fully_shard", choices=FRONT_ENDS, help="default: %(default)s")
     p.add_argument("--optimizer", default="muon", choices=OPTIMIZERS,
-                   help="muon (fp32 Newton-Schulz) or adamw for every parameter (default: %(default)s)")
+                   help="muon (fp32 Newton-Schulz), shampoo or soap (default settings, planned for their "
+                        "state and FLOPs) for the matrices, or adamw for every parameter (default: %(default)s)")
     p.add_argument("--placement", default=None, choices=("auto", "owned"),
                    help="fully_shard's plan: auto hosts the matrices past the memory budget, owned owns every "
                         "matrix (default: plan_owners' default, auto)")
@@ -55,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training steps; the table shows the last one's collectives; 0: planning, sharding "
                         "and to_empty only (init time at large W) (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="one JSON object per sampled rank instead of the table")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="report each sampled rank's phases on stderr: a progress bar on a terminal (tqdm, "
+                        "where installed), else one line per phase (default: on)")
     return p
 
 
@@ -74,20 +78,52 @@ def format_table(reports: list[RankReport]) -> str:
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
+class _Progress:
+    """Phases of the sampled ranks on stderr: a tqdm bar (one tick per phase) on a terminal,
+    else a line per phase (logs, CI)."""
+
+    def __init__(self, ranks: int, steps: int):
+        self.bar = None
+        if sys.stderr.isatty():
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:  # planning, sharding, to_empty and the steps, per sampled rank
+                self.bar = tqdm(total=ranks * (3 + steps), unit="phase", file=sys.stderr, dynamic_ncols=True)
+
+    def __call__(self, rank: int, role: str, phase: str) -> None:
+        if self.bar is None:
+            print(f"dryrun: rank {rank} ({role}): {phase}", file=sys.stderr, flush=True)
+            return
+        self.bar.set_description(f"rank {rank} ({role}): {phase}")
+        if phase not in ("starting", "done"):
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.placement and args.front_end != "fully_shard":
         print(f"error: --placement chooses fully_shard's plan; {args.front_end} plans its own buckets "
               "(drop --placement)", file=sys.stderr)
         return 2
+    progress = _Progress(len(set(args.roles)), args.steps) if args.progress else None
     try:
         reports = dry_run(args.model, args.world, replicas=args.replicas, front_end=args.front_end,
                           optimizer=args.optimizer, roles=tuple(args.roles), dtype=_DTYPES[args.dtype],
                           seq_len=args.seq_len, ns_steps=args.ns_steps, steps=args.steps,
-                          plan_kwargs={"placement": args.placement} if args.placement else None, tp=args.tp)
+                          plan_kwargs={"placement": args.placement} if args.placement else None, tp=args.tp,
+                          progress=progress)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if progress is not None:
+            progress.close()
     if args.json:
         for r in reports:
             print(json.dumps(r.as_dict()))

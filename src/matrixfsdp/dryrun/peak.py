@@ -21,7 +21,11 @@ parameters, buffers and optimizer state in a dry run.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import contextlib
+import os
+import re
+import tempfile
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -41,6 +45,38 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(seen.values())
 
 
+@contextlib.contextmanager
+def _without_profiler_lines() -> Iterator[None]:
+    """Drop the lines torch's profiler (kineto) prints to file descriptor 2 on start and stop
+    (``STAGE:... Completed Stage``, ``USDT:... profiler_start``): nothing a user can act on, and no
+    setting turns them off. Anything else written meanwhile is passed on."""
+    import sys
+
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a captured stderr: nothing reaches the terminal
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), fd)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, fd)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().splitlines(keepends=True)
+                    if not _PROFILER_LINE.match(line)]
+            if kept:
+                os.write(fd, b"".join(kept))
+
+
+_PROFILER_LINE = re.compile(rb"^(STAGE|USDT):\S+ \S+ \d+:\d+ \S+\.cpp:\d+\] ")
+
+
 class PeakMemory:
     """``with PeakMemory(baseline) as pm: ...``; then ``pm.peak_bytes`` is the most bytes the CPU
     allocator held at once inside the block, counting ``baseline`` bytes live at entry (see
@@ -58,14 +94,16 @@ class PeakMemory:
 
         self._start = int(self._baseline() if callable(self._baseline) else self._baseline)
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._prof.__enter__()
+        with _without_profiler_lines():
+            self._prof.__enter__()
         torch.autograd._enable_record_function(False)  # allocator events only (see the Note)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         prof, self._prof = self._prof, None
         torch.autograd._enable_record_function(True)
-        prof.__exit__(*exc)
+        with _without_profiler_lines():
+            prof.__exit__(*exc)
         # stable by time: events of one nanosecond keep the allocator's order
         events = sorted(((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                          if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),

@@ -30,7 +30,7 @@ from torch import nn
 __all__ = ["RankReport", "run_rank", "tensor_parallel", "FRONT_ENDS", "OPTIMIZERS", "PHASES", "ACROSS", "MLP_TP"]
 
 FRONT_ENDS = ("fully_shard", "replicate")
-OPTIMIZERS = ("muon", "adamw")
+OPTIMIZERS = ("muon", "adamw", "shampoo", "soap")
 #: the phases of a training step, as the report's ``comm`` and ``seconds`` name them
 PHASES = ("forward", "backward", "step")
 #: prefix of the collectives an HSDP rank makes across replicas (the ``"replicate"`` role) in
@@ -139,8 +139,12 @@ def _state_nbytes(opt: torch.optim.Optimizer) -> int:
 
 
 def _optimizer(name: str, model: nn.Module, ns_steps: int) -> torch.optim.Optimizer:
-    from ..optim import Muon
+    from ..optim import SOAP, Muon, Shampoo
 
+    if name == "shampoo":  # default settings: preconditioners from step 10 on, grafted steps before
+        return Shampoo(model, lr=1e-3)
+    if name == "soap":
+        return SOAP(model, lr=1e-3)
     if name == "muon":
         # fp32 Newton-Schulz: bf16 matmuls are 25x slower than fp32 on CPUs without AMX
         return Muon(model, lr=1e-3, ns_steps=ns_steps, ns_dtype=torch.float32)
@@ -172,7 +176,7 @@ def tensor_parallel(model: nn.Module, tp_mesh: Any) -> dict[str, float]:
 def run_rank(build: Any, *, name: str, world_size: int, rank: int, role: str, replicas: int = 1,
              front_end: str = "fully_shard", optimizer: str = "muon", seq_len: int = 16,
              ns_steps: int = 5, steps: int = 2, plan_kwargs: dict[str, Any] | None = None,
-             tp: int = 1) -> RankReport:
+             tp: int = 1, progress: Any = None) -> RankReport:
     """Rank ``rank`` of a ``world_size``-rank job on the fake process group (see [Note: dry
     runs]). ``build()`` returns ``(model, layer_types, vocab_size)`` for a model built on the
     current default device (``meta`` here). Runs ``steps`` training steps and reports the last
@@ -180,7 +184,9 @@ def run_rank(build: Any, *, name: str, world_size: int, rank: int, role: str, re
     after a step); ``steps=0`` measures planning, sharding and ``to_empty`` alone. ``tp > 1``: a
     ``(dp_shard, tp)`` mesh of ``world_size / tp`` data-parallel ranks, the preset's MLPs tensor-
     parallel (:func:`tensor_parallel`), ``fully_shard`` over the data-parallel dimension, the TP
-    host step for the owners' TP matrices. Initializes and destroys the default process group."""
+    host step for the owners' TP matrices. Initializes and destroys the default process group.
+    ``progress(phase)``, if given, is called as each phase starts."""
+    say = progress or (lambda phase: None)
     if steps < 0:
         raise ValueError(f"matrixfsdp.dryrun: steps must be >= 0 (0: planning and sharding only), got {steps}")
     from torch.distributed.device_mesh import init_device_mesh
@@ -209,12 +215,14 @@ def run_rank(build: Any, *, name: str, world_size: int, rank: int, role: str, re
             model, layer_types, vocab = build()
         share = tensor_parallel(model, mesh["tp"]) if tp > 1 else {}
         dp_mesh = mesh["dp_shard"] if tp > 1 else mesh
+        say("planning")
         t = time.perf_counter()
         plan = plan_owners(model, mesh, block_types=layer_types, **(plan_kwargs or {}))
         seconds["plan"] = time.perf_counter() - t
         if front_end == "replicate":
             # replicate keeps every parameter whole on every rank: it wraps a materialized model
             model.to_empty(device="cpu")
+        say("sharding")
         t = time.perf_counter()
         if front_end == "fully_shard":
             for m in list(model.modules()):
@@ -224,6 +232,7 @@ def run_rank(build: Any, *, name: str, world_size: int, rank: int, role: str, re
         else:
             model = replicate(model, mesh=mesh, plan=plan)
         seconds["shard"] = time.perf_counter() - t
+        say("to_empty")
         t = time.perf_counter()
         if front_end == "fully_shard":
             model.to_empty(device="cpu")
@@ -247,7 +256,8 @@ def run_rank(build: Any, *, name: str, world_size: int, rank: int, role: str, re
 
         tracker = PeakMemory(live)
         with tracker:
-            for _ in range(steps):  # the last step's figures: the first has no parameter exchange
+            for i in range(steps):  # the last step's figures: the first has no parameter exchange
+                say(f"step {i + 1}/{steps}")
                 comm = {}
                 t = time.perf_counter()
                 out = model(tokens)

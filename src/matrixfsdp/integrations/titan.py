@@ -581,6 +581,27 @@ class MatrixTrainer(Trainer):
 
 
 # ================================================================================ optimizers
+#: the keys torchtitan's optimizer log shows (``OptimizersContainer._log_optimizer``)
+_LOGGED_KEYS = ("lr", "weight_decay", "betas", "eps", "momentum", "nesterov", "fused", "foreach")
+
+
+def logged_group_kwargs(group: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a matrixfsdp param group that its rule reads, under torchtitan's log keys:
+    for an AdamW group (``algorithm="adamw"``) the ``adamw_*`` lr, weight decay, betas and eps it
+    steps with (lr and weight decay falling back to the group's); for a matrix group the keys
+    torchtitan logs."""
+    if group.get("algorithm") == "adamw":
+        out = {}
+        for key in ("lr", "weight_decay", "betas", "eps"):  # adamw_lr / _weight_decay None: the group's
+            v = group.get(f"adamw_{key}")
+            if v is None:
+                v = group.get(key) if key in ("lr", "weight_decay") else None
+            if v is not None:
+                out[key] = v
+        return out
+    return {k: group[k] for k in _LOGGED_KEYS if k in group}
+
+
 class MatrixOptimizersContainer(OptimizersContainer):
     """torchtitan's ``OptimizersContainer`` that also knows ``"Muon"``, ``"Shampoo"`` and ``"SOAP"``
     (``matrixfsdp.optim``). Each configured group of a matrix optimizer is split in two: the
@@ -613,6 +634,18 @@ class MatrixOptimizersContainer(OptimizersContainer):
                     if key not in st and dep in st:
                         st[key] = torch.zeros_like(st[dep])
             load_flat_optim_state_dict(opt, state_dict)
+
+    def _log_optimizer(self, optimizer: Any, part_idx: int, patterns: list[str]) -> None:
+        """torchtitan's log line per param group, with what each group's rule reads: the AdamW
+        group of a matrix optimizer shows its ``adamw_*`` betas and eps, not the matrix rule's
+        momentum and nesterov (which its group carries but the AdamW rule ignores)."""
+        if type(optimizer).__name__ not in _MATRIX_OPTIMIZERS:
+            return OptimizersContainer._log_optimizer(self, optimizer, part_idx, patterns)
+        from torchtitan.tools.logging import logger
+
+        for group, pattern in zip(optimizer.param_groups, patterns):
+            logger.info(f"Optimizer {type(optimizer).__name__} (model_part={part_idx}): "
+                        f"{len(group['params'])} params [{pattern}] {logged_group_kwargs(group)}")
 
     @staticmethod
     def _resolve_optimizer_factory(name: str) -> Any:

@@ -11,7 +11,7 @@ from .partition import BUCKET_POLICIES
 if TYPE_CHECKING:
     from .owner_plan import OwnerPlan
 
-__all__ = ["format_plan", "plan_warnings", "human_bytes", "natural_key", "MEMORY_BUDGET", "GAMMA_BUDGET"]
+__all__ = ["format_plan", "plan_warnings", "remedy", "human_bytes", "natural_key", "MEMORY_BUDGET", "GAMMA_BUDGET"]
 
 #: A plan whose most loaded rank holds more than this many times the parameter + gradient +
 #: optimizer-state bytes of FSDP2's most loaded rank on the same mesh gets a warning: such a rank
@@ -55,13 +55,17 @@ def human_bytes(n: float) -> str:
 
 def plan_warnings(plan: "OwnerPlan") -> list[str]:
     """What makes a plan poor in absolute terms, however close it is to its own lower bound:
-    ranks that own nothing, a rank far above FSDP2's most loaded rank's bytes, a block whose collective
-    is far slower than an even one. Empty for a plan without those problems. Pure."""
+    ranks that step nothing (own, host and hold the experts of nothing), a rank far above FSDP2's
+    most loaded rank's bytes, a block whose collective is far slower than an even one. Empty for a
+    plan without those problems. Pure."""
     W, stats = plan.world_size, plan.rank_stats
     out = []
-    idle = sum(1 for st in stats if st.num_owned == 0 and st.num_hosted == 0)
+    # an expert matrix is stepped whole by the rank that holds it, like an owned one
+    experts = plan.expert_matrices if plan.has_experts else (0,) * W
+    idle = sum(1 for st, e in zip(stats, experts) if st.num_owned == 0 and st.num_hosted == 0 and e == 0)
     if idle and any(p.owner is not None or p.host is not None for p in plan.params):
-        out.append(f"{idle} of {W} shard ranks own or host no tensor: they step nothing while the others "
+        what = "own, host or hold the experts of" if plan.has_experts else "own or host"
+        out.append(f"{idle} of {W} shard ranks {what} no tensor: they step nothing while the others "
                    "step whole matrices")
     held = plan.memory_vs_fsdp2
     if held > MEMORY_BUDGET:
@@ -81,6 +85,24 @@ def plan_warnings(plan: "OwnerPlan") -> list[str]:
                    f"loaded rank (gamma_B; budget {GAMMA_BUDGET:.0f}x; fully_shard(..., collectives=\"two_phase\") "
                    "bounds its traffic at 2x a ring's)")
     return out
+
+
+def remedy(plan: "OwnerPlan", warnings: list[str]) -> str:
+    """What would help a plan with ``warnings`` (:func:`plan_warnings`), including why the
+    default ``placement='auto'`` did not."""
+    text = ("remedy: HSDP, owners planned within smaller groups (plan_owners(model, (R, W // R)), an "
+            "(R, W // R) mesh; CLI: --replicas R)")
+    held = plan.memory_vs_fsdp2
+    if held <= MEMORY_BUDGET and plan.tp == 1 and plan.policy not in BUCKET_POLICIES:
+        # placement='auto' hosts only to meet the memory budget: within it, it has nothing to do
+        if plan.num_hosted:
+            text += (f". placement='auto' (the default) hosted {plan.num_hosted} matrices to keep every rank "
+                     f"within {MEMORY_BUDGET:.2f}x FSDP2's most loaded rank; it hosts no more than that")
+        else:
+            text += (f". placement='auto' (the default) hosted nothing: it hosts matrices only to keep a rank "
+                     f"within the memory budget ({MEMORY_BUDGET:.2f}x FSDP2's most loaded rank), and this plan's "
+                     f"most loaded rank holds {held:.2f}x, so hosting cannot help these warnings")
+    return text
 
 
 def format_plan(plan: "OwnerPlan", *, per_rank: bool = True, per_block: bool = True) -> str:
@@ -109,16 +131,6 @@ def format_plan(plan: "OwnerPlan", *, per_rank: bool = True, per_block: bool = T
         "    gamma_B: a block's most loaded owner's bytes / (block bytes / W), i.e. its collective's "
         "slowdown vs even",
     ]
-    warnings = plan_warnings(plan)
-    if warnings:
-        lines += ["", "  WARNING: a poor plan in absolute terms (plan/bound compares it with its own bound only)"]
-        for w in warnings:
-            lines += textwrap.wrap(w, WIDTH, initial_indent="    - ", subsequent_indent="      ")
-        lines += textwrap.wrap("remedy: HSDP, owners planned within smaller groups (plan_owners(model, (R, W // R)), "
-                               "an (R, W // R) mesh; CLI: --replicas R)" + (
-                                   "; or placement='auto' (CLI: --placement auto), which hosts the matrices "
-                                   "past the memory budget" if plan.num_hosted == 0 and plan.tp == 1 else ""),
-                               WIDTH, initial_indent="    ", subsequent_indent="      ")
     if plan.has_experts:
         lines += _format_experts(plan, s)
     if plan.replicas > 1:
@@ -153,6 +165,13 @@ def format_plan(plan: "OwnerPlan", *, per_rank: bool = True, per_block: bool = T
                 f"  {b.fqn:<{w}} {human_bytes(b.nbytes):>10}  {b.gamma:8.3f}  {b.gamma_lower_bound:6.3f}  "
                 f"{b.gamma / b.gamma_lower_bound:6.3f}"
             )
+    # last, after the tables: the point of the report, next to the CLI's suggestion line
+    warnings = plan_warnings(plan)
+    if warnings:
+        lines += ["", "  WARNING: a poor plan in absolute terms (plan/bound compares it with its own bound only)"]
+        for w in warnings:
+            lines += textwrap.wrap(w, WIDTH, initial_indent="    - ", subsequent_indent="      ")
+        lines += textwrap.wrap(remedy(plan, warnings), WIDTH, initial_indent="    ", subsequent_indent="      ")
     return "\n".join(lines)
 
 

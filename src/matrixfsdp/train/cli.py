@@ -3,6 +3,8 @@
     python -m matrixfsdp.train                       # 2 ranks on CPU, Muon, + stock FSDP2/AdamW
     python -m matrixfsdp.train --optimizer soap --world 4 --steps 400 --out runs/soap
     python -m matrixfsdp.train --resume              # continue runs/train from its last checkpoint
+    python -m matrixfsdp.train --resume --steps 250  # train the finished 200-step runs on to step 250
+    python -m matrixfsdp.train --model tiny-moe      # a mixture of experts, written to runs/train-tiny-moe
     python -m matrixfsdp.train --world 4 --replicas 2  # HSDP: a (2, 2) (dp_replicate, dp_shard) mesh
     torchrun --nproc-per-node 2 -m matrixfsdp.train  # the same, processes started by torchrun
     python -m matrixfsdp.train --device cuda --world 8  # one GPU per rank, NCCL, bf16 mixed precision
@@ -60,10 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a small Qwen3-style byte-level decoder on the Python standard library's "
                     "source under matrixfsdp.fully_shard (and, with --compare, under stock FSDP2 + "
                     "AdamW), with a progress bar, a JSONL log, checkpoints and a loss plot.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
     )
     sizes = ", ".join(f"{k}: {v.num_params / 1e6:.2f}M params" for k, v in MODEL_SIZES.items())
-    p.add_argument("--out", default="runs/train", help="output folder (logs, checkpoints, loss.png)")
+    p.add_argument("--out", default=None,
+                   help="output folder (logs, checkpoints, loss.png); default: runs/train for --model "
+                        "small, runs/train-<model> for the others (so each model's run has its own)")
     p.add_argument("--model", default="small", choices=list(MODEL_SIZES), help=f"model size ({sizes})")
     p.add_argument("--optimizer", default="muon", choices=list(OPTIMIZER_LRS),
                    help="optimizer of the matrixfsdp run: matrices get it, the rest AdamW "
@@ -83,7 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --replicas > 1, how an owned matrix combines across replicas: 'repeat' "
                         "(all-reduce, every replica steps it), 'split' (one step replica steps it and "
                         "all-gathers the result), 'auto' (split for matrices, repeat for element-wise)")
-    p.add_argument("--steps", type=_positive("--steps"), default=200, help="optimizer steps per run")
+    p.add_argument("--steps", type=_positive("--steps"), default=200,
+                   help="optimizer steps per run; with --resume, more than the run was started with "
+                        "trains on to this step (the learning-rate schedule keeps the first run's end: "
+                        "the extra steps run at its final rate)")
     p.add_argument("--batch", type=_positive("--batch"), default=16,
                    help="global batch in sequences (split evenly over the ranks)")
     p.add_argument("--seq-len", type=_positive("--seq-len"), default=128, help="sequence length in bytes")
@@ -115,6 +122,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: ...)`` only where the help does not already say the default, and not
+    for flags whose default is None or False (their help says what happens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help = action.help or ""
+        if "default" in help or action.default in (None, False, argparse.SUPPRESS):
+            return help
+        return super()._get_help_string(action)
+
+
+def default_out(model: str) -> str:
+    """``--out``'s default: ``runs/train`` for the default model, ``runs/train-<model>`` otherwise."""
+    return "runs/train" if model == "small" else f"runs/train-{model}"
+
+
 def _torchrun_world() -> int | None:
     if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
                                                 and "MASTER_ADDR" in os.environ):
@@ -142,6 +165,8 @@ def config_from_args(args: argparse.Namespace, world: int) -> TrainConfig:
         raise TrainError(f"--world {world} needs one GPU per rank, found {_cuda_count()}; pass --world "
                          f"{_cuda_count()}, start the ranks with torchrun across nodes, or --device cpu")
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
+    if args.out is None:
+        args.out = default_out(args.model)
     cfg = TrainConfig(out=args.out, model=args.model, optimizer=args.optimizer, steps=args.steps,
                       batch=args.batch, seq_len=args.seq_len, seed=args.seed, collectives=args.collectives,
                       replicas=args.replicas, replica_step=args.replica_step,

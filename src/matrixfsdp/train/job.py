@@ -23,6 +23,16 @@ rounding, not bitwise (W=2 -> 4 at the default size: losses within 2.2e-7 relati
 benchmarks/results/train/default/README.md). The same holds across ``--replicas`` (the HSDP mesh
 is not part of the fingerprint: DCP reshards between the flat and the (R, W/R) meshes and between
 ``repeat`` and ``split``); tests/train/test_job.py resumes a flat W=4 checkpoint on (2, 2).
+
+[Note: resuming with more steps]
+``--resume --steps N`` with N past the step count the run was started with trains on to N (as
+torchtitan and nanoGPT do). The learning-rate schedule is a function of the *original* step
+count, recorded in every checkpoint as ``schedule_steps``: warmup and cosine decay end where the
+first run ended, and the extra steps run at the schedule's floor (0.1x the base rate), like
+nanoGPT past ``lr_decay_iters``. So the steps the first run took are unchanged (bitwise), and a
+run extended from 200 to 250 steps is *not* the run a fresh ``--steps 250`` computes (whose
+cosine is stretched over 250 steps); start afresh for that. A resume may not ask for fewer steps
+than its checkpoint holds. Any other changed setting of the fingerprint is an error.
 """
 
 from __future__ import annotations
@@ -142,8 +152,10 @@ class TrainConfig:
     device: str = "cpu"  # resolved by choose_device: "cpu" (gloo, fp32) or "cuda" (nccl, bf16 mixed precision)
 
     def fingerprint(self) -> dict[str, Any]:
-        """What a resumed run must share with the checkpoint's run."""
-        return {k: getattr(self, k) for k in ("model", "optimizer", "steps", "batch", "seq_len", "seed",
+        """What a resumed run must share with the checkpoint's run. ``steps`` is not part of it:
+        a resume may train on past the checkpointed run's end (see [Note: resuming with more
+        steps])."""
+        return {k: getattr(self, k) for k in ("model", "optimizer", "batch", "seq_len", "seed",
                                                 "max_corpus_bytes", "lr", "adamw_lr")}
 
     def lrs(self) -> tuple[float, float]:
@@ -343,8 +355,50 @@ def _sample(model: nn.Module, cfg: TrainConfig, prompt: bytes = b"def ") -> str:
 # ------------------------------------------------------------------------------------------------
 # one run
 # ------------------------------------------------------------------------------------------------
-def _train_run(cfg: TrainConfig, corpus: Corpus, build: Callable[[TrainConfig], _Run], name: str) -> dict | None:
-    """Train (or resume) one run; returns its final record on rank 0 (None elsewhere or if stopped)."""
+def _resume_point(cfg: TrainConfig, name: str) -> tuple[str, dict[str, Any]] | None:
+    """The checkpoint a ``--resume`` of run ``name`` continues from (None: start afresh), checked
+    against ``cfg`` before anything runs, identically on every rank (rank 0 reads, broadcasts).
+    Raises :class:`TrainError` for a damaged trainer state, another configuration, or a
+    ``--steps`` below the checkpoint's step."""
+    info: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            found = latest_checkpoint(cfg.out, name) if cfg.resume else None
+            if found is not None:
+                _check_resumable(cfg, str(found[0]), found[1])
+            info[0] = ("ok", None if found is None else (str(found[0]), found[1]))
+        except TrainError as e:
+            info[0] = ("error", str(e))
+    dist.broadcast_object_list(info, src=0)
+    if info[0][0] == "error":
+        raise TrainError(info[0][1])
+    return info[0][1]
+
+
+def _check_resumable(cfg: TrainConfig, ckpt_path: str, state: dict[str, Any]) -> None:
+    # checkpoints written before schedule_steps existed carry "steps" in their fingerprint
+    saved = {k: v for k, v in state.get("fingerprint", {}).items() if k != "steps"}
+    now = cfg.fingerprint()
+    if saved != now:
+        diff = {k: (saved.get(k), now.get(k)) for k in {*saved, *now} if saved.get(k) != now.get(k)}
+        raise TrainError(f"--resume: {ckpt_path!r} was written by another configuration; "
+                         + ", ".join(f"--{k.replace('_', '-')} was {a!r}, now {b!r}" for k, (a, b) in sorted(diff.items())))
+    if int(state["step"]) > cfg.steps:
+        raise TrainError(f"--resume: {ckpt_path!r} is at step {state['step']}, past --steps {cfg.steps}; "
+                         f"pass --steps {state['step']} or more")
+
+
+def _schedule_steps(cfg: TrainConfig, state: dict[str, Any] | None) -> int:
+    """The step count the learning-rate schedule spans (see [Note: resuming with more steps])."""
+    if state is None:
+        return cfg.steps
+    return int(state.get("schedule_steps", state.get("fingerprint", {}).get("steps", cfg.steps)))
+
+
+def _train_run(cfg: TrainConfig, corpus: Corpus, build: Callable[[TrainConfig], _Run], name: str,
+               found: tuple[str, dict[str, Any]] | None) -> dict | None:
+    """Train (or resume from ``found``) one run; returns its final record on rank 0 (None
+    elsewhere or if stopped)."""
     from .. import checkpoint as mckpt
 
     rank, W = dist.get_rank(), dist.get_world_size()
@@ -352,28 +406,11 @@ def _train_run(cfg: TrainConfig, corpus: Corpus, build: Callable[[TrainConfig], 
     log_path = out / f"{name}.jsonl"
     ckpt_dir = out / "ckpt" / name
 
-    # Decide where to start, identically on every rank (rank 0 reads, broadcasts).
-    start_info: list[Any] = [None]
-    if rank == 0:
-        try:
-            found = latest_checkpoint(out, name) if cfg.resume else None
-            start_info[0] = ("ok", None if found is None else (str(found[0]), found[1]))
-        except TrainError as e:
-            start_info[0] = ("error", str(e))
-    dist.broadcast_object_list(start_info, src=0)
-    if start_info[0][0] == "error":
-        raise TrainError(start_info[0][1])
-    found = start_info[0][1]
-
     run = build(cfg)
     start = 0
+    schedule_steps = _schedule_steps(cfg, None if found is None else found[1])
     if found is not None:
         ckpt_path, state = found
-        if state.get("fingerprint") != cfg.fingerprint():
-            diff = {k: (v, cfg.fingerprint().get(k)) for k, v in state.get("fingerprint", {}).items()
-                    if cfg.fingerprint().get(k) != v}
-            raise TrainError(f"--resume: {ckpt_path!r} was written by another configuration; "
-                             + ", ".join(f"--{k.replace('_', '-')} was {a!r}, now {b!r}" for k, (a, b) in diff.items()))
         if state.get("corpus_sha256") != corpus.sha256:
             raise TrainError(f"--resume: {ckpt_path!r} was trained on other data (corpus sha256 "
                              f"{state.get('corpus_sha256', '?')[:12]} vs {corpus.sha256[:12]}: another Python version?)")
@@ -389,7 +426,10 @@ def _train_run(cfg: TrainConfig, corpus: Corpus, build: Callable[[TrainConfig], 
         mesh = mesh_record(cfg, W)
         print(f"{name}: W={W} on mesh {mesh_str(mesh)}"
               + (f", replica_step {cfg.replica_step}" if cfg.replicas > 1 and name.startswith("matrixfsdp") else "")
-              + (f", resuming from step {start}" if start else ""), flush=True)
+              + (f", resuming from step {start}" if start else "")
+              + (f" to step {cfg.steps} (the learning-rate schedule ends at step {schedule_steps}, the first "
+                 f"run's --steps; the steps past it run at its final rate)" if schedule_steps < cfg.steps else ""),
+              flush=True)
 
     # The log: keep what the checkpoint covers (steps <= start), drop the rest (it is recomputed).
     if rank == 0:
@@ -433,7 +473,7 @@ def _train_run(cfg: TrainConfig, corpus: Corpus, build: Callable[[TrainConfig], 
     try:
         for step in range(start, stop):
             t0 = time.perf_counter()
-            lr = _set_lr(run, lr_multiplier(step, cfg.steps))
+            lr = _set_lr(run, lr_multiplier(step, schedule_steps))
             xy = local_batch(corpus, step, batch=cfg.batch, seq_len=cfg.seq_len, seed=cfg.seed, rank=rank,
                              world=W).to(cfg.device)
             c = run.counter
@@ -472,7 +512,7 @@ def _train_run(cfg: TrainConfig, corpus: Corpus, build: Callable[[TrainConfig], 
                 if bar is not None:
                     bar.write(f"{name} step {done}: train loss {avg_loss:.4f}, held-out loss {h:.4f}")
             if done % cfg.ckpt_every == 0 or done == cfg.steps:
-                _save(cfg, run, ckpt_dir, done, corpus)
+                _save(cfg, run, ckpt_dir, done, corpus, schedule_steps)
     finally:
         if bar is not None:
             bar.close()
@@ -488,14 +528,15 @@ def _train_run(cfg: TrainConfig, corpus: Corpus, build: Callable[[TrainConfig], 
     final = {"run": name, "final": True, "step": cfg.steps, "world_size": W, "mesh": mesh_record(cfg, W),
              "train_loss_last10": sum(train_losses[-10:]) / max(1, len(train_losses[-10:])),
              "heldout_loss": heldout, "sample": sample, "param_sha256": digest,
-             "wall_s_this_process": time.perf_counter() - t_run, "resumed_from": start}
+             "wall_s_this_process": time.perf_counter() - t_run, "resumed_from": start,
+             "lr_schedule_steps": schedule_steps}
     log(final)
     if logf is not None:
         logf.close()
     return final if rank == 0 else None
 
 
-def _save(cfg: TrainConfig, run: _Run, ckpt_dir: Path, step: int, corpus: Corpus) -> None:
+def _save(cfg: TrainConfig, run: _Run, ckpt_dir: Path, step: int, corpus: Corpus, schedule_steps: int) -> None:
     from .. import checkpoint as mckpt
 
     rank = dist.get_rank()
@@ -507,6 +548,7 @@ def _save(cfg: TrainConfig, run: _Run, ckpt_dir: Path, step: int, corpus: Corpus
     if rank == 0:  # the trainer state goes last: a checkpoint counts once its .json exists
         state = {"step": step, "world_size": dist.get_world_size(),
                  "mesh": mesh_record(cfg, dist.get_world_size()), "fingerprint": cfg.fingerprint(),
+                 "schedule_steps": schedule_steps,
                  "corpus_sha256": corpus.sha256, "torch_rng": bytes(torch.get_rng_state().tolist()).hex()}
         _atomic_write(path.with_name(path.name + ".json"), json.dumps(state))
         # keep the newest two
@@ -527,11 +569,14 @@ def run_rank(cfg: TrainConfig) -> list[dict] | None:
     finals = []
     builders = {f"matrixfsdp-{cfg.optimizer}": _build_matrixfsdp, "fsdp2-adamw": _build_fsdp2}
     for name in run_names(cfg):
+        # the configuration is checked before a finished run is taken as done: a changed setting
+        # is an error, a larger --steps trains on (see [Note: resuming with more steps])
+        found = _resume_point(cfg, name)
         if cfg.resume and _finished(cfg, name):
             if dist.get_rank() == 0:
                 finals.append(_final_record(cfg, name))
             continue
-        finals.append(_train_run(cfg, corpus, builders[name], name))
+        finals.append(_train_run(cfg, corpus, builders[name], name, found))
         if cfg.stop_after is not None and cfg.stop_after < cfg.steps:
             return None
     if dist.get_rank() == 0:
@@ -557,6 +602,11 @@ def _final_record(cfg: TrainConfig, name: str) -> dict | None:
 
 
 def _finished(cfg: TrainConfig, name: str) -> bool:
-    flag = [_final_record(cfg, name) is not None] if dist.get_rank() == 0 else [None]
+    """Whether run ``name`` has its final record for ``cfg.steps`` steps (more steps: not yet)."""
+    if dist.get_rank() == 0:
+        rec = _final_record(cfg, name)
+        flag: list[Any] = [rec is not None and int(rec.get("step", -1)) == cfg.steps]
+    else:
+        flag = [None]
     dist.broadcast_object_list(flag, src=0)
     return bool(flag[0])
