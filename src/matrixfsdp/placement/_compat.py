@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SUPPORTED_TORCH", "UnverifiedTorchError", "enabled", "called_from"]
+__all__ = ["SUPPORTED_TORCH", "UnverifiedTorchError", "enabled", "called_from", "subclass_dispatch"]
 
 #: torch releases (major.minor) on which the caller checks below are verified
 SUPPORTED_TORCH = ("2.13", "2.14", "2.15")
@@ -58,6 +58,35 @@ class UnverifiedTorchError(ValueError):
 
 def enabled() -> bool:
     return ".".join(torch.__version__.split(".")[:2]) in SUPPORTED_TORCH
+
+
+_SUBCLASS_DISPATCH: bool | None = None
+
+
+def subclass_dispatch() -> bool:
+    """Whether DTensor's dispatch runs a DTensor subclass's own ``__torch_dispatch__``.
+
+    [Note: DTensor subclasses on torch 2.11]
+    torch 2.11 dispatches every DTensor op in C++ (``dispatchDTensorOp``, reached for any
+    ``isinstance(arg, DTensor)``): a subclass's ``__torch_dispatch__`` is never called, so results
+    of ops on an owned tensor were plain DTensors (``detach()`` in ``state_dict()``, optimizer
+    state from ``zeros_like``), and the full state dict gathered them as plain one-rank DTensors:
+    empty tensors on every rank but the owner (measured at W=2 and 3). torch 2.13 takes that fast
+    path only for subclasses that do not override ``__torch_dispatch__``, and gave the base
+    class a ``__torch_dispatch__`` that subclasses delegate to; 2.11's raises
+    ``NotImplementedError`` ("should not actually get called"). That is the probe: one call with
+    a plain one-element tensor, no mesh, no process group. Where it is False, ``OwnedDTensor``
+    adopts op results in ``__torch_function__`` instead, and expert stacks are refused."""
+    global _SUBCLASS_DISPATCH
+    if _SUBCLASS_DISPATCH is None:
+        from torch.distributed.tensor import DTensor
+
+        try:
+            DTensor.__torch_dispatch__(torch.ops.aten.detach.default, (torch.Tensor,), (torch.zeros(1),), {})
+            _SUBCLASS_DISPATCH = True
+        except NotImplementedError:
+            _SUBCLASS_DISPATCH = False
+    return _SUBCLASS_DISPATCH
 
 
 def _dsd_code(name: str) -> Any:
