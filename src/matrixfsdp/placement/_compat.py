@@ -45,7 +45,7 @@ import torch
 __all__ = ["SUPPORTED_TORCH", "UnverifiedTorchError", "enabled", "called_from", "subclass_dispatch"]
 
 #: torch releases (major.minor) on which the caller checks below are verified
-SUPPORTED_TORCH = ("2.13", "2.14", "2.15")
+SUPPORTED_TORCH = ("2.11", "2.13", "2.14", "2.15")
 
 _DSD_MODULE = "torch.distributed._state_dict_utils"
 _CODES: dict[str, Any] = {}

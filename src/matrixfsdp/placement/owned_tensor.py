@@ -218,11 +218,16 @@ def _refuse_plain_write_target(func: Any, args: Any) -> None:
         )
 
 
+def _aten_name(name: str) -> str:
+    """A torch function's name as the aten op it runs (where there is one), as errors name ops."""
+    return f"aten::{name}" if hasattr(torch.ops.aten, name) else name
+
+
 class _NamedOp:
     """What :func:`_refuse_mixed_owner_meshes` names: a torch function seen in ``__torch_function__``."""
 
-    def __init__(self, name: str) -> None:  # named as the aten op it runs, where there is one
-        self._schema = type("S", (), {"name": f"aten::{name}" if hasattr(torch.ops.aten, name) else name})()
+    def __init__(self, name: str) -> None:
+        self._schema = type("S", (), {"name": _aten_name(name)})()
 
 
 # Tensor attribute reads and metadata queries, which torch routes through __torch_function__
@@ -248,7 +253,7 @@ def _refuse_plain_write_target_tf(name: str, args: Any, flat: list[Any]) -> None
     inplace = name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
     if inplace and args and type(args[0]) is torch.Tensor and any(isinstance(a, OwnedDTensor) for a in flat):
         raise ValueError(
-            f"matrixfsdp: {name} would write a plain tensor of shape {tuple(args[0].shape)} "
+            f"matrixfsdp: {_aten_name(name)} would write a plain tensor of shape {tuple(args[0].shape)} "
             "from an owned (one-rank-mesh) DTensor; a torch optimizer's state of a 0-dim owned "
             "parameter becomes a plain tensor when loaded with set_optimizer_state_dict("
             "full_state_dict=True) (torch keeps 0-dim state values as plain tensors); load it "
