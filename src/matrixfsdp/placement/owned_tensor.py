@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._compat import called_from, subclass_dispatch
+from ._compat import called_from, dtensor_dispatch, subclass_dispatch, subclass_torch_function
 from .owner import (Owned, is_owned, owned_of, owner_meshes, owner_of, owner_source, owner_tp_meshes, set_owner,
                     tp_mesh_of)
 
@@ -80,6 +80,9 @@ class OwnedDTensor(DTensor):
         w.full_tensor()                            # the whole matrix on every rank
     """
 
+    if not subclass_dispatch():  # torch 2.11: [Note: DTensor subclasses on torch 2.11] (_compat.py)
+        __torch_function__ = classmethod(subclass_torch_function)
+
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # DTensor's own dispatch, then: a result that *is* an argument (in-place and out= ops)
@@ -88,7 +91,7 @@ class OwnedDTensor(DTensor):
                 if isinstance(a, OwnedDTensor)}
         _refuse_plain_write_target(func, args)
         _refuse_mixed_owner_meshes(func, args, kwargs)
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        out = dtensor_dispatch(func, types, args, kwargs)
 
         def rewrap(x: Any) -> Any:
             if isinstance(x, DTensor):
@@ -98,23 +101,6 @@ class OwnedDTensor(DTensor):
             return _as_owned_if_owner_mesh(x)
 
         return tree_map(rewrap, out)
-
-    if not subclass_dispatch():  # torch 2.11: see [Note: DTensor subclasses on torch 2.11] (_compat.py)
-
-        @classmethod
-        def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            # Above autograd, so results are adopted in place (class and, off the owner, local
-            # tensor): a new wrapper would cut them from the autograd graph. In-place ops hand back
-            # the caller's object already.
-            kwargs = kwargs or {}
-            name = getattr(func, "__name__", "")
-            if name not in _TF_READS:
-                flat = tree_flatten((args, kwargs))[0]
-                _refuse_plain_write_target_tf(name, args, flat)
-                _refuse_mixed_owner_meshes(_NamedOp(name), flat, None)
-            with torch._C.DisableTorchFunctionSubclass():
-                out = func(*args, **kwargs)
-            return out if func in _NOWRAP else tree_map(_adopt_owned, out)
 
     # [Note: torch's full state-dict loaders and owned tensors] (in _compat.py): the two
     # members below answer torch's full state-dict loaders differently, on verified torch only.
@@ -211,49 +197,6 @@ def _refuse_plain_write_target(func: Any, args: Any) -> None:
             and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write):
         raise ValueError(
             f"matrixfsdp: {schema.name} would write a plain tensor of shape {tuple(args[0].shape)} "
-            "from an owned (one-rank-mesh) DTensor; a torch optimizer's state of a 0-dim owned "
-            "parameter becomes a plain tensor when loaded with set_optimizer_state_dict("
-            "full_state_dict=True) (torch keeps 0-dim state values as plain tensors); load it "
-            "from a DCP (sharded) checkpoint, or use matrixfsdp.optim, whose state is local"
-        )
-
-
-def _aten_name(name: str) -> str:
-    """A torch function's name as the aten op it runs (where there is one), as errors name ops."""
-    return f"aten::{name}" if hasattr(torch.ops.aten, name) else name
-
-
-class _NamedOp:
-    """What :func:`_refuse_mixed_owner_meshes` names: a torch function seen in ``__torch_function__``."""
-
-    def __init__(self, name: str) -> None:
-        self._schema = type("S", (), {"name": _aten_name(name)})()
-
-
-# Tensor attribute reads and metadata queries, which torch routes through __torch_function__
-# too: they write nothing and combine no tensors (nothing to refuse).
-_TF_READS = frozenset({"__get__", "__repr__", "__format__", "__reduce_ex__", "__deepcopy__", "dim", "size",
-                       "stride", "numel", "is_contiguous", "element_size", "data_ptr", "untyped_storage",
-                       "_is_view", "__len__", "__hash__"})
-_NOWRAP = torch.overrides.get_default_nowrap_functions()
-
-
-def _adopt_owned(x: Any) -> Any:
-    """A plain DTensor result on an owner mesh made an :class:`OwnedDTensor` in place (torch 2.11)."""
-    if type(x) is DTensor and owner_source(x._spec.mesh) is not None:
-        if x._spec.mesh.get_coordinate() is None:
-            x._local_tensor = empty_local(tuple(x.shape), x._local_tensor.dtype, x._local_tensor.device)
-        x.__class__ = OwnedDTensor
-    return x
-
-
-def _refuse_plain_write_target_tf(name: str, args: Any, flat: list[Any]) -> None:
-    """:func:`_refuse_plain_write_target` for a torch function (torch 2.11): an in-place method
-    (``copy_``, ``add_``, ``x[i] = owned``) on a plain tensor with an owned operand."""
-    inplace = name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
-    if inplace and args and type(args[0]) is torch.Tensor and any(isinstance(a, OwnedDTensor) for a in flat):
-        raise ValueError(
-            f"matrixfsdp: {_aten_name(name)} would write a plain tensor of shape {tuple(args[0].shape)} "
             "from an owned (one-rank-mesh) DTensor; a torch optimizer's state of a 0-dim owned "
             "parameter becomes a plain tensor when loaded with set_optimizer_state_dict("
             "full_state_dict=True) (torch keeps 0-dim state values as plain tensors); load it "
