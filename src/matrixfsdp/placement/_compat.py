@@ -26,8 +26,9 @@ refused by ``DTensorSpec._verify_shard_order`` (see ``shared/notes/torch-2.13-cp
 
 The callers are recognized by code object identity against the torch functions above
 (:func:`called_from`), on the torch versions in :data:`SUPPORTED_TORCH` (``_state_dict_utils.py``
-is the same file in 2.13.0, 2.14.1 and 2.15.0; ``tests/checkpoint/test_full_state_load.py``
-passes on each), which ``tests/test_layering.py`` pins: a torch upgrade fails that test until
+is the same file in 2.13.0, 2.14.1 and 2.15.0, and 2.11.0's differs only in ShardedTensor's
+all-gather call and type hints; ``tests/checkpoint/test_full_state_load.py`` passes on each, on
+2.11 through [Note: DTensor subclasses on torch 2.11]), which ``tests/test_layering.py`` pins: a torch upgrade fails that test until
 these paths are verified again. On any other version a call from a function of that name raises
 :class:`UnverifiedTorchError` (a ``ValueError`` naming the version and loads that work) instead:
 every rank reads ``device_mesh`` / ``placements`` of the same local tensor at the same key, so
