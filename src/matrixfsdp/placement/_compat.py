@@ -83,9 +83,11 @@ def subclass_dispatch() -> bool:
     mode -- modes are asked before any subclass, the C++ fast path included -- that hands an op
     on one of our subclasses to that subclass's ``__torch_dispatch__``, and
     :func:`dtensor_dispatch` stands in for 2.13's base ``DTensor.__torch_dispatch__``. The
-    subclasses' dispatch code is then the same on every release. Not covered on 2.11: ops that
-    run outside a torch call on the subclass itself (an autograd backward started from a plain
-    tensor); matrixfsdp's runtimes build gradients themselves and compute on local tensors."""
+    subclasses' dispatch code is then the same on every release. Ops torch runs with no torch call
+    on the subclass around them (autograd's backward) take DTensor's path on 2.11; matrixfsdp's
+    runtimes build gradients themselves and compute on local tensors (measured on 2.11: a
+    direct ``(p * p).sum().backward()`` on an owned parameter leaves an ``OwnedDTensor`` grad
+    whose ``full_tensor()`` is right on every rank)."""
     global _SUBCLASS_DISPATCH
     if _SUBCLASS_DISPATCH is None:
         from torch.distributed.tensor import DTensor
