@@ -77,6 +77,6 @@ def test_the_compat_module_pins_the_torch_versions_it_was_verified_on():
     the version added (see [Note: torch's full state-dict loaders and owned tensors])."""
     from matrixfsdp.placement import _compat
 
-    assert _compat.SUPPORTED_TORCH == ("2.13", "2.14", "2.15")
+    assert _compat.SUPPORTED_TORCH == ("2.11", "2.13", "2.14", "2.15")
     assert ".".join(torch.__version__.split(".")[:2]) in _compat.SUPPORTED_TORCH
     assert _compat.enabled()

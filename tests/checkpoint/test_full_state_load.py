@@ -217,5 +217,5 @@ def test_unverified_torch_raises_the_same_error_on_every_rank(W, what):
     assert len(errors) == 1, errors
     (msg,) = errors
     assert msg is not None and f"torch {UNVERIFIED}'s full-state-dict loader" in msg, msg
-    assert "is not verified with matrixfsdp's owned tensors (verified on torch 2.13, 2.14, 2.15)" in msg, msg
+    assert "is not verified with matrixfsdp's owned tensors (verified on torch 2.11, 2.13, 2.14, 2.15)" in msg, msg
     assert "matrixfsdp.checkpoint.load" in msg and "matrixfsdp.set_full_(param, tensor)" in msg, msg

@@ -28,6 +28,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from _harness import get_pool
+
+# torch's dcp.load puts a failed read_metadata's error into its own ("metadata is None; global
+# metadata read failed: ...") from 2.13 on; 2.11's swallows it (state_dict_loader.local_step)
+_DCP_REPORTS_METADATA_ERRORS = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 from _models import TinyConfig, TinyDecoder, make_batch
 
 import matrixfsdp
@@ -114,7 +118,10 @@ def test_crafted_metadata_refused_in_one_process(tmp_path, case):
     with pytest.raises(CheckpointException) as dcp_err:  # DCP wraps it (a BaseException)
         dcp.load(sd, storage_reader=SafeFileSystemReader(path), no_dist=True)
     text = str(dcp_err.value) + "".join(map(str, getattr(dcp_err.value, "failures", {}).values()))
-    assert f"refers to '{qualname}'" in text, text
+    if _DCP_REPORTS_METADATA_ERRORS:
+        assert f"refers to '{qualname}'" in text, text
+    else:  # refused all the same (nothing ran, below); 2.11's loader logs the reader's error and drops it
+        assert "metadata is None" in text, text
     assert not os.path.exists(marker)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # untouched
 

@@ -94,14 +94,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() if a.numel() else 0.0
 
 
-# (frontend, how) -> (compiled frames, graph breaks); measured on torch 2.13 and 2.15
+# (frontend, how) -> (compiled frames, graph breaks); measured on torch 2.13 and 2.15 (2.11: the
+# same, but replicate's 19 breaks leave 10 frames, as at 5d9dd31)
+_TORCH_211 = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
 CASES = {
     ("fully_shard", "blocks"): (1, 0),  # one graph serves both layers (same code, no recompile)
     ("fully_shard", "model"): (2, 0),   # the root's code and the layers' (hooks run between them)
     # replicate's pre-forward hook of each module holding a bucket waits for that bucket's
     # all-gather: dynamo breaks the graph there (the wait runs eagerly), once per such module,
     # and at the root's two hooks
-    ("replicate", "model"): (16, 19),
+    ("replicate", "model"): (10 if _TORCH_211 else 16, 19),
 }
 
 

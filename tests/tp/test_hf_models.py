@@ -34,6 +34,7 @@ would still hold, but they would not be hosted).
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -87,7 +88,11 @@ def parallelize(model, mesh, how: str) -> None:
                 for attr, _ in layer.get_submodule(name).named_parameters(recurse=False):
                     expanded[f"{name}.{attr}"] = style
                 expanded[name] = style
-            apply_tensor_parallelism(layer, mesh, expanded)
+            if len(inspect.signature(apply_tensor_parallelism).parameters) == 2:
+                layer.tp_plan = expanded  # transformers 5.17 reads the plan from the module
+                apply_tensor_parallelism(layer, mesh)
+            else:  # 5.24
+                apply_tensor_parallelism(layer, mesh, expanded)
         else:
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 

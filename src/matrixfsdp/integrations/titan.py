@@ -87,7 +87,7 @@ local, and clipping all-reduces the stages' norms over the ``"pp"`` mesh
 (``clip_grad_norm_(pp_mesh=)``). torchtitan's checkpointer resumes
 across PP degrees (FQNs are the whole model's). Refused: tied embeddings (torchtitan refuses them
 too), expert parallelism with PP, and a torch whose schedules lack ``step(arg_mbs=)``, which
-torchtitan 0.3's Trainer calls (2.15 has it, 2.13 not). Each stage initializes from the same seed,
+torchtitan 0.3's Trainer calls (2.15 has it, 2.11 and 2.13 not). Each stage initializes from the same seed,
 so a pipelined run starts elsewhere than a plain one unless both load one seed checkpoint.
 
 Context parallelism (``parallelism.context_parallel_degree > 1``): torchtitan's own CP forward
@@ -274,7 +274,7 @@ def _check_pp_config(model: nn.Module, parallel_dims: Any) -> None:
     if not pp_schedules_take_microbatches():
         raise ValueError(f"{where}: pipeline parallelism (parallelism.pipeline_parallel_degree={parallel_dims.pp}) "
                          f"needs torch's PipelineSchedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...), which "
-                         f"torchtitan's Trainer calls and torch {torch.__version__} lacks (torch 2.15 has it; 2.13 not); "
+                         f"torchtitan's Trainer calls and torch {torch.__version__} lacks (torch 2.15 has it; 2.11 and 2.13 not); "
                          "upgrade torch or set pipeline_parallel_degree=1")
     if parallel_dims.ep_enabled:
         raise ValueError(f"{where}: expert parallelism (parallelism.expert_parallel_degree={parallel_dims.ep}) "

@@ -26,8 +26,9 @@ refused by ``DTensorSpec._verify_shard_order`` (see ``shared/notes/torch-2.13-cp
 
 The callers are recognized by code object identity against the torch functions above
 (:func:`called_from`), on the torch versions in :data:`SUPPORTED_TORCH` (``_state_dict_utils.py``
-is the same file in 2.13.0, 2.14.1 and 2.15.0; ``tests/checkpoint/test_full_state_load.py``
-passes on each), which ``tests/test_layering.py`` pins: a torch upgrade fails that test until
+is the same file in 2.13.0, 2.14.1 and 2.15.0, and 2.11.0's differs only in ShardedTensor's
+all-gather call and type hints; ``tests/checkpoint/test_full_state_load.py`` passes on each, on
+2.11 through [Note: DTensor subclasses on torch 2.11]), which ``tests/test_layering.py`` pins: a torch upgrade fails that test until
 these paths are verified again. On any other version a call from a function of that name raises
 :class:`UnverifiedTorchError` (a ``ValueError`` naming the version and loads that work) instead:
 every rank reads ``device_mesh`` / ``placements`` of the same local tensor at the same key, so
@@ -42,10 +43,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["SUPPORTED_TORCH", "UnverifiedTorchError", "enabled", "called_from"]
+__all__ = ["SUPPORTED_TORCH", "UnverifiedTorchError", "enabled", "called_from", "subclass_dispatch",
+           "dtensor_dispatch", "subclass_torch_function"]
 
 #: torch releases (major.minor) on which the caller checks below are verified
-SUPPORTED_TORCH = ("2.13", "2.14", "2.15")
+SUPPORTED_TORCH = ("2.11", "2.13", "2.14", "2.15")
 
 _DSD_MODULE = "torch.distributed._state_dict_utils"
 _CODES: dict[str, Any] = {}
@@ -58,6 +60,106 @@ class UnverifiedTorchError(ValueError):
 
 def enabled() -> bool:
     return ".".join(torch.__version__.split(".")[:2]) in SUPPORTED_TORCH
+
+
+_SUBCLASS_DISPATCH: bool | None = None
+
+
+def subclass_dispatch() -> bool:
+    """Whether DTensor's dispatch runs a DTensor subclass's own ``__torch_dispatch__``.
+
+    [Note: DTensor subclasses on torch 2.11]
+    torch 2.11 dispatches every DTensor op in C++ (``dispatchDTensorOp``, taken for any
+    ``isinstance(arg, DTensor)``): a subclass's ``__torch_dispatch__`` is never called. Results of
+    ops on an owned tensor were then plain DTensors (``detach()`` in ``state_dict()``, optimizer
+    state from ``zeros_like``), so the full state dict gathered plain one-rank DTensors: empty
+    tensors on every rank but the owner, silently (measured at W=2 and 3); expert stacks lost
+    their row layout the same way. torch 2.13 takes that path only for subclasses that do not
+    override ``__torch_dispatch__`` and gave the base class a ``__torch_dispatch__`` that
+    subclasses delegate to; 2.11's raises ``NotImplementedError`` ("should not actually get
+    called"). That is the probe: one call on a plain one-element tensor, no mesh, no process
+    group. Where it is False, :func:`subclass_torch_function` (the subclasses'
+    ``__torch_function__``) runs each torch call under :class:`_SubclassDispatchMode`, a dispatch
+    mode -- modes are asked before any subclass, the C++ fast path included -- that hands an op
+    on one of our subclasses to that subclass's ``__torch_dispatch__``, and
+    :func:`dtensor_dispatch` stands in for 2.13's base ``DTensor.__torch_dispatch__``. The
+    subclasses' dispatch code is then the same on every release. Ops torch runs with no torch call
+    on the subclass around them (autograd's backward) take DTensor's path on 2.11; matrixfsdp's
+    runtimes build gradients themselves and compute on local tensors (measured on 2.11: a
+    direct ``(p * p).sum().backward()`` on an owned parameter leaves an ``OwnedDTensor`` grad
+    whose ``full_tensor()`` is right on every rank)."""
+    global _SUBCLASS_DISPATCH
+    if _SUBCLASS_DISPATCH is None:
+        from torch.distributed.tensor import DTensor
+
+        try:
+            DTensor.__torch_dispatch__(torch.ops.aten.detach.default, (torch.Tensor,), (torch.zeros(1),), {})
+            _SUBCLASS_DISPATCH = True
+        except NotImplementedError:
+            _SUBCLASS_DISPATCH = False
+    return _SUBCLASS_DISPATCH
+
+
+def dtensor_dispatch(func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    """``super().__torch_dispatch__`` of a DTensor subclass: DTensor's own dispatch of ``func``
+    with subclass instances seen as plain DTensors (2.13's base ``__torch_dispatch__``; on 2.11,
+    which has none, the same unwrapping, then the C++ fast path)."""
+    from torch.distributed.tensor import DTensor
+
+    if subclass_dispatch():
+        return DTensor.__torch_dispatch__(func, types, args, kwargs)
+
+    def unwrap(t: Any) -> Any:
+        if isinstance(t, DTensor) and type(t) is not DTensor:
+            return DTensor(t._local_tensor, t._spec, requires_grad=t.requires_grad)
+        return t
+
+    from torch.utils._pytree import tree_map
+
+    return func(*tree_map(unwrap, tuple(args)), **tree_map(unwrap, kwargs or {}))
+
+
+def _own_dispatch(t: Any) -> Any:
+    """The ``__torch_dispatch__`` of ``t``'s class if it is a DTensor subclass overriding it."""
+    from torch.distributed.tensor import DTensor
+
+    cls = type(t)
+    if cls is DTensor or not isinstance(t, DTensor):
+        return None
+    own = cls.__torch_dispatch__
+    return None if own.__func__ is DTensor.__torch_dispatch__.__func__ else own
+
+
+_MODE_CLS: Any = None
+
+
+def _mode() -> Any:
+    """A fresh :class:`_SubclassDispatchMode` (built on first use: torch 2.11 only)."""
+    global _MODE_CLS
+    if _MODE_CLS is None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        class _SubclassDispatchMode(TorchDispatchMode):
+            """Hands an op on one of matrixfsdp's DTensor subclasses to its ``__torch_dispatch__``
+            (see [Note: DTensor subclasses on torch 2.11]); the mode is off while it runs."""
+
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                for a in tree_flatten((args, kwargs or {}))[0]:
+                    handler = _own_dispatch(a)
+                    if handler is not None:
+                        return handler(func, types, args, kwargs)
+                return func(*args, **(kwargs or {}))
+
+        _MODE_CLS = _SubclassDispatchMode
+    return _MODE_CLS()
+
+
+def subclass_torch_function(cls: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    """``__torch_function__`` of matrixfsdp's DTensor subclasses where :func:`subclass_dispatch`
+    is False (torch 2.11): the call as is, with its aten ops routed to the subclasses' dispatch."""
+    with torch._C.DisableTorchFunctionSubclass(), _mode():
+        return func(*args, **(kwargs or {}))
 
 
 def _dsd_code(name: str) -> Any:

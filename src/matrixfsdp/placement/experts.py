@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._compat import called_from
+from ._compat import called_from, dtensor_dispatch, subclass_dispatch, subclass_torch_function
 from .owner import coordinates
 
 __all__ = ["ExpertStack", "ExpertDTensor", "expert_stack_of", "make_expert_param", "wrap_expert_tensor",
@@ -91,6 +91,9 @@ class ExpertDTensor(DTensor):
 
     _rows: tuple[int, ...]
 
+    if not subclass_dispatch():  # torch 2.11: [Note: DTensor subclasses on torch 2.11] (_compat.py)
+        __torch_function__ = classmethod(subclass_torch_function)
+
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func._schema.name
@@ -111,7 +114,7 @@ class ExpertDTensor(DTensor):
                 "rank, not torch.chunk's): only element-wise ops, copies and sums/norms run on its local "
                 "experts; take p.full_tensor() for the whole stack or p.to_local() for this rank's experts"
             )
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        out = dtensor_dispatch(func, types, args, kwargs)
         ids = {id(a._local_tensor): a for a in mine}
         # the stack itself in new storage (see [Note: expert stack metadata survives torch's swaps])
         stack = expert_stack_of(mine[0]) if len(mine) == 1 and name in _SAME_STACK else None

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._compat import called_from
+from ._compat import called_from, dtensor_dispatch, subclass_dispatch, subclass_torch_function
 from .owner import (Owned, is_owned, owned_of, owner_meshes, owner_of, owner_source, owner_tp_meshes, set_owner,
                     tp_mesh_of)
 
@@ -80,6 +80,9 @@ class OwnedDTensor(DTensor):
         w.full_tensor()                            # the whole matrix on every rank
     """
 
+    if not subclass_dispatch():  # torch 2.11: [Note: DTensor subclasses on torch 2.11] (_compat.py)
+        __torch_function__ = classmethod(subclass_torch_function)
+
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # DTensor's own dispatch, then: a result that *is* an argument (in-place and out= ops)
@@ -88,7 +91,7 @@ class OwnedDTensor(DTensor):
                 if isinstance(a, OwnedDTensor)}
         _refuse_plain_write_target(func, args)
         _refuse_mixed_owner_meshes(func, args, kwargs)
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        out = dtensor_dispatch(func, types, args, kwargs)
 
         def rewrap(x: Any) -> Any:
             if isinstance(x, DTensor):
