@@ -75,7 +75,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..placement.owned_tensor import local_tensor  # one local-tensor helper for the package
-from ..placement.owner import FQN_ATTR, owner_of
+from ..placement.owner import FQN_ATTR, PLACEMENT_ATTR, owner_of
 from ..placement.stepping import check_planned, expert_splits_of, planned_kind, stepping_of  # the one descriptor optimizers ask
 from ..placement.tp_host import tp_host_of
 from ._adamw import adamw_foreach, adamw_foreach_capturable, adamw_step, lr_tensor, new_step_counter
@@ -360,6 +360,8 @@ class MatrixOptimizer(Optimizer):
         owner plan made element-wise. Same plan, same answer on every rank."""
         if planned_kind(p) != "elementwise" or p.ndim not in (2, 3):
             return
+        if getattr(p, PLACEMENT_ATTR, None) is None and owner_of(p) is None:
+            return  # a stock FSDP2/TP DTensor: no matrixfsdp plan to contradict (_check_whole speaks)
         algorithm = group["algorithm"]
         if algorithm == "auto":
             if not self._explicit_groups or not (p.ndim == 2 or group.get("experts")):
