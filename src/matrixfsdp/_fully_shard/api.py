@@ -479,9 +479,9 @@ _UNWRITTEN = "parameters never written since to_empty"
 
 
 def _mark_fresh(states: list[BlockState]) -> None:
+    mine = {id(s) for s in states}
     for ctx in {id(s.ctx): s.ctx for s in states if s.ctx is not None}.values():
         fresh = []
-        mine = {id(s) for s in states}
         for s in ctx.states:
             if id(s) not in mine:
                 continue

@@ -49,7 +49,7 @@ from ..placement.owner import FQN_ATTR, StepReceipt, mesh_scratch, owner_of, set
 from ..planner.owner_plan import OwnerPlan, ParamPlan
 from ..planner.owners import plan_owners
 from ..planner.rules import DecidedRule, MatrixRule, head_rows_of, moe_structure
-from ..placement.stepping import check_planned
+from ..placement.stepping import KIND_OF_PLACEMENT, check_planned
 from .param import ManagedParam, shard_param
 from .param_group import CommContext, check_one_dtype
 from .hosted import attach_dp_hosts
@@ -284,10 +284,6 @@ def make_root(root: BlockState, entries: list[tuple[str, BlockState]], info: Mes
     return ctx
 
 
-_KIND_OF_PLACEMENT = {"matrix": "matrix", "hosted": "matrix", "experts": "experts", "tail": "elementwise",
-                      "even": "elementwise"}
-
-
 def dropin_mismatches(kinds: dict[str, Any], placements: dict[str, str]) -> list[tuple[str, str, str]]:
     """``(fqn, kind the earlier call planned, kind of the whole model)`` for every parameter whose
     drop-in placement disagrees with the rule on the whole module (see [Note: routing invariant]
@@ -296,7 +292,7 @@ def dropin_mismatches(kinds: dict[str, Any], placements: dict[str, str]) -> list
     out = []
     for fqn, placement in sorted(placements.items()):
         k = kinds.get(fqn)
-        planned = _KIND_OF_PLACEMENT.get(placement)
+        planned = KIND_OF_PLACEMENT.get(placement)
         if k is not None and planned is not None and k.kind != planned:
             out.append((fqn, planned, k.kind))
     return out

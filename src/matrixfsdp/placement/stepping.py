@@ -26,7 +26,7 @@ try:  # torch builds without distributed have no DTensor; then nothing is one.
 except ImportError:  # pragma: no cover
     _DTensor = None
 
-__all__ = ["Stepping", "stepping_of", "planned_kind", "expert_splits_of", "check_planned"]
+__all__ = ["Stepping", "stepping_of", "planned_kind", "expert_splits_of", "check_planned", "KIND_OF_PLACEMENT"]
 
 
 class Stepping(NamedTuple):
@@ -72,8 +72,9 @@ def planned_kind(p: Any) -> str | None:
     return None
 
 
-#: plan placements whose parameter must be stepped by the matrix rule
-_MATRIX_PLACEMENTS = ("matrix", "hosted", "experts")
+#: the kind (see [Note: one routing rule]) each plan placement (``OwnerPlan.PLACEMENTS``) stands for
+KIND_OF_PLACEMENT = {"matrix": "matrix", "hosted": "matrix", "experts": "experts", "tail": "elementwise",
+                     "even": "elementwise"}
 
 
 def check_planned(p: Any, where: str, name: str | None = None) -> None:
@@ -83,7 +84,7 @@ def check_planned(p: Any, where: str, name: str | None = None) -> None:
     host would silently get AdamW. Local and deterministic (the same plan on every rank gives the
     same answer), so every rank raises alike; ``where`` names the plan or API for the message."""
     placement = getattr(p, PLACEMENT_ATTR, None)
-    if placement not in _MATRIX_PLACEMENTS:
+    if KIND_OF_PLACEMENT.get(placement) not in ("matrix", "experts"):
         return
     kind = planned_kind(p)
     if kind in ("matrix", "experts"):
