@@ -12,7 +12,8 @@ assignment and ``experts`` the expert placement figures and baselines of the rep
 from .owners import ELEMENTWISE, POLICIES, default_matrix_filter, plan_owners
 from .micro_groups import MicroGroup, plan_micro_groups
 from .owner_plan import OwnerPlan, ParamPlan
+from .heads import head_splits
 from .rules import MatrixRule, ParamKind
 
 __all__ = ["plan_owners", "OwnerPlan", "ParamPlan", "MicroGroup", "plan_micro_groups", "POLICIES", "ELEMENTWISE",
-           "default_matrix_filter", "MatrixRule", "ParamKind"]
+           "default_matrix_filter", "MatrixRule", "ParamKind", "head_splits"]

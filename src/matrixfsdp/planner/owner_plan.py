@@ -119,7 +119,9 @@ class ParamPlan:
     step_replica: int | None = None
     #: ``"experts"`` placement: whole experts per shard rank (see [Note: expert placement])
     experts: tuple[int, ...] = ()
-    #: matrices per expert along the rows of an expert slice (``"experts"`` placement)
+    #: matrices along the rows: per expert slice (``"experts"`` placement), or the head matrices of
+    #: a per-head projection (``"matrix"``/``"hosted"``: ``MatrixRule(heads=...)``, stepped as
+    #: ``splits`` independent matrices by its owner or host)
     splits: int = 1
     #: ``"hosted"`` placement: the shard rank that steps it whole (see [Note: hosted matrices])
     host: int | None = None
@@ -164,9 +166,13 @@ class ParamPlan:
     def _check_experts(self) -> None:
         object.__setattr__(self, "experts", tuple(self.experts))
         if self.placement != "experts":
-            if self.experts or self.splits != 1:
-                raise ValueError(f"ParamPlan {self.fqn!r}: experts and splits belong to the 'experts' "
-                                 f"placement, got {self.experts=} {self.splits=} with {self.placement!r}")
+            heads = self.placement in ("matrix", "hosted") and not isinstance(self.splits, bool) and \
+                isinstance(self.splits, int) and self.splits >= 1 and self.shape[0] % self.splits == 0
+            if self.experts or (self.splits != 1 and not heads):
+                raise ValueError(f"ParamPlan {self.fqn!r}: experts belong to the 'experts' placement, and splits "
+                                 "to it or to a per-head matrix ('matrix'/'hosted', splits dividing its rows "
+                                 f"{self.shape[0] if self.shape else 0}), got {self.experts=} {self.splits=} with "
+                                 f"{self.placement!r}")
             return
         if len(self.shape) != 3:
             raise ValueError(f"ParamPlan {self.fqn!r}: 'experts' placement needs a 3-D expert stack, "
@@ -799,6 +805,8 @@ class OwnerPlan:
                     **({"experts": list(p.experts), "splits": p.splits} if p.placement == "experts" else {}),
                     # only for hosted matrices: a plan hosting none keeps the digest it had before
                     **({"host": p.host} if p.placement == "hosted" else {}),
+                    # only for per-head matrices: a plan without them keeps the digest it had before
+                    **({"splits": p.splits} if p.placement != "experts" and p.splits != 1 else {}),
                     **({"state_on_shards": True} if p.state_on_shards else {}),
                 }
                 for p in self.params

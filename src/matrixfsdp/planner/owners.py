@@ -175,7 +175,8 @@ def _collect(
                     + ("; a 3-D stack of expert matrices is selected by the rule instead: pass "
                        f"matrix_rule=MatrixRule(expert_stacks=({fqn!r},))" if p.ndim == 3 else "")
                 )
-            kind = ParamKind("matrix") if is_matrix else ParamKind("elementwise")
+            # (a per-head matrix the rule found keeps its heads)
+            kind = (kind if kind.kind == "matrix" else ParamKind("matrix")) if is_matrix else ParamKind("elementwise")
         fixed: tuple[int, ...] = ()
         if kind.kind == "experts" and _is_dtensor(p):
             fixed = _row_sharded_counts(p, world_size)
@@ -204,6 +205,20 @@ def _collect(
 def _stack_cost(s: _Spec, cost_fn: Callable[[ParamInfo], float]) -> float:
     E, k = s.info.shape[0], s.kind.splits
     return sum(k * cost_fn(expert_matrix_info(s.info, k, e)) for e in range(E))
+
+
+def _cost(s: _Spec, cost_fn: Callable[[ParamInfo], float]) -> float:
+    """What stepping ``s`` costs: an expert stack's matrices, a per-head matrix's ``H`` head
+    matrices (``MatrixRule(heads=...)``: each orthogonalized alone), or the tensor itself."""
+    if s.kind.kind == "experts":
+        return _stack_cost(s, cost_fn)
+    k = s.kind.splits
+    if k > 1 and s.info.is_matrix:
+        rows, cols = s.info.shape
+        one = ParamInfo(fqn=f"{s.info.fqn}[0]", shape=(rows // k, cols), dtype=s.info.dtype,
+                        itemsize=s.info.itemsize, is_matrix=True, requires_grad=s.info.requires_grad)
+        return k * cost_fn(one)
+    return cost_fn(s.info)
 
 
 def expert_matrix_info(info: ParamInfo, splits: int, expert: int) -> ParamInfo:
@@ -373,7 +388,8 @@ def plan_owners(
             dtype=info.dtype,
             nbytes=info.nbytes,
             state_nbytes=state_nbytes(info, optimizer),
-            cost=cost_fn(info),
+            cost=_cost(spec, cost_fn),
+            splits=spec.kind.splits if placement in ("matrix", "hosted") else 1,
         )
 
     def counts_of(spec: _Spec, owners: dict[str, int]) -> tuple[int, ...]:
@@ -397,7 +413,7 @@ def plan_owners(
         seq = [s for s in specs if s.fqn not in even_fqns]
         owners, meta = partition_buckets(
             [s.fqn for s in seq],
-            [_stack_cost(s, cost_fn) if s.kind.kind == "experts" else cost_fn(s.info) for s in seq],
+            [_cost(s, cost_fn) for s in seq],
             W,
             policy=policy,
             alpha=alpha,
@@ -483,7 +499,7 @@ def _build_roles(
         stacks = [s for s in members if s.kind.kind == "experts"]
         tail = [s for s in members if not s.info.is_matrix and s.kind.kind != "experts"]
         for s in mats:
-            roles.append(_Role(s.fqn, block, (s,), "matrix", s.info.nbytes, cost_fn(s.info)))
+            roles.append(_Role(s.fqn, block, (s,), "matrix", s.info.nbytes, _cost(s, cost_fn)))
         for s in stacks:
             E, k = s.info.shape[0], s.kind.splits
             nbytes = s.info.nbytes // E if E else 0
@@ -524,7 +540,7 @@ def _even_loads(even: list[_Spec], W: int, cost_fn: Callable[[ParamInfo], float]
     per_block: dict[str, list[float]] = {}
     for s in even:
         n = s.info.shape[0]
-        c = _stack_cost(s, cost_fn) if s.kind.kind == "experts" else cost_fn(s.info)
+        c = _cost(s, cost_fn)
         blk = per_block.setdefault(s.block, [0.0] * W)
         for r in range(W):
             a, b = even_rows(n, W, r)

@@ -76,7 +76,7 @@ KINDS = ("matrix", "experts", "elementwise")
 
 class ParamKind(NamedTuple):
     """What the rule makes of one parameter: ``kind`` in :data:`KINDS`; ``splits`` the matrices
-    per expert along the rows of an expert slice (``1`` for anything else)."""
+    along the rows of an expert slice, or the heads of a per-head matrix (``1`` otherwise)."""
 
     kind: str
     splits: int = 1
@@ -187,6 +187,12 @@ class MatrixRule:
         router_names: names (full fqns or last components, of the parameter or of its module) of
             further 2-D weights that are routers although the structure does not show it (see
             [Note: mixture-of-experts structure]).
+        heads: ``((name, H), ...)`` (or a dict): per-head matrices (see [Note: per-head
+            matrices]). A 2-D matrix named ``name`` (its fqn, its last component, its module's fqn
+            or its module's name, e.g. ``"q_proj"``) holds ``H`` attention heads along its rows and
+            is stepped as ``H`` independent ``[rows / H, cols]`` matrices (per-head Muon: Kimi K3,
+            GLM-5's Muon Split); the planner costs it as ``H`` matrices. :meth:`per_head` reads
+            them from a Hugging Face, torchtitan or matrixfsdp model.
         vocab_sizes: vocabulary sizes of embeddings outside the planned module, added to its own
             for the output-head test (:func:`default_matrix_filter`): a pipeline stage's model part
             routes as the whole model does although the embedding lives on another stage.
@@ -204,8 +210,21 @@ class MatrixRule:
     expert_stacks: tuple[str, ...] = ()
     vocab_sizes: tuple[int, ...] = ()
     router_names: tuple[str, ...] = ()
+    heads: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
+        raw = self.heads
+        heads = tuple(raw.items()) if isinstance(raw, Mapping) else raw
+        heads = tuple(tuple(x) if isinstance(x, (tuple, list)) else x for x in heads) if isinstance(
+            heads, (tuple, list)) else None
+        if heads is None or any(not (isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and x[0]
+                                     and isinstance(x[1], int) and not isinstance(x[1], bool) and x[1] >= 1)
+                                for x in heads):
+            raise ValueError(f"MatrixRule: heads must hold (parameter or module name, head count >= 1) pairs, "
+                             f"got heads={raw!r}")
+        if len({name for name, _ in heads}) != len(heads):
+            raise ValueError(f"MatrixRule: heads names each projection once, got heads={raw!r}")
+        object.__setattr__(self, "heads", tuple(sorted(heads)))  # canonical: equal rules compare equal
         for key in ("routers", "experts"):
             if not isinstance(getattr(self, key), bool):
                 raise TypeError(f"MatrixRule: {key} must be a bool, got {key}={getattr(self, key)!r}")
@@ -257,11 +276,48 @@ class MatrixRule:
         leaf = fqn.rpartition(".")[2]
         return dict(self.fused).get(fqn, dict(self.fused).get(leaf, 1))
 
+    @classmethod
+    def per_head(cls, model: nn.Module, **options: object) -> "MatrixRule":
+        """The rule with ``model``'s attention projections as per-head matrices
+        (``heads=head_splits(model)``, see :func:`matrixfsdp.planner.head_splits`) and
+        ``options`` (the other fields) as given.
+
+        Example::
+
+            rule = MatrixRule.per_head(model)          # Qwen3: q_proj 16 heads, k/v_proj 8
+            plan = plan_owners(model, mesh, matrix_rule=rule)
+            opt = Muon(model, matrix_rule=rule)        # per-head Muon, sharded or plain
+        """
+        from .heads import head_splits
+
+        return cls(heads=head_splits(model), **options)  # type: ignore[arg-type]
+
+    def heads_of(self, fqn: str) -> int:
+        """Heads along the rows of matrix ``fqn`` (``1``: not a per-head matrix)."""
+        if not self.heads:
+            return 1
+        mod = fqn.rpartition(".")[0]
+        names = (fqn, fqn.rpartition(".")[2], mod, _module_leaf(fqn))
+        table = dict(self.heads)
+        return next((table[n] for n in names if n and n in table), 1)
+
+    def _matrix(self, fqn: str, param: torch.Tensor) -> ParamKind:
+        h = self.heads_of(fqn)
+        if h == 1:
+            return MATRIX
+        if param.shape[0] % h:
+            raise ValueError(
+                f"MatrixRule: per-head matrix {fqn!r} of shape {tuple(param.shape)} holds {h} heads (heads="
+                f"{self.heads!r}), but its rows ({param.shape[0]}) do not divide by {h}; fix its head count "
+                "(MatrixRule.per_head(model) reads it from the model's config)"
+            )
+        return ParamKind("matrix", h)
+
     def kind(self, fqn: str, param: torch.Tensor, module: nn.Module, head_rows: frozenset[int],
              structure: MoEStructure = NO_STRUCTURE) -> ParamKind:
         """The :class:`ParamKind` of parameter ``fqn`` (``module`` owns it, ``head_rows`` holds
         the vocabulary sizes of the model's embeddings, ``structure`` is the model's
-        :func:`moe_structure`)."""
+        :func:`moe_structure`); a per-head matrix's ``splits`` is its head count."""
         if self.is_expert_stack(fqn, param, module, structure):
             if not self.experts:
                 return ELEMENTWISE
@@ -277,10 +333,10 @@ class MatrixRule:
         if fqn in structure.biases:  # per-expert bias vectors
             return ELEMENTWISE
         if self.is_router(fqn, param, module, structure):
-            return MATRIX if self.routers else ELEMENTWISE
+            return self._matrix(fqn, param) if self.routers else ELEMENTWISE
         if self.vocab_sizes:
             head_rows = head_rows | frozenset(self.vocab_sizes)
-        return MATRIX if default_matrix_filter(fqn, param, module, head_rows) else ELEMENTWISE
+        return self._matrix(fqn, param) if default_matrix_filter(fqn, param, module, head_rows) else ELEMENTWISE
 
     def kinds(self, model: nn.Module) -> dict[str, ParamKind]:
         """The kind of every parameter of ``model``, by fqn (tied parameters: first name)."""
