@@ -1,4 +1,4 @@
-"""[Note: mesh caches die with their meshes] across process groups: group names restart with every
+"""The mesh caches of [Note: mesh caches die with their meshes] across process groups: group names restart with every
 ``init_process_group``, so a mesh of a new process group can equal, by value and group names, a
 mesh of a destroyed one that is still alive. Its sub-meshes must be made afresh on the new
 groups, never found in the old mesh's cache (they would broadcast over destroyed groups)."""

@@ -87,7 +87,7 @@ class Bucket:
                                step_replicas=step_replicas, predivide=True, flags_to="holders",
                                api="matrixfsdp.replicate")
         self.replicas = self.reducer.replicas
-        # [Note: atomic intervals] parameters become views of one flat buffer, so the gather
+        # ([Note: atomic intervals]) parameters become views of one flat buffer, so the gather
         # writes them in place
         self.flat = torch.empty(layout.numel, dtype=self.param_dtype, device=self.device)
         for slot, p in zip(layout.slots, params):

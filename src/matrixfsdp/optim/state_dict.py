@@ -230,8 +230,8 @@ def _replica_entry(opt: "MatrixOptimizer", p: Tensor, info: Any, st: dict[str, A
     """State of a ``matrixfsdp.replicate`` parameter, as owned DTensors on its owner's one-rank
     mesh: the same checkpoint layout as ``fully_shard``'s owned parameters. Every rank presents
     every trainable parameter's keys without communicating: non-owners as empty owned DTensors,
-    the owner its state or, before its first step, the state a first step starts from (the
-    [Note: state-initialization step] state: loading it is the same as having none)."""
+    the owner its state or, before its first step, the state a first step starts from (see
+    [Note: state-initialization step]: loading it is the same as having none)."""
     if not info.is_local:
         return _remote_entry(opt, p, info)
     if not st:

@@ -1,12 +1,19 @@
 """Planning: which rank owns each parameter, and the buckets, from shapes alone.
 
-Pure, deterministic Python: no process group, no tensors beyond shapes. ``record`` holds the
-frozen plan dataclasses and their digest, ``planner`` the global balance-aware assignment,
-``cost`` the per-optimizer cost model, ``buckets`` Canzona's alpha-balanced partition,
-``micro_groups`` the TP micro-groups (Canzona Algorithm 2), ``rules`` the matrix rule shared with
-the optimizers and ``report`` the human-readable report; ``balance`` is the ``balanced`` policy's
-assignment and ``experts`` the expert placement figures and baselines of the report. The command line,
-``python -m matrixfsdp.plan``, is :mod:`matrixfsdp.plan`.
+Pure, deterministic Python: no process group, no tensors beyond shapes. Modules:
+
+* ``owners``: :func:`plan_owners`, the global balance-aware assignment; ``balance`` its
+  ``balanced`` policy; ``partition`` Canzona's alpha-balanced ZeRO buckets and replicas;
+  ``hosting`` data-parallel hosting of matrices past the memory budget; ``micro_groups`` the TP
+  micro-groups (Canzona Algorithm 2);
+* ``owner_plan``: the frozen plan records (:class:`OwnerPlan`, :class:`ParamPlan`), per-rank loads
+  and bounds, JSON and the digest ranks compare;
+* ``cost``: the per-optimizer cost model; ``rules``: the matrix rule shared with the optimizers
+  (:class:`MatrixRule`); ``heads``: per-head matrices read from a model (:func:`head_splits`);
+* ``report``: the human-readable report; ``expert_baselines``: the expert placement figures and
+  baselines of the report.
+
+The command line, ``python -m matrixfsdp.plan``, is :mod:`matrixfsdp.plan`.
 """
 
 from .owners import ELEMENTWISE, POLICIES, default_matrix_filter, plan_owners

@@ -712,7 +712,7 @@ class OwnerPlan:
     def expert_baselines(self) -> dict[str, Any]:
         """``{"round_robin": ExpertBaseline, "chunked": ExpertBaseline}``: this plan's dense
         weights re-planned around experts placed round-robin or in ``torch.chunk`` homes (see
-        [Note: expert baselines] in ``experts.py``); empty without experts."""
+        [Note: expert baselines] in ``expert_baselines.py``); empty without experts."""
         from .expert_baselines import BASELINES, expert_baseline
 
         if not self.has_experts:
