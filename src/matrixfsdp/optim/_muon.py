@@ -112,7 +112,7 @@ class Muon(MatrixOptimizer):
             bitwise the per-matrix one on every backend: on the CPU (MKL) the orthogonalized update
             differs by a few float32 ulp for most shapes with two threads.
         ns_method: ``"standard"`` (default: the iteration above, torch's) or ``"gram"``: the same
-            quintic polynomial (same ``ns_coefficients`` and ``ns_steps``) evaluated on the small
+            polynomials (same ``ns_coefficients`` and ``ns_steps``, any schedule) evaluated on the small
             Gram matrix of a rectangular matrix, touching the matrix itself only at the start,
             at one restart and at the end ([Note: Gram Newton-Schulz]); square matrices take the
             standard iteration. Opt-in: it pays off for wide or tall matrices (aspect 3 and more)
@@ -128,9 +128,12 @@ class Muon(MatrixOptimizer):
 
     State (per matrix): ``momentum_buffer``, in the parameter's dtype, as torch's.
 
-    Difference from torch: Newton-Schulz never writes its input. torch casts with ``.bfloat16()``,
-    which for a bf16 parameter with ``nesterov=False`` aliases the momentum buffer and normalizes it
-    in place; here the buffer stays the plain EMA of gradients.
+    Difference from torch 2.11-2.14: Newton-Schulz never writes its input. torch casts with
+    ``.bfloat16()``, which for a bf16 parameter with ``nesterov=False`` returns the momentum buffer
+    itself and normalizes it in place (the buffer ends every step at unit Frobenius norm, so the
+    history weighs ``1 / ||B||`` against the new gradient, and the parameters differ from the
+    second step on); here the buffer stays the plain EMA of gradients. torch 2.15 copies, as we do:
+    its steps are ours bit for bit (``tests/optim/test_muon_bf16_buffer.py``).
 
     Example::
 
