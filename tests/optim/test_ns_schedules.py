@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -351,3 +353,12 @@ def test_state_dict_round_trip(coefficients):
         p.grad = grads[1]
         fresh.step()
         assert torch.equal(p, ref)
+
+
+def test_docs_example_runs():
+    """The example of docs/optimizers.md's "Newton-Schulz schedules" section runs as printed."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "optimizers.md").read_text()
+    section = text.split("## Newton-Schulz schedules", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.+?)\n```", section, flags=re.S)
+    assert code is not None
+    exec(compile(code.group(1), "docs/optimizers.md", "exec"), {})
