@@ -3,16 +3,18 @@
     python benchmarks/ns_schedules.py [--shapes 512x512,512x1536,1024x4096]
                                       [--schedules quintic,polar_express,cubic5]
                                       [--dtypes float32,bfloat16] [--methods standard,gram]
-                                      [--reps 3] [--threads 2] [--out benchmarks/results/optim/ns_schedules_cpu]
+                                      [--reps 3] [--threads 2] [--wait-quiet 0]
+                                      [--out benchmarks/results/optim/ns_schedules_cpu]
 
 One JSON row on stdout per shape, dtype, method and schedule (``--out X``: ``X.jsonl`` and a
 markdown report ``X.md`` headed by the command, torch version, CPU model, date and load averages):
 one call of Muon's Newton-Schulz (``ns_steps=5``, [Note: Newton-Schulz schedules] in
 ``src/matrixfsdp/optim/newton_schulz.py``) on a seeded Gaussian matrix,
 
-* ``ms``: the minimum over ``--reps`` calls (after one warm-up call each; the schedules of a shape,
-  dtype and method interleaved, so load hits them alike) -- a shared machine inflates times, the
-  minimum least; ``vs_quintic``: that time over the quintic's (same shape, dtype, method);
+* ``ms`` / ``cpu_ms``: the minimum wall / process CPU time over ``--reps`` calls (after one warm-up
+  call each; the schedules of a shape, dtype and method interleaved, so load hits them alike) -- a
+  shared machine inflates wall times, the minimum least; with ``--threads 1`` the CPU time is the
+  work alone; ``vs_quintic`` / ``cpu_vs_quintic``: over the quintic's (same shape, dtype, method);
 * ``products``: matrix products dispatched (standard: 3 per quintic step, 2 per cubic one; Gram: see
   [Note: Gram Newton-Schulz]);
 * ``foreign_cpu``: the share of the machine's CPU time other processes used while that block ran;
@@ -121,11 +123,13 @@ def shape_rows(shape: tuple[int, int], schedules: list[str], dtypes: list[str], 
                 bc.wait_quiet(wait_quiet_s)
             machine0, ours0 = bc.machine_cpu_ticks(), bc.proc_cpu_ticks()
             times: dict[str, list[float]] = {name: [] for name in fns}
+            cpu: dict[str, list[float]] = {name: [] for name in fns}
             for _ in range(reps):
                 for name, fn in fns.items():
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     fn()
                     times[name].append(time.perf_counter() - t0)
+                    cpu[name].append(time.process_time() - c0)
             foreign = bc.foreign_cpu_share(machine0, bc.machine_cpu_ticks(), bc.proc_cpu_ticks() - ours0)
             for name in schedules:
                 schedule = resolve_schedule(name, STEPS)
@@ -135,8 +139,9 @@ def shape_rows(shape: tuple[int, int], schedules: list[str], dtypes: list[str], 
                 exact_map = (u * sv) @ vh
                 out_sv = torch.linalg.svdvals(outs[name].double())
                 row = {"shape": f"{shape[0]}x{shape[1]}", "dtype": dtype, "method": method, "schedule": name,
-                       "products": products[name], "ms": min(times[name]) * 1e3,
+                       "products": products[name], "ms": min(times[name]) * 1e3, "cpu_ms": min(cpu[name]) * 1e3,
                        "vs_quintic": min(times[name]) / min(times["quintic"]) if "quintic" in times else None,
+                       "cpu_vs_quintic": min(cpu[name]) / min(cpu["quintic"]) if "quintic" in cpu else None,
                        "dist_polar": rel(outs[name], polar), "dist_map": rel(outs[name], exact_map),
                        "sv_min": float(out_sv.min()), "sv_max": float(out_sv.max()),
                        "foreign_cpu": None if foreign is None else round(foreign, 3)}
@@ -146,14 +151,18 @@ def shape_rows(shape: tuple[int, int], schedules: list[str], dtypes: list[str], 
 
 
 def report(rows: list[dict[str, Any]], header: list[str]) -> str:
-    out = header + ["", "| shape | dtype | method | schedule | products | ms (min) | vs quintic | "
-                    "dist from U V^T | dist from its f64 map | singular values | other load |",
-                    "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = header + ["", "| shape | dtype | method | schedule | products | CPU ms (min) | CPU vs quintic | "
+                    "wall ms (min) | wall vs quintic | dist from U V^T | dist from its f64 map | singular values | "
+                    "other load |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ratio(v: float | None) -> str:
+        return "" if v is None else f"{v:.2f}"
+
     for r in rows:
-        vs = f"{r['vs_quintic']:.2f}" if r["vs_quintic"] is not None else ""
         out.append(f"| {r['shape']} | {r['dtype']} | {r['method']} | {r['schedule']} | {r['products']} | "
-                   f"{r['ms']:.1f} | {vs} | {r['dist_polar']:.4f} | {r['dist_map']:.2e} | "
-                   f"{r['sv_min']:.3f}-{r['sv_max']:.3f} | {r['foreign_cpu']} |")
+                   f"{r['cpu_ms']:.1f} | {ratio(r['cpu_vs_quintic'])} | {r['ms']:.1f} | {ratio(r['vs_quintic'])} | "
+                   f"{r['dist_polar']:.4f} | {r['dist_map']:.2e} | {r['sv_min']:.3f}-{r['sv_max']:.3f} | "
+                   f"{'n/a' if r['foreign_cpu'] is None else format(r['foreign_cpu'], '.0%')} |")
     return "\n".join(out) + "\n"
 
 
@@ -186,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"- load average (1, 5, 15 min) before: {load(env['load_before'])}; after: "
                   f"{load(env['load_after'])}; shared machine; {env['wall_s']} s in all",
                   f"- one call, ns_steps={STEPS}, seeded Gaussian input; times: min of {args.reps} interleaved "
-                  "calls after a warm-up; distances relative Frobenius, against the float64 SVD; products: "
+                  "calls after a warm-up, as this process's CPU time (with one thread: the work itself, "
+                  "least touched by other processes) and as wall time; distances relative Frobenius, against the float64 SVD; products: "
                   "matrix products dispatched; other load: the share of the machine's CPU time used by other "
                   "processes while the row's block was timed"]
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
