@@ -68,6 +68,8 @@ TORCH_INTERNALS = (
     "tests/replicate/test_hsdp.py::test_matches_ddp_and_one_process[split-2-2]",
     "tests/experts/test_parity.py::test_moe_parity",
     "tests/optim/test_routing_invariant.py",
+    # torch.optim.Muon's bf16 buffer aliasing: through 2.14 it normalizes the buffer, 2.15 copies
+    "tests/optim/test_muon_bf16_buffer.py",
 )
 
 

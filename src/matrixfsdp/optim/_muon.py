@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ._adamw import foreach_scale_
-from ._base import ADAMW_DEFAULTS, MatrixOptimizer, is_real, lr_tensor
+from ._base import ADAMW_DEFAULTS, MatrixOptimizer, lr_tensor
 from ._expert_step import matrices, ns_chunks
 from .newton_schulz import (  # noqa: F401 (re-exported: their import path before newton_schulz.py)
     GRAM_RESTARTS,
@@ -26,6 +26,7 @@ from .newton_schulz import (  # noqa: F401 (re-exported: their import path befor
     batched_newtonschulz,
     gram_newtonschulz,
     orthogonalize,
+    schedule_error,
     zeropower_via_newtonschulz,
 )
 
@@ -78,8 +79,15 @@ class Muon(MatrixOptimizer):
         weight_decay: decoupled weight decay, ``W *= 1 - lr * weight_decay`` (default 0.1).
         momentum: momentum factor (default 0.95).
         nesterov: Nesterov-style momentum (default True).
-        ns_coefficients: quintic Newton-Schulz coefficients ``(a, b, c)``
-            (default ``(3.4445, -4.775, 2.0315)``).
+        ns_coefficients: the Newton-Schulz schedule (default ``(3.4445, -4.775, 2.0315)``, torch's):
+            three floats ``(a, b, c)``, one quintic for every iteration; ``"quintic"`` (that default,
+            the same bits); ``"polar_express"`` (Polar Express, a different quintic at each of 5
+            iterations, input divided by 1.02 times its norm; fewer ``ns_steps`` run its first
+            ones, more continue with ``(15/8, -10/8, 3/8)``); ``"cubic5"`` (5 cubic iterations, 10
+            matrix products instead of 15, ``ns_steps`` must be 5); or a list of ``(a, b, c)``
+            triples, one per iteration, as many as ``ns_steps`` (``c=0``: a cubic iteration, two
+            products). See "Newton-Schulz schedules" in docs/optimizers.md and
+            [Note: Newton-Schulz schedules] in ``optim/newton_schulz.py``.
         eps: floor of the Frobenius norm that normalizes the input of Newton-Schulz (default 1e-7).
         ns_steps: Newton-Schulz iterations, in ``[0, 100)`` (default 5).
         adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"`` (default None).
@@ -104,7 +112,7 @@ class Muon(MatrixOptimizer):
             bitwise the per-matrix one on every backend: on the CPU (MKL) the orthogonalized update
             differs by a few float32 ulp for most shapes with two threads.
         ns_method: ``"standard"`` (default: the iteration above, torch's) or ``"gram"``: the same
-            quintic polynomial (same ``ns_coefficients`` and ``ns_steps``) evaluated on the small
+            polynomials (same ``ns_coefficients`` and ``ns_steps``, any schedule) evaluated on the small
             Gram matrix of a rectangular matrix, touching the matrix itself only at the start,
             at one restart and at the end ([Note: Gram Newton-Schulz]); square matrices take the
             standard iteration. Opt-in: it pays off for wide or tall matrices (aspect 3 and more)
@@ -120,9 +128,12 @@ class Muon(MatrixOptimizer):
 
     State (per matrix): ``momentum_buffer``, in the parameter's dtype, as torch's.
 
-    Difference from torch: Newton-Schulz never writes its input. torch casts with ``.bfloat16()``,
-    which for a bf16 parameter with ``nesterov=False`` aliases the momentum buffer and normalizes it
-    in place; here the buffer stays the plain EMA of gradients.
+    Difference from torch 2.11-2.14: Newton-Schulz never writes its input. torch casts with
+    ``.bfloat16()``, which for a bf16 parameter with ``nesterov=False`` returns the momentum buffer
+    itself and normalizes it in place (the buffer ends every step at unit Frobenius norm, so the
+    history weighs ``1 / ||B||`` against the new gradient, and the parameters differ from the
+    second step on); here the buffer stays the plain EMA of gradients. torch 2.15 copies, as we do:
+    its steps are ours bit for bit (``tests/optim/test_muon_bf16_buffer.py``).
 
     Example::
 
@@ -203,9 +214,9 @@ class Muon(MatrixOptimizer):
         self._check_int(group, "ns_steps", where, 0, 100)
         if not isinstance(group["nesterov"], bool):
             self._fail(f"nesterov must be a bool, got nesterov={group['nesterov']!r}", where)
-        coeffs = group["ns_coefficients"]
-        if not (isinstance(coeffs, (tuple, list)) and len(coeffs) == 3 and all(map(is_real, coeffs))):
-            self._fail(f"ns_coefficients must be three floats, got ns_coefficients={coeffs!r}", where)
+        ns_error = schedule_error(group["ns_coefficients"], group["ns_steps"])  # [Note: Newton-Schulz schedules]
+        if ns_error is not None:
+            self._fail(ns_error, where)
         if group["adjust_lr_fn"] not in _ADJUST_LR_FNS:
             self._fail(
                 f"adjust_lr_fn must be one of {_ADJUST_LR_FNS}, got adjust_lr_fn={group['adjust_lr_fn']!r}", where
