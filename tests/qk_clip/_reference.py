@@ -134,3 +134,69 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
         d = (t.double() - b[n].double()).abs().max().item() / max(b[n].abs().max().item(), 1e-12)
         worst = max(worst, math.inf if math.isnan(d) else d)
     return worst
+
+
+# ============================================================================ Hugging Face models
+def hf_model(kind: str, attn: str = "sdpa", seed: int = 0) -> nn.Module:
+    """Tiny fp32 Hugging Face causal LMs: ``qwen3`` (GQA, QK-norm), ``qwen2`` (GQA, q/k/v biases),
+    ``deepseek_v3`` (MLA with a query LoRA, dense layers only)."""
+    import transformers as tf
+
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64, attn_implementation=attn, dtype=torch.float32)
+    if kind == "qwen3":
+        cfg, cls = tf.Qwen3Config(num_key_value_heads=2, head_dim=8, **kw), tf.Qwen3ForCausalLM
+    elif kind == "qwen2":
+        cfg, cls = tf.Qwen2Config(num_key_value_heads=2, **kw), tf.Qwen2ForCausalLM
+    else:
+        cfg = tf.DeepseekV3Config(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                                  qk_rope_head_dim=4, v_head_dim=8, first_k_dense_replace=2, n_routed_experts=2,
+                                  num_experts_per_tok=1, moe_intermediate_size=16, **kw)
+        cls = tf.DeepseekV3ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():  # larger projections than the 0.02 init, so that a few heads clip
+        for n, p in model.named_parameters():
+            if p.ndim == 2 and "self_attn" in n:
+                p.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(hash(n) % 1000))
+    return model.train()
+
+
+def attention_class(model: nn.Module) -> type:
+    return type(model.model.layers[0].self_attn)
+
+
+def hf_mha_logits(m, hidden_states, position_embeddings=None, attention_mask=None, **_):
+    """Qwen2/Qwen3/Llama attention (no padding: causal), from the module's own projections."""
+    import sys
+
+    rotary = sys.modules[type(m).__module__].apply_rotary_pos_emb
+    B, T, _ = hidden_states.shape
+    q = m.q_proj(hidden_states).view(B, T, -1, m.head_dim)
+    k = m.k_proj(hidden_states).view(B, T, -1, m.head_dim)
+    if hasattr(m, "q_norm"):
+        q, k = m.q_norm(q), m.k_norm(k)
+    q, k = rotary(q.transpose(1, 2), k.transpose(1, 2), *position_embeddings)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return causal_max(q, k, m.scaling)
+
+
+def hf_mla_logits(m, hidden_states, position_embeddings=None, attention_mask=None, **_):
+    """DeepSeek-V3 MLA: q = [q_nope; rope(q_rot)], k = [k_nope (kv_b_proj); rope(k_rot), shared]."""
+    import sys
+
+    mod = sys.modules[type(m).__module__]
+    B, T, _ = hidden_states.shape
+    nope, rope = m.qk_nope_head_dim, m.qk_rope_head_dim
+    q = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(hidden_states))) if m.q_lora_rank else m.q_proj(hidden_states)
+    q = q.view(B, T, -1, m.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = q.split([nope, rope], dim=-1)
+    kv_nope, k_rot = m.kv_a_proj_with_mqa(hidden_states).split([m.kv_lora_rank, rope], dim=-1)
+    kv_nope = m.kv_a_layernorm(kv_nope)
+    k_rot = k_rot.view(B, 1, T, rope)
+    rotary = mod.apply_rotary_pos_emb_interleave if m.config.rope_interleave else mod.apply_rotary_pos_emb
+    q_rot, k_rot = rotary(q_rot, k_rot, *position_embeddings)
+    kv = m.kv_b_proj(kv_nope).view(B, T, -1, nope + m.v_head_dim).transpose(1, 2)
+    H = kv.shape[1]
+    k = torch.cat([kv[..., :nope], k_rot.expand(B, H, T, rope)], dim=-1)
+    return causal_max(torch.cat([q_pass, q_rot], dim=-1), k, m.scaling)

@@ -316,6 +316,12 @@ class QKClip:
         self._packed.fill_(-math.inf)
         self.steps += 1
 
+    def reset(self) -> None:
+        """Drop the maxima recorded since the last :meth:`clip` (e.g. after a step that was
+        skipped, such as a ``GradScaler`` step on non-finite gradients, whose forwards must not
+        clip the next one). Local: no communication."""
+        self._packed.fill_(-math.inf)
+
     def _rescale(self, layer: _Layer, S: torch.Tensor) -> None:
         L = layer.layout
         group_max = S.view(L.num_kv_heads, L.group_size).amax(1)
