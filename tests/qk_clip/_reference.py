@@ -156,9 +156,14 @@ def hf_model(kind: str, attn: str = "sdpa", seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     model = cls(cfg)
     with torch.no_grad():  # larger projections than the 0.02 init, so that a few heads clip
-        for n, p in model.named_parameters():
-            if p.ndim == 2 and "self_attn" in n:
-                p.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(hash(n) % 1000))
+        for i, (n, p) in enumerate(model.named_parameters()):
+            if "self_attn" in n and (p.ndim == 2 or n.endswith("bias")):
+                p.normal_(0.0, 0.2 if p.ndim == 2 else 0.1, generator=torch.Generator().manual_seed(i))
+            if n.endswith("k_proj.bias"):
+                # a key bias adds q.b to a whole row of logits, which the softmax ignores: its
+                # gradient is round-off alone, which Adam's normalization would blow up into
+                # run-to-run noise; frozen, it is still scaled by the clip
+                p.requires_grad_(False)
     return model.train()
 
 
