@@ -18,10 +18,10 @@ from matrixfsdp.models.decoder import Attention, Decoder, DecoderConfig, _rope
 VOCAB, SEQ = 64, 8
 
 
-def decoder(kv_heads: int = 2, seed: int = 0, layers: int = 2) -> Decoder:
-    """A tiny fp32 decoder without QK-norm (QK-clip bounds its logits), 4 heads of 8."""
+def decoder(kv_heads: int = 2, seed: int = 0, layers: int = 2, heads: int = 4, head_dim: int = 8) -> Decoder:
+    """A tiny fp32 decoder without QK-norm (QK-clip bounds its logits), 4 heads of 8 by default."""
     cfg = DecoderConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                        num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=8, qk_norm=False)
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, qk_norm=False)
     torch.manual_seed(seed)
     model = Decoder(cfg)
     model.reset_parameters(seed=seed)

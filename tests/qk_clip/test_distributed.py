@@ -83,9 +83,11 @@ def _loop(model, ref, opt, ref_opt, qk, rec, slices, steps, micro=1, x_of=None, 
     return out
 
 
-def fully_shard_parity(R, S, mode="repeat", kv=2, micro=1, checkpoint=False, reshard=None, steps=3):
+def fully_shard_parity(R, S, mode="repeat", kv=2, micro=1, checkpoint=False, reshard=None, steps=3, hosted=False):
     W = R * S
-    model = decoder(kv)
+    # hosted: 16 heads of 16 rows, whose q/k projections the planner hosts at W=3 with
+    # memory_budget=1.0: row shards of 86, 86 and 84 rows, not aligned to heads
+    model = decoder(16, heads=16, head_dim=16) if hosted else decoder(kv)
     ref = copy.deepcopy(model)
     if checkpoint:
         from torch.utils.checkpoint import checkpoint as ckpt
@@ -93,7 +95,8 @@ def fully_shard_parity(R, S, mode="repeat", kv=2, micro=1, checkpoint=False, res
         for layer in model.model.layers:
             layer.forward = (lambda f: lambda x: ckpt(f, x, use_reentrant=False))(layer.forward)
     mesh = _mesh(R, S)
-    plan = matrixfsdp.plan_owners(model, mesh, block_types=(DecoderLayer,), replica_step=mode)
+    kw = dict(memory_budget=1.0) if hosted else {}
+    plan = matrixfsdp.plan_owners(model, mesh, block_types=(DecoderLayer,), replica_step=mode, **kw)
     for layer in model.model.layers:
         matrixfsdp.fully_shard(layer, mesh=mesh, plan=plan, reshard_after_forward=reshard)
     matrixfsdp.fully_shard(model, mesh=mesh, plan=plan)
@@ -107,6 +110,7 @@ def fully_shard_parity(R, S, mode="repeat", kv=2, micro=1, checkpoint=False, res
     model.sync_params()
     out["local"], out["full"] = _compare(model, ref)
     out["placements"] = sorted({p.placement for p in plan.params})
+    out["hosted"] = sorted(p.fqn for p in plan.params if p.placement == "hosted" and "self_attn.q_proj" in p.fqn)
     out["records"] = qk.records
     return out
 
@@ -137,6 +141,15 @@ def test_flat_w2_accumulation_checkpointing_and_unsharded_after_forward():
 
 def test_flat_w3_gqa():
     _check(get_pool(3).run(fully_shard_parity, 1, 3))
+
+
+def test_hosted_w3_rows_not_aligned_to_heads():
+    """Data-parallel hosted q/k projections (``plan_owners(..., memory_budget=1.0)``): each rank
+    holds 86, 86 or 84 rows of 16-row heads and scales the rows it holds, heads split across ranks
+    included."""
+    res = get_pool(3).run(fully_shard_parity, 1, 3, hosted=True, steps=2)
+    _check(res, steps=2, extra=("torch.distributed.all_to_all_single",))  # the host step's own
+    assert res[0]["hosted"] == ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
 
 
 @pytest.mark.parametrize("mode", ["repeat", "split"])
