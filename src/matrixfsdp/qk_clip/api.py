@@ -299,7 +299,10 @@ class QKClip:
         self._record(layer, t)
 
     # ------------------------------------------------------------------------------------ rescale
+    @torch.compiler.disable
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # outside any graph of a compiled step (torch.compile(opt.step) traces its post-hooks): the
+        # clip's all-reduce and the parameters' placement lookups stay eager
         self.clip()
 
     @torch.no_grad()
