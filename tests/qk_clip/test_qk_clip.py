@@ -246,3 +246,22 @@ def test_qk_norm_modules_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         QKClip(decoder(2))
+
+
+def test_the_docs_example_runs():
+    """docs/optimizers.md, "QK-clip (MuonClip)": its example runs as printed, and clips."""
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "optimizers.md").read_text()
+    section = text[text.index("## QK-clip (MuonClip)"):]
+    code = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    out = io.StringIO()
+    scope: dict = {}
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "docs/optimizers.md", "exec"), scope)
+    assert out.getvalue().count("model.layers.1.self_attn") == 3
+    assert scope["qk"].steps == 3
+    assert max(float(v) for v in re.findall(r": ([0-9.]+)", out.getvalue())) > scope["qk"].tau  # it clipped
