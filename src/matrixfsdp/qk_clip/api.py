@@ -145,12 +145,12 @@ class QKClip:
         self.tau, self.alpha = float(tau), float(alpha)
         self._layers = self._find_layers(model, layouts)
         warn_qk_norm([l.name for l in self._layers if l.layout.qk_norm])
-        params = [r.param for l in self._layers for r in l.rows]
-        if process_group is None and not any(isinstance(p, DTensor) or hasattr(p, "_matrixfsdp_owned") for p in params):
-            process_group = getattr(model, "process_group", None)  # DistributedDataParallel's
-        device, group = data_parallel_device_and_group(params, process_group)
-        distributed = dist.is_available() and dist.is_initialized() and group is not None
-        self._coll = collectives_for(group) if distributed and dist.get_world_size(group) > 1 else None
+        self._group_arg = process_group
+        self._ddp_group = getattr(model, "process_group", None)  # DistributedDataParallel's
+        self._coll: Any = None
+        self._resolved_for: tuple[int, ...] | None = None
+        self._resolve_group()
+        device = self._device()
         total = sum(l.layout.num_heads for l in self._layers)
         # the step's running maxima, and the last clipped step's (swapped at each clip)
         self._packed, self._last = (torch.full((total,), -math.inf, dtype=torch.float32, device=device)
@@ -163,6 +163,25 @@ class QKClip:
         for layer in self._layers:
             self._attach(layer)
         self._step_hook = optimizer.register_step_post_hook(self._post_step) if optimizer is not None else None
+
+    def _params(self) -> list[torch.Tensor]:
+        return [r.current() for l in self._layers for r in l.rows]
+
+    def _placed(self) -> tuple[int, ...]:
+        return tuple(id(p) for p in self._params() if isinstance(p, DTensor) or hasattr(p, "_matrixfsdp_owned"))
+
+    def _resolve_group(self) -> None:
+        """The max all-reduce's group, from the parameters as they are now: at construction, and
+        again at a clip that finds them placed otherwise (a QKClip built before sharding must
+        reduce over the mesh the model was sharded on). May be collective (HSDP's flattened group
+        is created on first use): every rank makes it at the same point."""
+        params, group = self._params(), self._group_arg
+        self._resolved_for = self._placed()
+        if group is None and not any(isinstance(p, DTensor) or hasattr(p, "_matrixfsdp_owned") for p in params):
+            group = self._ddp_group
+        _, group = data_parallel_device_and_group(params, group)
+        distributed = dist.is_available() and dist.is_initialized() and group is not None
+        self._coll = collectives_for(group) if distributed and dist.get_world_size(group) > 1 else None
 
     # ------------------------------------------------------------------------------------- layers
     def _find_layers(self, model: nn.Module, layouts: Layouts) -> list[_Layer]:
@@ -310,6 +329,10 @@ class QKClip:
         """Reduce the step's max logits (one MAX all-reduce) and rescale every attention head
         whose max exceeds ``tau`` (see [Note: QK-clip]); then start the next step's maxima. Call on
         every rank after ``optimizer.step()`` (the step post-hook does)."""
+        if self._placed() != self._resolved_for:  # sharded since construction
+            self._resolve_group()
+        if self._packed.device != (dev := self._device()):  # the model moved since (NCCL reduces on it)
+            self._packed, self._last = self._packed.to(dev), self._last.to(dev)
         packed = self._packed
         if self._coll is not None:
             self._coll.all_reduce(packed, async_op=False, op="max")
@@ -356,6 +379,13 @@ class QKClip:
             s = self._last[layer.offset: layer.offset + layer.layout.num_heads]
             out[layer.name] = s.clone() if per_head else s.max()
         return out
+
+    def _device(self) -> torch.device:
+        """Where the maxima are reduced and the factors computed: the device of the parameters'
+        local tensors (the packed buffer follows the model if it moved after construction)."""
+        for p in self._params():
+            return local_tensor(p).device
+        return self._packed.device
 
     @property
     def counter(self) -> CommCounter:
