@@ -265,3 +265,36 @@ def test_the_docs_example_runs():
     assert out.getvalue().count("model.layers.1.self_attn") == 3
     assert scope["qk"].steps == 3
     assert max(float(v) for v in re.findall(r": ([0-9.]+)", out.getvalue())) > scope["qk"].tau  # it clipped
+
+
+class _PerHead(nn.Module):
+    """Per-head matrices: ``wq``/``wk`` stored ``[heads, head_dim, dim]`` (dimension 0 = heads)."""
+
+    def __init__(self, heads=3, hd=4, d=8):
+        super().__init__()
+        self.wq = nn.Parameter(torch.randn(heads, hd, d))
+        self.wk = nn.Parameter(torch.randn(heads, hd, d))
+
+    def forward(self, x):
+        q = torch.einsum("btd,hed->bhte", x, self.wq)
+        k = torch.einsum("btd,hed->bhte", x, self.wk)
+        return F.scaled_dot_product_attention(q, k, k, is_causal=True).sum()
+
+
+def test_per_head_matrices():
+    """A layout of one row per head (``stride=1``) scales each head's whole ``[head_dim, dim]``
+    matrix of a 3-D per-head parameter, as Algorithm 1 on its rows."""
+    torch.manual_seed(3)
+    net = _PerHead()
+    layout = AttentionLayout(3, 3, (RowBlock("wq", "q", 1), RowBlock("wk", "k", 1)))
+    qk = QKClip(net, tau=1.0, layouts={"": layout})
+    wq, wk = net.wq.detach().clone(), net.wk.detach().clone()
+    x = torch.randn(2, 5, 8)
+    net(x)
+    S = head_max_logits(torch.einsum("btd,hed->bhte", x, wq), torch.einsum("btd,hed->bhte", x, wk), is_causal=True)
+    qk.clip()
+    assert (S > 1.0).any()
+    for h in range(3):
+        gamma = 1.0 / S[h].item() if S[h] > 1.0 else 1.0
+        assert torch.allclose(net.wq[h], wq[h] * gamma ** 0.5, rtol=1e-6)
+        assert torch.allclose(net.wk[h], wk[h] * gamma ** 0.5, rtol=1e-6)
