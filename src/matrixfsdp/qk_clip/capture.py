@@ -81,25 +81,26 @@ def head_max_logits(query: torch.Tensor, key: torch.Tensor, *, scale: float | No
     if H % Hk:
         raise ValueError(f"matrixfsdp.qk_clip.head_max_logits: query heads ({H}) must be a multiple of key heads "
                          f"({Hk})")
-    if Hk != H:
-        k = k.repeat_interleave(H // Hk, dim=-3)
+    G = H // Hk  # query heads per key head: grouped as [..., Hk, G, ...], keys broadcast (never repeated)
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     mask = None if attn_mask is None else _local(attn_mask).detach()
-    qf, kt = q.float(), k.float().transpose(-2, -1)
-    lead = max(1, qf[..., 0, 0, 0].numel())
+    if mask is not None and mask.ndim >= 3:
+        mask = mask.unflatten(-3, (Hk, G)) if mask.shape[-3] == H and G > 1 else mask.unsqueeze(-3)
+    qg = q.unflatten(-3, (Hk, G))
+    kt = k.float().transpose(-2, -1).unsqueeze(-3)  # [..., Hk, 1, E, S]
+    lead = max(1, q[..., 0, 0, 0].numel())
     step = max(1, _CHUNK // max(1, lead * H * S))
     out = torch.full((H,), -math.inf, dtype=torch.float32, device=q.device)
     for i in range(0, L, step):
         j = min(L, i + step)
-        s = torch.matmul(qf[..., i:j, :], kt) * scale  # [..., H, l, S]
+        s = torch.matmul(qg[..., i:j, :].float(), kt) * scale  # [..., Hk, G, l, S]
         if is_causal:
             rows = torch.arange(i, j, device=s.device)[:, None]
             s = s.masked_fill(torch.arange(S, device=s.device)[None, :] > rows, -math.inf)
         if mask is not None:
             m = mask[..., i:j, :] if mask.shape[-2] != 1 else mask
             s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.float()
-        s = s.amax(dim=(-1, -2))  # [..., H]
-        out = torch.maximum(out, s.reshape(-1, H).amax(0) if s.ndim > 1 else s)
+        out = torch.maximum(out, s.amax(dim=(-1, -2)).reshape(-1, H).amax(0))
     return out
 
 
