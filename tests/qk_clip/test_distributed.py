@@ -249,3 +249,29 @@ def built_before_sharding():
 def test_built_before_sharding_w2():
     # its first step finds the group (and its counter, shared per group in the process): counted from step 1
     _check(get_pool(2).run(built_before_sharding), steps=2, counted_from=1)
+
+
+def stock_fsdp2_parity(steps=2):
+    """torch's own ``fully_shard`` (``Shard(0)`` DTensors) with torch's AdamW: the same rescale
+    through DTensor's row layout."""
+    from torch.distributed.fsdp import fully_shard
+
+    W = dist.get_world_size()
+    model = decoder(2)
+    ref = copy.deepcopy(model)
+    mesh = _mesh(1, W)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.02)
+    qk = QKClip(model, opt, tau=TAU)
+    rec = Recorder(ref, Attention, decoder_logits)
+    per = BATCH // W
+    out = _loop(model, ref, opt, ref_opt, qk, rec, [slice(r * per, (r + 1) * per) for r in range(W)], steps)
+    out["local"], out["full"] = _compare(model, ref)
+    return out
+
+
+def test_stock_fsdp2_w2():
+    _check(get_pool(2).run(stock_fsdp2_parity))
