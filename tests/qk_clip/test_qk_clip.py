@@ -19,7 +19,7 @@ import matrixfsdp
 from matrixfsdp.models.decoder import Attention
 from matrixfsdp.qk_clip import AttentionLayout, QKClip, RowBlock, head_max_logits
 
-from qk_clip._reference import (Recorder, batch, clip_mha, clip_mla, decoder, decoder_logits, lm_loss,
+from qk_clip._reference import (Recorder, batch, clip_mha, decoder, decoder_logits, lm_loss,
                                 max_rel_diff)
 
 TAU, ALPHA = 0.03, 0.5
