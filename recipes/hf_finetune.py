@@ -3,6 +3,7 @@
     python recipes/hf_finetune.py                                  # tiny Qwen3 built in code, 2 CPU ranks
     python recipes/hf_finetune.py --pretrained ~/models/Qwen3-0.6B --steps 50 --seq-len 256
     torchrun --nproc-per-node 8 recipes/hf_finetune.py --pretrained ~/models/Qwen3-8B --device cuda
+    python recipes/hf_finetune.py --qk-clip 100                    # with QK-clip (MuonClip)
 
 Without --pretrained the model is a tiny Qwen3 config (byte vocabulary) built in code, so it runs
 on a laptop with nothing downloaded; with --pretrained it loads a local Hugging Face folder
@@ -81,6 +82,9 @@ def main(args: argparse.Namespace) -> None:
     # so the optimizer routes by the plan's rule (a parameter list cannot see embeddings).
     opt = matrixfsdp.optim.Muon(model, lr=args.lr, adamw_lr=args.adamw_lr, weight_decay=0.0,
                                 ns_dtype=torch.float32)
+    # QK-clip (MuonClip), optional: after each opt.step(), heads whose max logit exceeded tau get
+    # their q/k rows rescaled (Qwen3's QK-norm already bounds its logits: then it only reports them)
+    qk = matrixfsdp.qk_clip.QKClip(model, opt, tau=args.qk_clip) if args.qk_clip else None
     before = heldout_loss(model, held_tokens, args, device)
     if rank == 0:
         print(f"held-out loss before: {before:.4f}", flush=True)
@@ -95,7 +99,8 @@ def main(args: argparse.Namespace) -> None:
         if step % 10 == 0 or step == args.steps:
             dist.all_reduce(avg := loss.detach().clone())
             if rank == 0:
-                print(f"step {step:4d}  loss {avg.item() / world:.4f}", flush=True)
+                logit = f"  max logit {max(v.item() for v in qk.max_logits().values()):.2f}" if qk else ""
+                print(f"step {step:4d}  loss {avg.item() / world:.4f}{logit}", flush=True)
     after = heldout_loss(model, held_tokens, args, device)
 
     # Save: a DCP checkpoint (every rank writes what it owns), then safetensors for transformers.
@@ -133,6 +138,8 @@ if __name__ == "__main__":
     p.add_argument("--seq-len", type=int, default=128, help="sequence length (tokens)")
     p.add_argument("--lr", type=float, default=0.02, help="Muon learning rate (use ~0.002 for --pretrained)")
     p.add_argument("--adamw-lr", type=float, default=3e-3, help="AdamW learning rate (use ~3e-5 for --pretrained)")
+    p.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
+                   help="QK-clip (MuonClip) threshold, e.g. 100 (default: off); logs each step's max logit")
     p.add_argument("--world", type=int, default=2, help="ranks to start when not under torchrun")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: nccl, under torchrun")
     p.add_argument("--out", default="runs/hf_finetune", help="output folder")

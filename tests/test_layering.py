@@ -6,7 +6,9 @@
   front-end; the protocol module depends on torch alone;
 * the runtimes know nothing of Hugging Face, torchtitan, checkpoints or the main job;
 * the two front-ends share code only through the engine;
-* the packages form layers (apps > integrations > checkpoint > front-ends, optimizers > engine >
+* QK-clip (``qk_clip/``) works through the placement helpers and counted collectives alone: no
+  runtime, optimizer, plan or checkpoint; no runtime imports it;
+* the packages form layers (apps > integrations > checkpoint, QK-clip > front-ends, optimizers > engine >
   placement > collectives > planner > mesh), with no import cycles inside any package;
 * no behaviour is chosen by inspecting a caller's frame, except in the version-gated compat module.
 """
@@ -38,7 +40,7 @@ def test_every_layering_contract_is_kept():
     res = _lint(SRC)
     assert res.returncode == 0, res.stdout + res.stderr
     kept = re.findall(r"KEPT", res.stdout)
-    assert len(kept) == 8, res.stdout  # every contract of .importlinter ran and held
+    assert len(kept) == 9, res.stdout  # every contract of .importlinter ran and held
 
 
 def test_a_runtime_importing_an_integration_breaks_the_contracts(tmp_path):
@@ -61,6 +63,20 @@ def test_tp_importing_an_optimizer_breaks_the_contracts(tmp_path):
     assert res.returncode == 1, res.stdout
     assert "TP steps optimizers through the update-rule protocol alone" in res.stdout
     assert "matrixfsdp.tp.host_step -> matrixfsdp.optim._base" in res.stdout
+
+
+def test_qk_clip_importing_an_optimizer_or_a_runtime_importing_it_breaks_the_contracts(tmp_path):
+    """QK-clip rescales through placement alone, whatever optimizer stepped; runtimes never see it."""
+    shutil.copytree(SRC / "matrixfsdp", tmp_path / "matrixfsdp", ignore=shutil.ignore_patterns("__pycache__"))
+    api = tmp_path / "matrixfsdp" / "qk_clip" / "api.py"
+    api.write_text(api.read_text() + "\nfrom ..optim import _muon as _optimizer  # noqa\n")
+    reducer = tmp_path / "matrixfsdp" / "engine" / "reducer.py"
+    reducer.write_text(reducer.read_text() + "\nfrom .. import qk_clip as _qk  # noqa\n")
+    res = _lint(tmp_path)
+    assert res.returncode == 1, res.stdout
+    assert "QK-clip works on any placement through the placement helpers" in res.stdout
+    assert "matrixfsdp.qk_clip.api -> matrixfsdp.optim._muon" in res.stdout
+    assert "matrixfsdp.engine.reducer -> matrixfsdp.qk_clip" in res.stdout
 
 
 def test_no_caller_frame_inspection_outside_the_compat_module():

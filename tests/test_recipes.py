@@ -46,8 +46,9 @@ def test_plain_pytorch(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
 def test_hf_finetune(tmp_path):
     out = _run([sys.executable, str(RECIPES / "hf_finetune.py"), "--steps", "2", "--seq-len", "64",
-                "--out", str(tmp_path / "hf")], cwd=tmp_path)
+                "--qk-clip", "100", "--out", str(tmp_path / "hf")], cwd=tmp_path)
     assert "held-out loss after" in out
+    assert "max logit" in out  # QK-clip ran (the saved config keeps its own attention implementation)
     from transformers import AutoModelForCausalLM
 
     _, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)

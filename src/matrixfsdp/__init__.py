@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 
 #: Submodules loaded on first attribute access (``matrixfsdp.titan`` imports torchtitan, ``train``
 #: tqdm and matplotlib, ``hf_trainer`` transformers; ``import matrixfsdp`` stays light and works without them).
-_LAZY_SUBMODULES = ("titan", "train", "plan", "hf_trainer", "tp")
+_LAZY_SUBMODULES = ("titan", "train", "plan", "hf_trainer", "tp", "qk_clip")
 
 #: Names kept at the top level for code written against earlier versions: the demo decoder (now
 #: ``matrixfsdp.models``) and torch's ``MixedPrecisionPolicy`` (import it from torch).

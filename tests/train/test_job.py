@@ -152,6 +152,7 @@ def test_resume_at_another_world_size(reference, tmp_path):
     (["--resume"], "error: --resume: no checkpoint of run 'matrixfsdp-muon'"),
     (["--resume", "--overwrite"], "error: --resume and --overwrite exclude each other"),
     (["--stop-after", "9", "--steps", "5"], "error: --stop-after 9 must be below --steps 5"),
+    (["--qk-clip", "0"], "error: --qk-clip must be a positive number, got 0.0"),
 ])
 def test_bad_arguments(argv, msg, tmp_path, capsys):
     try:
@@ -264,6 +265,19 @@ def test_tiny_moe_trains_and_resumes(tmp_path):
     train(*argv, "--out", str(out), "--resume")
     for run in RUNS:
         assert comparable(records(out, run)) == comparable(records(ref, run)), run
+
+
+def test_qk_clip_logs_each_steps_max_logit(tmp_path):
+    """``--qk-clip TAU``: QK-clip after every step of the matrixfsdp run (its one MAX all-reduce is
+    the step's only collective, counted with the model's), each step's max logit in the log."""
+    out = tmp_path / "qk"
+    train("--model", "nano", "--steps", "3", "--eval-every", "3", "--ckpt-every", "3", "--sample-bytes", "0",
+          "--max-corpus-bytes", "200000", "--threads", "1", "--no-compare", "--qk-clip", "1.0", "--out", str(out))
+    recs = records(out, "matrixfsdp-muon")
+    assert recs[0]["config"]["qk_clip"] == 1.0
+    steps = [r for r in recs if "loss" in r]
+    assert len(steps) == 3 and all(0 < r["max_logit"] < 1e3 for r in steps), steps
+    assert all(r["comm_calls"]["optimizer_step"] == 1 for r in steps), [r["comm_calls"] for r in steps]
 
 
 def test_help_says_each_default_once():

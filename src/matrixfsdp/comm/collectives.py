@@ -98,6 +98,10 @@ def force_collectives():
         _FORCED[0] -= 1
 
 
+#: the reductions ``all_reduce`` takes (``dist.ReduceOp`` members, by lower-case name)
+_REDUCE_OPS = ("sum", "max")
+
+
 def _solo(world_size: int) -> bool:
     """Whether a call takes the ``W == 1`` short-cut (not under :func:`force_collectives`)."""
     return world_size == 1 and not _FORCED[0]
@@ -230,8 +234,10 @@ class SegmentCollectives(Protocol):
         """All-gather a small tensor of identical shape on every rank -> ``[W, *t.shape]``."""
         ...
 
-    def all_reduce(self, t: torch.Tensor, *, async_op: bool) -> Handle:
-        """Sum the 1-D ``t`` over the group in place (HSDP's cross-replica reduction)."""
+    def all_reduce(self, t: torch.Tensor, *, async_op: bool, op: str = "sum") -> Handle:
+        """Reduce the 1-D ``t`` over the group in place: ``op="sum"`` (HSDP's cross-replica
+        reduction, counted as ``"all_reduce"``) or ``"max"`` (QK-clip's packed max logits,
+        counted as ``"all_reduce_max"``)."""
         ...
 
     def all_gather_tensors(self, tensors: Sequence[Sequence[torch.Tensor]], *, async_op: bool) -> Handle:
@@ -357,14 +363,16 @@ class _Base:
             h.wait()
         return h
 
-    def all_reduce(self, t: torch.Tensor, *, async_op: bool) -> Handle:
+    def all_reduce(self, t: torch.Tensor, *, async_op: bool, op: str = "sum") -> Handle:
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"SegmentCollectives.all_reduce: op must be one of {list(_REDUCE_OPS)}, got {op!r}")
         W, n = self.world_size, t.nbytes
         # a ring all-reduce's payload: a reduce-scatter plus an all-gather of (W-1)/W of t each way
         moved = 2 * (W - 1) * n // W if W > 1 else 0
-        self.counter.record("all_reduce", moved, moved)
+        self.counter.record("all_reduce" if op == "sum" else f"all_reduce_{op}", moved, moved)
         if _solo(W) or t.numel() == 0:
             return Handle()
-        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        work = dist.all_reduce(t, op=getattr(dist.ReduceOp, op.upper()), group=self.group, async_op=async_op)
         return Handle([work] if async_op else [])
 
     def all_gather_tensors(self, tensors: Sequence[Sequence[torch.Tensor]], *, async_op: bool) -> Handle:

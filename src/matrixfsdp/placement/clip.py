@@ -41,7 +41,7 @@ from ..mesh import flat_dp_mesh, mesh_device
 from .owned_tensor import local_tensor
 from .owner import coordinates, dp_tp_mesh, owner_of, tp_mesh_of
 
-__all__ = ["clip_grad_norm_", "reduction_device_and_group"]
+__all__ = ["clip_grad_norm_", "reduction_device_and_group", "data_parallel_device_and_group"]
 
 
 def reduction_device_and_group(params: Iterable[torch.Tensor], process_group: dist.ProcessGroup | None = None
@@ -70,6 +70,21 @@ def reduction_device_and_group(params: Iterable[torch.Tensor], process_group: di
     if dist.is_available() and dist.is_initialized():
         return agreement_device(group), group
     return torch.device("cpu"), group
+
+
+def data_parallel_device_and_group(params: Iterable[torch.Tensor], process_group: dist.ProcessGroup | None = None
+                                   ) -> tuple[torch.device, dist.ProcessGroup | None]:
+    """The device and group of a reduction over every rank that may hold a different part of
+    ``params``' values or see different data: :func:`reduction_device_and_group`, widened under
+    ``fully_shard`` + TP to the whole ``(dp, tp)`` mesh (each TP rank of an owner's row holds
+    another TP shard). ``clip_grad_norm_``'s norm and QK-clip's max logits (``matrixfsdp.qk_clip``)
+    reduce over it. An explicit ``process_group`` is taken as it is."""
+    every = list(params)
+    device, group = reduction_device_and_group(every, process_group)
+    tp = _tp_mesh(every)
+    if tp is not None and process_group is None:  # fully_shard + TP: over the whole (dp, tp) mesh
+        group = flat_dp_mesh(dp_tp_mesh(_dp_of(every), tp)).get_group()
+    return device, group
 
 
 def _tp_mesh(params: list[torch.Tensor]) -> DeviceMesh | None:
@@ -145,10 +160,8 @@ def clip_grad_norm_(
     if pp_mesh is not None and (not isinstance(pp_mesh, DeviceMesh) or pp_mesh.ndim != 1):
         raise TypeError(f"matrixfsdp.clip_grad_norm_: pp_mesh must be a 1-D DeviceMesh (the pipeline "
                         f"dimension), got {pp_mesh!r}")
-    device, group = reduction_device_and_group(every, process_group)
+    device, group = data_parallel_device_and_group(every, process_group)
     tp = _tp_mesh(every)
-    if tp is not None and process_group is None:  # fully_shard + TP: over the whole (dp, tp) mesh
-        group = flat_dp_mesh(dp_tp_mesh(_dp_of(every), tp)).get_group()
     grads = [local_tensor(p.grad).detach() for p in params]
     inf = math.isinf(norm_type)
     distributed = dist.is_available() and dist.is_initialized()

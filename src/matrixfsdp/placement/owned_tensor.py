@@ -350,23 +350,9 @@ def set_full_(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     local = param._local_tensor
     if local.numel() == 0:
         return param
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from .rows import local_slices
 
-    info = owned_of(param)
-    tp = tp_mesh_of(param.device_mesh)
-    if info is not None and tp is None:
-        local.copy_(full)
-        return param
-    from .experts import ExpertDTensor
-
-    if isinstance(param, ExpertDTensor):  # an expert stack: this rank's experts, by the plan's counts
-        first = param._first_row()
-        local.copy_(full[first:first + local.shape[0]])
-        return param
-    # an evenly sharded parameter: its rows; a TP-sharded owned one (FSDP2 + TP): on the owner's
-    # TP row, this rank's TP shard, in the coordinates of its own TP mesh
-    shape, offset = compute_local_shape_and_global_offset(param.shape, tp if tp is not None else param.device_mesh,
-                                                          param.placements)
-    index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-    local.copy_(full[index])
+    # the one answer for which part of the value this rank stores (an owner: all of it; an even
+    # or TP-sharded one: its block; an expert stack: its experts; see placement/rows.py)
+    local.copy_(full[local_slices(param)])
     return param

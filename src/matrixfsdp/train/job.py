@@ -150,13 +150,17 @@ class TrainConfig:
     max_corpus_bytes: int | None = None
     progress: bool | None = None  # None: when stderr is a terminal
     device: str = "cpu"  # resolved by choose_device: "cpu" (gloo, fp32) or "cuda" (nccl, bf16 mixed precision)
+    qk_clip: float | None = None  # QK-clip's tau in the matrixfsdp run (matrixfsdp.qk_clip.QKClip), else off
 
     def fingerprint(self) -> dict[str, Any]:
         """What a resumed run must share with the checkpoint's run. ``steps`` is not part of it:
         a resume may train on past the checkpointed run's end (see [Note: resuming with more
         steps])."""
-        return {k: getattr(self, k) for k in ("model", "optimizer", "batch", "seq_len", "seed",
-                                                "max_corpus_bytes", "lr", "adamw_lr")}
+        got = {k: getattr(self, k) for k in ("model", "optimizer", "batch", "seq_len", "seed",
+                                               "max_corpus_bytes", "lr", "adamw_lr")}
+        if self.qk_clip is not None:  # absent when off: checkpoints from before the option still match
+            got["qk_clip"] = self.qk_clip
+        return got
 
     def lrs(self) -> tuple[float, float]:
         """(matrix lr, AdamW lr) of the matrixfsdp run."""
@@ -230,6 +234,7 @@ class _Run:
     base_lrs: list[tuple[float, float | None]]  # per group: (lr, adamw_lr)
     clip: Callable[[Any, float], torch.Tensor]
     counter: Any  # matrixfsdp CommCounter or None
+    qk: Any = None  # matrixfsdp.qk_clip.QKClip (--qk-clip), its clip a post-hook of opt.step()
 
 
 def _build_model(cfg: TrainConfig) -> Decoder | MoEDecoder:
@@ -294,7 +299,16 @@ def _build_matrixfsdp(cfg: TrainConfig) -> _Run:
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     base = [(g["lr"], g.get("adamw_lr")) for g in opt.param_groups]
-    return _Run(f"matrixfsdp-{cfg.optimizer}", model, opt, base, matrixfsdp.clip_grad_norm_, comm_counter(model))
+    qk = None
+    if cfg.qk_clip is not None:
+        import warnings
+
+        from ..qk_clip import QKClip
+
+        with warnings.catch_warnings():  # the built-in models' QK-norm: said once, in --help and the docs
+            warnings.filterwarnings("ignore", message=".*normalize queries and keys per head")
+            qk = QKClip(model, opt, tau=cfg.qk_clip)
+    return _Run(f"matrixfsdp-{cfg.optimizer}", model, opt, base, matrixfsdp.clip_grad_norm_, comm_counter(model), qk)
 
 
 def _build_fsdp2(cfg: TrainConfig) -> _Run:
@@ -497,6 +511,8 @@ def _train_run(cfg: TrainConfig, corpus: Corpus, build: Callable[[TrainConfig], 
             rec: dict[str, Any] = {"run": name, "step": done, "loss": avg_loss, "lr": lr,
                                    "grad_norm": _scalar(gnorm),
                                    "tokens_per_s": tokens_per_step / dt, "step_s": dt}
+            if run.qk is not None:  # the step's largest logit over every layer and rank (reduced)
+                rec["max_logit"] = float(torch.stack(list(run.qk.max_logits().values())).max())
             if c is not None:  # bytes this rank sent, per phase (rank 0's view)
                 rec["comm_bytes"] = {"forward": fwd[0], "backward": bwd[0] - fwd[0],
                                      "clip": clip[0] - bwd[0], "optimizer_step": opt_step[0] - clip[0]}
