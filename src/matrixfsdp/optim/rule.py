@@ -2,7 +2,8 @@
 
 [Note: update-rule protocol]
 Every ``matrixfsdp.optim`` optimizer steps each parameter with one *rule*: its matrix rule (Muon,
-Shampoo, SOAP) or the AdamW fallback (see the routing in ``optim/_base.py``).
+Shampoo, SOAP) or the AdamW fallback (see the routing in ``optim/routing.py``; the rules are
+classes, [Note: update rules as classes] in ``optim/rules/base.py``).
 ``opt.rule_for(p)`` returns it as an object that implements :class:`UpdateRule`, bound to ``p``'s
 param group: hyperparameters (``lr``, ``weight_decay``, betas, ...) are read from the group at
 every call, so LR schedulers drive it. The optimizer's own per-parameter step

@@ -18,7 +18,7 @@ answer depends on where rows live from them, not from DTensor's chunk rule:
 Element-wise ops and ``zeros_like`` run on the local rows and keep the class and counts (what
 optimizers and their state need); ops that move rows (indexing dim 0, views across it) are not
 defined on it and raise. Optimizer state of a stack is presented with the same class: one row per
-matrix (``splits`` rows per expert, [Note: expert optimizer state] in ``optim/_base.py``).
+matrix (``splits`` rows per expert, [Note: expert optimizer state] in ``optim/_expert_step.py``).
 """
 
 from __future__ import annotations
