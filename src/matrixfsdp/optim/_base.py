@@ -3,8 +3,8 @@
 Every optimizer here is one ``torch.optim.Optimizer`` that holds *all* of a model's parameters and
 routes each one, per param group, either to its matrix rule (Muon, Shampoo, SOAP) or to AdamW
 (``group["algorithm"]``: ``"auto"``, the rule's name or ``"adamw"``; ``Optimizer(model)`` routes
-by the planner's rule; see ``optim/routing.py``). The rules are classes (``optim/rules/``, [Note:
-update rules as classes]) that own their hyperparameters, state layout and steps; AdamW reads
+by the planner's rule; see ``optim/routing.py``). The rules are classes (``optim/rules/``,
+[Note: update rules as classes]) that own their hyperparameters, state layout and steps; AdamW reads
 ``adamw_lr`` / ``adamw_betas`` / ``adamw_eps`` / ``adamw_weight_decay`` from the same group
 (``None``: the group's ``lr`` / ``weight_decay``, read at every step, so LR schedulers drive both
 rules). This module dispatches each parameter's step to its rule, per parameter or per group

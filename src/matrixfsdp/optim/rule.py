@@ -77,7 +77,9 @@ class UpdateRule(Protocol):
 
     def update(self, grad: Tensor, state: dict[str, Any], *, dtype: torch.dtype | None = None) -> Tensor:
         """The additive update of a whole matrix with gradient ``grad`` (a new tensor of
-        ``dtype``, default ``grad``'s), before decay; advances ``state`` as :meth:`step` does."""
+        ``dtype``, default ``grad``'s), before decay; advances ``state`` as :meth:`step` does.
+        (matrixfsdp's own rules also take ``splits=k``: a stack of matrices, each with its own
+        update and state; [Note: update rules as classes] in ``optim/rules/base.py``.)"""
         ...
 
     def decay(self) -> tuple[Any, Any]:
