@@ -56,7 +56,7 @@ class GatherMuon(Muon):
             grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
             if route == "adamw":
                 if param.numel():
-                    self._adamw_step(param, grad, self.state[p], group)
+                    self.rule_for(p).step(param, grad, self.state[p])
                 continue
             state = self.state[p]
             if "momentum_buffer" not in state:

@@ -72,7 +72,7 @@ class FullGatherMuon(Muon):
             grad = local_tensor(p.grad)
             if route == "adamw":
                 if param.numel():
-                    self._adamw_step(param, grad, self.state[p], group)
+                    self.rule_for(p).step(param, grad, self.state[p])
                 continue
             if not (isinstance(p, DTensor) and p.device_mesh.ndim == 2):
                 raise ValueError("FullGatherMuon: Muon matrices must be 2-D (dp_shard, tp) DTensors")

@@ -154,3 +154,65 @@ def test_rules_with_whole_matrix_state_do_not_split(cls):
         def decay(self): return 0.1, 0.0
 
     assert isinstance(OldRule(), UpdateRule) and not isinstance(OldRule(), ShardedStateRule)
+
+
+def _bits(t):
+    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[t.dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cls", [Muon, Shampoo, SOAP])
+def test_update_is_the_old_step_on_zeros_bitwise(cls, dtype):
+    """``update`` computes the additive update directly ([Note: update rules as classes]); it is
+    bit for bit, the sign of zero included, what it was before: the rule's step on a zero matrix
+    without decay (``0 + alpha * x``, one rounding in the promotion of the parameter's dtype and
+    the term's). Muon at its default bf16 Newton-Schulz (a bf16 term added to float32 zeros),
+    Shampoo through its AdamW and preconditioned steps, SOAP from its statistics-only first call,
+    AdamW; gradients with zero rows and columns give zero terms (``-lr * 0.0``: +0.0 on zeros)."""
+    torch.manual_seed(0)
+    w, e = torch.nn.Parameter(torch.randn(12, 8, dtype=dtype)), torch.nn.Parameter(torch.randn(12, 8, dtype=dtype))
+    kw = {k: v for k, v in FAST[cls].items() if k != "ns_dtype"}
+    opt = cls([{"params": [w]}, {"params": [e], "algorithm": "adamw"}], lr=0.02, **kw)
+    for group in opt.param_groups:  # the old update stepped without decay
+        group["weight_decay"] = 0.0
+    zeros_seen = 0
+    for p in (w, e):
+        rule = opt.rule_for(p)
+        st_step: dict = {}
+        st_update: dict = {}
+        for n, (g, _) in enumerate(_grads(5)):
+            g = g.to(dtype)
+            g[3], g[:, 5] = 0, 0
+            old = torch.zeros(g.shape, dtype=dtype)
+            rule.step(old, g, st_step)
+            new = rule.update(g, st_update, dtype=dtype)
+            assert new.dtype == dtype and torch.equal(_bits(new), _bits(old)), (rule.name, n)
+            assert all(torch.equal(v, st_update[k]) for k, v in st_step.items()), rule.name
+            zeros_seen += int((old == 0).sum())
+    assert zeros_seen  # the sign of zero was checked
+
+
+@pytest.mark.parametrize("cls", [Muon, Shampoo, SOAP])
+def test_update_with_splits_is_each_matrix_update(cls, monkeypatch):
+    """``update(splits=k)`` steps a stack ``[n, out, in]`` (a 2-D tensor: a stack of one, as a
+    projection stepped per head) as its ``n * k`` matrices, with state stacked per matrix: each
+    matrix's update and state bitwise the rule's on that matrix alone (Muon's Newton-Schulz in
+    chunks of one matrix: batched, it differs by round-off on the CPU)."""
+    import matrixfsdp.optim._expert_step as expert_step
+
+    monkeypatch.setattr(expert_step, "NS_CHUNK_BYTES_CPU", 1)
+    w, _ = _model()
+    opt = cls([w], lr=0.02, **FAST[cls])
+    rule = opt.rule_for(w)
+    for shape, splits in (((2, 12, 8), 2), ((12, 8), 3)):
+        stacked: dict = {}
+        each: list[dict] = [{} for _ in range((shape[0] if len(shape) == 3 else 1) * splits)]
+        g = torch.Generator().manual_seed(2)
+        for _ in range(4):
+            grad = torch.randn(shape, generator=g)
+            got = rule.update(grad, stacked, splits=splits)
+            mats = grad.reshape(len(each), -1, grad.shape[-1])
+            want = torch.stack([rule.update(m, st) for m, st in zip(mats, each)]).view(shape)
+            assert got.shape == grad.shape and torch.equal(got, want), (shape, splits)
+            for k, v in stacked.items():
+                assert torch.equal(v, torch.stack([st[k] for st in each])), k

@@ -1,7 +1,7 @@
 """The capturable and batched steps of Muon, Shampoo and SOAP (issue 19): validation, parity with
 the default per-parameter step, matrix-product counts, host reads, host step counts, and
 ``torch.compile(opt.step)`` under an LR scheduler (graph breaks, compile counts, compiled ==
-eager). See [Note: capturable and batched steps] in ``optim/_base.py``."""
+eager). See [Note: capturable and batched steps] in ``optim/step_modes.py``."""
 
 from __future__ import annotations
 

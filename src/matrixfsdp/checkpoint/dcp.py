@@ -429,7 +429,7 @@ def _flat_keys(prefix: str, obj: Any) -> dict[str, Any]:
 # hyperparameter keys (AdamW's "betas", no "algorithm"/"adamw_lr"/"routes"), so it cannot be
 # loaded as a matrixfsdp optimizer's param groups. Its *state* can: torch.optim.Muon's
 # "momentum_buffer" is the same EMA of the gradients as matrixfsdp's Muon rule (op for op, see
-# optim/_muon.py), and AdamW's "exp_avg"/"exp_avg_sq"/"step" are matrixfsdp's AdamW rule's. With
+# optim/rules/muon.py), and AdamW's "exp_avg"/"exp_avg_sq"/"step" are matrixfsdp's AdamW rule's. With
 # hparams="optimizer" every parameter's saved state must (1) have exactly the keys this optimizer
 # keeps for it (its state schema; placeholder keys may be absent) and (2) come from a param group
 # whose optimizer applies this optimizer's rule for it: a matrixfsdp group's recorded "routes", a

@@ -2,7 +2,7 @@
 
 Each is one ``torch.optim.Optimizer`` that routes 2D parameters to its matrix rule and every other
 parameter to AdamW, per param group (key ``"algorithm"``: ``"auto"``, the rule's name or
-``"adamw"``; see :mod:`matrixfsdp.optim._base`). Under matrixfsdp each 2D weight lives whole on
+``"adamw"``; see :mod:`matrixfsdp.optim.routing`). Under matrixfsdp each 2D weight lives whole on
 one rank and is empty elsewhere, so ``step()`` runs on local tensors only, with no communication
 (TP-hosted matrices excepted: two all-to-alls per micro-group within a TP row, ``matrixfsdp.tp``).
 

@@ -1,13 +1,13 @@
-"""Functional AdamW: single-tensor, op for op the same as ``torch.optim.AdamW(foreach=False)``,
-plus its foreach and capturable forms.
+"""Functional AdamW pieces: Adam's denominator, the foreach and capturable forms, step counters.
 
-Every optimizer in this package routes its element-wise parameters here, and Shampoo's Adam
-grafting and SOAP's rotated Adam reuse :func:`adam_denom`. The op sequence of
-:func:`adamw_step` follows torch 2.13's ``_single_tensor_adam`` (decoupled weight decay,
-non-capturable path) so that the results are bitwise identical; do not "simplify" it.
-:func:`adamw_foreach` is the same sequence in ``torch._foreach_*`` calls (bitwise on the CPU,
-where foreach kernels run the single-tensor ops); :func:`adamw_foreach_capturable` computes the
-bias corrections and step sizes as tensors (see [Note: capturable and batched steps]).
+Every optimizer in this package routes its element-wise parameters to the AdamW rule
+(``rules/adamw.py``), whose single-tensor step runs the ops of ``torch.optim.AdamW(foreach=False)``
+(torch 2.13's ``_single_tensor_adam``: decoupled weight decay, non-capturable path) so that the
+results are bitwise identical; do not "simplify" them. Shampoo's Adam grafting and SOAP's rotated
+Adam reuse :func:`adam_denom`. :func:`adamw_foreach` is the same sequence in ``torch._foreach_*``
+calls (bitwise on the CPU, where foreach kernels run the single-tensor ops);
+:func:`adamw_foreach_capturable` computes the bias corrections and step sizes as tensors (see
+[Note: capturable and batched steps] in ``optim/step_modes.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "adamw_step",
     "adamw_foreach",
     "adamw_foreach_capturable",
     "adam_denom",
@@ -44,7 +43,7 @@ def lr_tensor(lr: float | Tensor, like: Tensor) -> Tensor:
     parameters' device for CUDA-graph capture). A Python float becomes a float64 tensor, so
     ``1 - lr * weight_decay`` is the double the default step computes. The optimizers' steps
     hand their per-matrix code a group whose rates are already device tensors, one per group
-    ([Note: one lr tensor per group] in ``optim/_base.py``), so this moves nothing there.
+    ([Note: one lr tensor per group] in ``optim/step_modes.py``), so this moves nothing there.
     """
     if isinstance(lr, Tensor):
         return lr if lr.device == like.device else lr.to(like.device)
@@ -80,30 +79,6 @@ def adam_denom(exp_avg_sq: Tensor, step: float, beta2: float, eps: float) -> Ten
     return (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
 
 
-def adamw_step(
-    param: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    step_t: Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """One in-place AdamW step on plain (local) tensors; increments ``step_t``."""
-    step_t += 1
-    if weight_decay != 0:
-        param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    step = step_t.item()
-    step_size = lr / (1 - beta1**step)
-    param.addcdiv_(exp_avg, adam_denom(exp_avg_sq, step, beta2, eps), value=-step_size)
-
-
 def adam_denom_capturable(exp_avg_sq: Tensor, step_t: Tensor, beta2: float, eps: float) -> Tensor:
     """:func:`adam_denom` with the step a tensor: ``sqrt(exp_avg_sq) / sqrt(1 - beta2**step) + eps``."""
     bias_correction2_sqrt = (1 - torch.pow(beta2, step_t)).sqrt()
@@ -123,7 +98,7 @@ def adamw_foreach(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """:func:`adamw_step` on lists with ``torch._foreach_*`` kernels, in the same op order.
+    """The AdamW rule's step on lists with ``torch._foreach_*`` kernels, in the same op order.
 
     Step counters are CPU tensors here (read with ``.item()``, no device sync), so each parameter
     gets the bias corrections of its own count, exactly as the single-tensor rule.
@@ -156,7 +131,7 @@ def adamw_foreach_capturable(
 ) -> None:
     """AdamW on lists with no host read: step counters on the parameters' device, ``lr`` a float
     or a 0-dim tensor, bias corrections and step sizes computed as tensors. The same update as
-    :func:`adamw_step` up to the rounding of those scalars."""
+    the AdamW rule's step up to the rounding of those scalars."""
     lr_t = lr_tensor(lr, params[0])
     torch._foreach_add_(steps, 1)
     if weight_decay != 0:

@@ -18,7 +18,10 @@ its Newton-Schulz on chunks of at most :data:`NS_CHUNK_BYTES` of matrices (``bmm
 on the CPU :data:`NS_CHUNK_BYTES_CPU`, a core's cache, so large matrices go one by one);
 on a backend whose batched GEMM equals its GEMM (this CPU: ``torch.bmm`` equals ``torch.mm``
 bitwise in float32) that is bitwise the per-matrix step. Shampoo and SOAP step the matrices one by
-one through their 2-D rule (:func:`loop_step`), on views of the stacked state.
+one through their 2-D rule (:func:`loop_step`), on views of the stacked state. The rules' stack
+steps (``step_stack``, and ``update``/``prepare``/``finish`` with ``splits``; [Note: update rules
+as classes] in ``optim/rules/base.py``) take the matrices per slice as an argument, so a stack of
+one (a 2-D tensor) split into ``splits`` matrices is stepped alike.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from torch import Tensor
 __all__ = ["matrices", "init_stacked", "loop_step", "ns_chunks", "NS_CHUNK_BYTES", "NS_CHUNK_BYTES_CPU", "route_name"]
 
 #: The most bytes of one Newton-Schulz batch of an expert stack or of a batched Muon group's
-#: same-shape matrices ([Note: batched Muon] in ``optim/_muon.py``: its ``ns_dtype`` copy and the
+#: same-shape matrices ([Note: batched Muon] in ``optim/rules/muon.py``: its ``ns_dtype`` copy and the
 #: Gram products); a stack larger than that is orthogonalized in chunks. On accelerators batching
 #: saves kernel launches, so the bound is memory; on the CPU a batch gains only while it stays in a
 #: core's cache (measured on an AMD EPYC, one thread: 16 experts of 64 x 32 batched 2.6x faster
@@ -46,8 +49,11 @@ def route_name(rule: str, splits: int) -> str:
 
 
 def matrices(t: Tensor, splits: int) -> Tensor:
-    """``t`` (``[n, out, in]``) as its ``n * splits`` matrices ``[n * splits, out / splits, in]``, a
-    view (the stack's local tensor and its gradient are contiguous)."""
+    """``t`` (``[n, out, in]``; a 2-D ``[out, in]`` is a stack of one) as its ``n * splits``
+    matrices ``[n * splits, out / splits, in]``, a view (the stack's local tensor and its gradient
+    are contiguous)."""
+    if t.ndim == 2:
+        t = t.unsqueeze(0)
     n, rows, cols = t.shape
     return t.view(n * splits, rows // splits, cols)
 

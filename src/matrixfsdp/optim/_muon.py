@@ -1,22 +1,19 @@
 """Muon: momentum orthogonalized by a Newton-Schulz iteration, for whole 2D matrices.
 
-The matrix rule reproduces ``torch.optim.Muon`` (torch 2.13) op for op: with the default
-``ns_dtype=torch.bfloat16`` the parameter and momentum buffer bits match torch's. The Newton-Schulz
-iteration is our own copy of torch's op sequence (same casts, transposes and ``addmm`` calls), not
-an import of torch's private helper.
+The matrix rule (``rules/muon.py``) reproduces ``torch.optim.Muon`` (torch 2.13) op for op: with
+the default ``ns_dtype=torch.bfloat16`` the parameter and momentum buffer bits match torch's. The
+Newton-Schulz iteration (``newton_schulz.py``) is our own copy of torch's op sequence (same casts,
+transposes and ``addmm`` calls), not an import of torch's private helper.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
-from torch import Tensor
 
-from ._adamw import foreach_scale_
-from ._base import ADAMW_DEFAULTS, MatrixOptimizer, lr_tensor
-from ._expert_step import matrices, ns_chunks
+from ._adamw import foreach_scale_  # noqa: F401 (its import path before rules/muon.py)
+from ._base import ADAMW_DEFAULTS, MatrixOptimizer
 from .newton_schulz import (  # noqa: F401 (re-exported: their import path before newton_schulz.py)
     GRAM_RESTARTS,
     _batched_newtonschulz_,
@@ -29,27 +26,11 @@ from .newton_schulz import (  # noqa: F401 (re-exported: their import path befor
     schedule_error,
     zeropower_via_newtonschulz,
 )
+from .rules.muon import MuonRule, adjusted_lr, lr_ratio  # noqa: F401 (lr helpers re-exported)
 
 __all__ = ["Muon"]
 
-_NS_DTYPES = (torch.bfloat16, torch.float32)
-_ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
-_NS_METHODS = ("standard", "gram")
-
-
-def lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
-    """Muon's per-shape factor of the learning rate (a Python float: shapes never change)."""
-    rows, cols = shape[:2]
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return math.sqrt(max(1, rows / cols))  # Keller Jordan's scaling
-    if adjust_lr_fn == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(rows, cols))  # Moonshot: update RMS ~ AdamW's
-    return 1.0
-
-
-def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
-    """Muon's per-shape learning rate, as torch's ``_adjust_lr``; ``shape`` is the global one."""
-    return lr * lr_ratio(adjust_lr_fn, shape)
+_D = MuonRule.defaults
 
 
 class Muon(MatrixOptimizer):
@@ -99,7 +80,7 @@ class Muon(MatrixOptimizer):
             without AMX or ``avx512_bf16``, bf16 matmul is much slower than fp32 (about 25x by
             earlier notes here), so choose float32 there.
         capturable: a step without host reads (``lr`` may be a 0-dim tensor; see
-            [Note: capturable and batched steps] in ``optim/_base.py``), for
+            [Note: capturable and batched steps] in ``optim/step_modes.py``), for
             ``torch.compile(opt.step)`` under an LR scheduler and CUDA graphs (default False).
             Keep a tensor ``lr`` on the parameters' device: it is then used as it is. A float or
             a CPU-tensor ``lr`` is written into one device scalar per group and step (``fill_``:
@@ -163,21 +144,22 @@ class Muon(MatrixOptimizer):
     """
 
     rule = "muon"
+    rule_class = MuonRule
 
     def __init__(
         self,
         params: Any,
-        lr: float = 1e-3,
-        weight_decay: float = 0.1,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
-        eps: float = 1e-7,
-        ns_steps: int = 5,
-        adjust_lr_fn: str | None = None,
+        lr: float = _D["lr"],
+        weight_decay: float = _D["weight_decay"],
+        momentum: float = _D["momentum"],
+        nesterov: bool = _D["nesterov"],
+        ns_coefficients: tuple[float, float, float] = _D["ns_coefficients"],
+        eps: float = _D["eps"],
+        ns_steps: int = _D["ns_steps"],
+        adjust_lr_fn: str | None = _D["adjust_lr_fn"],
         *,
-        ns_dtype: torch.dtype = torch.bfloat16,
-        ns_method: str = "standard",
+        ns_dtype: torch.dtype = _D["ns_dtype"],
+        ns_method: str = _D["ns_method"],
         adamw_lr: float | None = ADAMW_DEFAULTS["adamw_lr"],
         adamw_betas: tuple[float, float] = ADAMW_DEFAULTS["adamw_betas"],
         adamw_eps: float = ADAMW_DEFAULTS["adamw_eps"],
@@ -207,136 +189,3 @@ class Muon(MatrixOptimizer):
             "adamw_weight_decay": adamw_weight_decay,
         }
         super().__init__(params, defaults, adamw, matrix_rule)
-
-    def _check_rule_hparams(self, group: dict[str, Any], where: str) -> None:
-        self._check_nonneg(group, "momentum", where)
-        self._check_nonneg(group, "eps", where)
-        self._check_int(group, "ns_steps", where, 0, 100)
-        if not isinstance(group["nesterov"], bool):
-            self._fail(f"nesterov must be a bool, got nesterov={group['nesterov']!r}", where)
-        ns_error = schedule_error(group["ns_coefficients"], group["ns_steps"])  # [Note: Newton-Schulz schedules]
-        if ns_error is not None:
-            self._fail(ns_error, where)
-        if group["adjust_lr_fn"] not in _ADJUST_LR_FNS:
-            self._fail(
-                f"adjust_lr_fn must be one of {_ADJUST_LR_FNS}, got adjust_lr_fn={group['adjust_lr_fn']!r}", where
-            )
-        ns_method = group.get("ns_method", "standard")
-        if not isinstance(ns_method, str) or ns_method not in _NS_METHODS:
-            self._fail(f"ns_method must be one of {_NS_METHODS}, got ns_method={ns_method!r}", where)
-        if group["ns_dtype"] not in _NS_DTYPES:
-            self._fail(
-                f"ns_dtype must be torch.bfloat16 or torch.float32, got ns_dtype={group['ns_dtype']!r}", where
-            )
-
-    def _matrix_init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-
-    def _matrix_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        update = self._matrix_prepare(grad, state, group)
-        ortho = orthogonalize(update, group)
-        # The local tensor is the whole matrix here, so its shape is the global one.
-        lr = group["lr"]
-        step_lr = adjusted_lr(lr, group["adjust_lr_fn"], param.shape)
-        param.mul_(1 - lr * group["weight_decay"])
-        param.add_(ortho, alpha=-step_lr)
-
-    # Momentum is element-wise: a hosted matrix keeps it on its row shards ([Note: state on the
-    # shards] in optim/rule.py). prepare + finish is update() bit for bit: the same ops, the
-    # element-wise ones on blocks.
-    shards_matrix_state = True
-
-    def _matrix_prepare(self, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> Tensor:
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-        buf = state["momentum_buffer"]
-        momentum = group["momentum"]
-        buf.lerp_(grad, 1 - momentum)
-        return grad.lerp(buf, momentum) if group["nesterov"] else buf
-
-    def _matrix_finish(self, prepared: Tensor, dtype: torch.dtype, group: dict[str, Any]) -> Tensor:
-        ortho = orthogonalize(prepared, group)
-        out = torch.zeros(tuple(prepared.shape), dtype=dtype, device=prepared.device)
-        # as update() computes it (the step on zeros): the same rounding as a whole-state host
-        return out.add_(ortho, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], prepared.shape))
-
-    def _capturable_matrix_step(
-        self, p: Tensor, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]
-    ) -> None:
-        update = self._matrix_prepare(grad, state, group)
-        ortho = orthogonalize(update, group)
-        lr = lr_tensor(group["lr"], param)
-        param.mul_(1 - lr * group["weight_decay"])
-        # addcmul, not add(alpha=): no lr-dependent Python number reaches a kernel
-        param.addcmul_(ortho, lr * -lr_ratio(group["adjust_lr_fn"], param.shape))
-
-    def _experts_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any],
-                      splits: int) -> None:
-        """The rule on each matrix of an expert stack (see [Note: expert optimizer state] in
-        ``optim/_expert_step.py``): the per-matrix op sequence with every element-wise op run once over
-        the stack and Newton-Schulz batched (``bmm``/``baddbmm``) in chunks of bounded bytes. Where
-        the backend's batched GEMM equals its GEMM (float32 on this CPU) it is bitwise the rule on
-        each matrix alone, i.e. ``E * splits`` separate 2-D parameters."""
-        mats, grads = matrices(param, splits), matrices(grad, splits)
-        update = self._matrix_prepare(grads, state, group)  # element-wise: the whole stack at once
-        capturable = group.get("capturable", False)
-        lr = lr_tensor(group["lr"], mats) if capturable else group["lr"]
-        mats.mul_(1 - lr * group["weight_decay"])
-        ratio = lr_ratio(group["adjust_lr_fn"], mats.shape[1:])
-        for chunk in ns_chunks(mats.shape[0], mats.shape[1], mats.shape[2], group["ns_dtype"], mats.device):
-            if chunk.stop - chunk.start == 1:  # one matrix: the 2-D iteration (mm, bitwise the rule's)
-                ortho = orthogonalize(update[chunk.start], group).unsqueeze(0)
-            else:
-                ortho = orthogonalize(update[chunk], group)
-            if capturable:  # no lr-dependent Python number reaches a kernel
-                mats[chunk].addcmul_(ortho, lr * -ratio)
-            else:
-                mats[chunk].add_(ortho, alpha=-(lr * ratio))
-
-    def _matrix_group(self, items: list[tuple[Tensor, Tensor, Tensor]], group: dict[str, Any]) -> None:
-        if not group.get("batched", False):
-            super()._matrix_group(items, group)
-            return
-        # [Note: batched Muon] the per-matrix op sequence, each element-wise op one foreach call
-        # over the group and each Newton-Schulz product one bmm/baddbmm per chunk of same-shape
-        # matrices. Chunks are ns_chunks' (bounded bytes, as an expert stack's): each chunk's
-        # updates are made, cast into one ns_dtype stack as it is filled, orthogonalized, applied
-        # and freed before the next, so the step's transients are one chunk's, not every matrix's
-        # update, stack and its cast copy at once (an owner of 1/8 of Qwen3-8B: ~8 GB before).
-        states = [self.state[p] for p, _, _ in items]
-        for state, (_, _, grad) in zip(states, items):
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-        params = [param for _, param, _ in items]
-        grads = [grad for _, _, grad in items]
-        bufs = [state["momentum_buffer"] for state in states]
-        momentum = group["momentum"]
-        torch._foreach_lerp_(bufs, grads, 1 - momentum)
-        buckets: dict[tuple[Any, ...], list[int]] = {}
-        for i, b in enumerate(bufs):  # (an update has its buffer's shape, dtype and device)
-            buckets.setdefault((tuple(b.shape), b.dtype, b.device), []).append(i)
-        capturable = group.get("capturable", False)
-        lr = lr_tensor(group["lr"], params[0]) if capturable else group["lr"]
-        foreach_scale_(params, 1 - lr * group["weight_decay"])  # one fused kernel per dtype
-        ns_dtype = group["ns_dtype"]
-        for (shape, _, device), index in buckets.items():
-            ratio = lr_ratio(group["adjust_lr_fn"], torch.Size(shape))
-            chunks = ns_chunks(len(index), shape[0], shape[1], ns_dtype, device) if len(index) > 1 else [slice(0, 1)]
-            for chunk in chunks:
-                part = index[chunk]
-                updates = [bufs[i] for i in part]
-                if group["nesterov"]:
-                    updates = torch._foreach_lerp([grads[i] for i in part], updates, momentum)
-                if len(index) == 1:  # nothing to batch: the per-matrix iteration, bitwise
-                    orthos = [orthogonalize(updates[0], group)]
-                else:  # (a one-matrix chunk too: the batched bits of the others)
-                    stack = torch.empty((len(part), *shape), dtype=ns_dtype, device=device)
-                    torch._foreach_copy_(list(stack.unbind(0)), updates)  # cast as we stack
-                    del updates
-                    orthos = list(_orthogonalize_(stack, group).unbind(0))
-                targets = [params[i] for i in part]
-                if capturable:
-                    torch._foreach_addcmul_(targets, orthos, [lr * -ratio] * len(targets))
-                else:
-                    torch._foreach_add_(targets, orthos, alpha=-(lr * ratio))
-                del orthos

@@ -1,40 +1,21 @@
 """SOAP: Adam in the eigenbasis of Shampoo's preconditioner (Vyas et al. 2024, arXiv:2409.11321).
 
 Follows the paper's reference implementation (github.com/nikhilvyas/SOAP, ``soap.py``) for 2D
-matrices; see :class:`SOAP` for the exact update and the few documented deviations. All matrix
-state lives in :func:`~matrixfsdp.optim._base.wide_dtype` (float32 for bf16/fp16/fp32 parameters).
+matrices; see :class:`SOAP` for the exact update and the few documented deviations (the rule is
+``rules/soap.py``). All matrix state lives in :func:`~matrixfsdp.optim.rules.base.wide_dtype`
+(float32 for bf16/fp16/fp32 parameters).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch import Tensor
-
-from ._adamw import adam_denom, adam_denom_capturable
-from ._base import ADAMW_DEFAULTS, MatrixOptimizer, lr_tensor, wide_dtype
-from ._linalg import eigh, tf32_matmuls
+from ._base import ADAMW_DEFAULTS, MatrixOptimizer
+from .rules.soap import SOAPRule, initial_eigenbasis, refreshed_eigenbasis
 
 __all__ = ["SOAP"]
 
-
-def _project(x: Tensor, left: Tensor | None, right: Tensor | None) -> Tensor:
-    """``QL^T x QR`` (into the eigenbasis); a missing side is the identity."""
-    if left is not None:
-        x = left.T @ x
-    if right is not None:
-        x = x @ right
-    return x
-
-
-def _project_back(x: Tensor, left: Tensor | None, right: Tensor | None) -> Tensor:
-    """``QL x QR^T`` (back to the parameter's basis); a missing side is the identity."""
-    if left is not None:
-        x = left @ x
-    if right is not None:
-        x = x @ right.T
-    return x
+_D = SOAPRule.defaults
 
 
 class SOAP(MatrixOptimizer):
@@ -120,18 +101,21 @@ class SOAP(MatrixOptimizer):
     """
 
     rule = "soap"
-    wide_state = True
+    rule_class = SOAPRule
+    # Eigenbasis hooks, which the rule calls (tests replace them on an instance to pin the basis).
+    _initial_eigenbasis = staticmethod(initial_eigenbasis)
+    _refreshed_eigenbasis = staticmethod(refreshed_eigenbasis)
 
     def __init__(
         self,
         params: Any,
-        lr: float = 3e-3,
-        betas: tuple[float, float] = (0.95, 0.95),
-        shampoo_beta: float | None = None,
-        eps: float = 1e-8,
-        weight_decay: float = 0.01,
-        precondition_frequency: int = 10,
-        max_preconditioner_dim: int = 10000,
+        lr: float = _D["lr"],
+        betas: tuple[float, float] = _D["betas"],
+        shampoo_beta: float | None = _D["shampoo_beta"],
+        eps: float = _D["eps"],
+        weight_decay: float = _D["weight_decay"],
+        precondition_frequency: int = _D["precondition_frequency"],
+        max_preconditioner_dim: int = _D["max_preconditioner_dim"],
         *,
         adamw_lr: float | None = ADAMW_DEFAULTS["adamw_lr"],
         adamw_betas: tuple[float, float] = ADAMW_DEFAULTS["adamw_betas"],
@@ -139,7 +123,7 @@ class SOAP(MatrixOptimizer):
         adamw_weight_decay: float | None = ADAMW_DEFAULTS["adamw_weight_decay"],
         capturable: bool = False,
         batched: bool = False,
-        allow_tf32: bool = False,
+        allow_tf32: bool = _D["allow_tf32"],
         matrix_rule: Any = None,
     ) -> None:
         defaults = {
@@ -162,133 +146,8 @@ class SOAP(MatrixOptimizer):
         }
         super().__init__(params, defaults, adamw, matrix_rule)
 
-    def _check_rule_hparams(self, group: dict[str, Any], where: str) -> None:
-        self._check_betas(group, "betas", where)
-        self._check_beta(group, "shampoo_beta", where, optional=True)
-        self._check_nonneg(group, "eps", where)
-        self._check_int(group, "precondition_frequency", where, 1)
-        self._check_int(group, "max_preconditioner_dim", where, 0)
-        if not isinstance(group.get("allow_tf32", False), bool):
-            self._fail(f"allow_tf32 must be a bool, got allow_tf32={group['allow_tf32']!r}", where)
-
-    # Eigenbasis hooks (tests replace them to pin the basis).
-    def _initial_eigenbasis(self, factor: Tensor) -> Tensor:
-        """Eigenvectors of ``factor`` in descending eigenvalue order (the reference's ``flip``)."""
-        return eigh(factor)[1].flip(1)
-
-    def _refreshed_eigenbasis(self, factor: Tensor, basis: Tensor) -> tuple[Tensor, Tensor]:
-        """One power-iteration + QR step from ``basis``; returns ``(new_basis, order)``.
-
-        ``order`` sorts the columns of ``basis`` by their Rayleigh quotients, descending; the
-        caller permutes the second moment the same way so each coordinate keeps its statistics.
-        """
-        estimated = torch.diagonal(basis.T @ factor @ basis)
-        order = torch.argsort(estimated, descending=True)
-        new_basis, _ = torch.linalg.qr(factor @ basis[:, order])
-        return new_basis, order
-
-    def _matrix_step(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        dtype = wide_dtype(param.dtype)
-        beta1, beta2 = group["betas"]
-        shampoo_beta = group["shampoo_beta"] if group["shampoo_beta"] is not None else beta2
-        g = grad.to(dtype)
-        tf32 = group.get("allow_tf32", False)
-        if not state or state["step"].item() < 0:
-            with tf32_matmuls(tf32, g):
-                self._init_state(param, g, state, group["max_preconditioner_dim"], shampoo_beta, group)
-            return  # the reference's first call: statistics only
-        left, right = state.get("QL"), state.get("QR")
-
-        state["step"] += 1
-        step = state["step"].item()
-        with tf32_matmuls(tf32, g):
-            g_rot = _project(g, left, right)
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.lerp_(g_rot, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(g_rot, g_rot, value=1 - beta2)
-        lr, wd = group["lr"], group["weight_decay"]
-        if wd != 0:
-            param.mul_(1 - lr * wd)
-        # (-step_size * M) / denom is addcdiv's own rounding: with QL = QR = I this is AdamW, bitwise.
-        step_size = lr / (1 - beta1**step)
-        update = exp_avg.mul(-step_size).div_(adam_denom(exp_avg_sq, step, beta2, group["eps"]))
-        self._finish_step(param, update, g, state, left, right, shampoo_beta, group,
-                          refresh=step % group["precondition_frequency"] == 0)
-
-    def _finish_step(self, param: Tensor, update: Tensor, g: Tensor, state: dict[str, Any],
-                     left: Tensor | None, right: Tensor | None, shampoo_beta: float, group: dict[str, Any],
-                     *, refresh: bool) -> None:
-        """Apply ``update`` (in the eigenbasis), then update the factors and maybe the basis."""
-        with tf32_matmuls(group.get("allow_tf32", False), g):
-            param.add_(_project_back(update, left, right))
-            # Statistics after the step, so a gradient never shapes its own projection.
-            if "L" in state:
-                state["L"].lerp_(g @ g.T, 1 - shampoo_beta)
-            if "R" in state:
-                state["R"].lerp_(g.T @ g, 1 - shampoo_beta)
-            if refresh and (left is not None or right is not None):
-                self._refresh(state, left, right)
-
-    def _capturable_matrix_step(
-        self, p: Tensor, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]
-    ) -> None:
-        """``_matrix_step`` with tensor step sizes; the first call and the refreshes follow the
-        host step count (the first call's ``eigh`` is not capturable; refreshes are)."""
-        dtype = wide_dtype(param.dtype)
-        beta1, beta2 = group["betas"]
-        shampoo_beta = group["shampoo_beta"] if group["shampoo_beta"] is not None else beta2
-        g = grad.to(dtype)
-        tf32 = group.get("allow_tf32", False)
-        if not state or self._host_step(p, state) <= 0:  # 0: this call gathers the first statistics
-            with tf32_matmuls(tf32, g):
-                self._init_state(param, g, state, group["max_preconditioner_dim"], shampoo_beta, group)
-            self._set_host_step(p, 0)
-            return  # the reference's first call: statistics only
-        left, right = state.get("QL"), state.get("QR")
-
-        step = self._host_step(p, state)  # == state["step"] after the increment, read on the host
-        step_t = state["step"]
-        step_t += 1
-        with tf32_matmuls(tf32, g):
-            g_rot = _project(g, left, right)
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.lerp_(g_rot, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(g_rot, g_rot, value=1 - beta2)
-        lr = lr_tensor(group["lr"], param)
-        if group["weight_decay"] != 0:
-            param.mul_(1 - lr * group["weight_decay"])
-        neg_step_size = torch.neg(lr) / (1 - torch.pow(beta1, step_t))
-        update = exp_avg.mul(neg_step_size).div_(adam_denom_capturable(exp_avg_sq, step_t, beta2, group["eps"]))
-        self._finish_step(param, update, g, state, left, right, shampoo_beta, group,
-                          refresh=step % group["precondition_frequency"] == 0)
-
-    def _matrix_init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        """Zero templates of every state tensor, ``step = -1``: statistics still to be gathered by
-        the next (first real) call, which then runs the reference's statistics-only first step."""
-        self._init_state(param, torch.zeros(param.shape, dtype=wide_dtype(param.dtype), device=param.device),
-                         state, group["max_preconditioner_dim"], 0.0, group)
-        for key in ("QL", "QR"):
-            if key in state:
-                state[key].zero_()
-        state["step"] -= 1
-
-    def _init_state(self, param: Tensor, g: Tensor, state: dict[str, Any], max_dim: int, shampoo_beta: float,
-                    group: dict[str, Any] | None = None) -> None:
-        rows, cols = param.shape
-        state["step"] = self._step_counter(group, param)
-        state["exp_avg"] = torch.zeros(param.shape, dtype=g.dtype, device=param.device)
-        state["exp_avg_sq"] = torch.zeros(param.shape, dtype=g.dtype, device=param.device)
-        for key, dim, outer in (("L", rows, lambda: g @ g.T), ("R", cols, lambda: g.T @ g)):
-            if dim <= max_dim:
-                factor = torch.zeros(dim, dim, dtype=g.dtype, device=param.device).lerp_(outer(), 1 - shampoo_beta)
-                state[key] = factor
-                state[f"Q{key}"] = self._initial_eigenbasis(factor)
-
-    def _refresh(self, state: dict[str, Any], left: Tensor | None, right: Tensor | None) -> None:
-        exp_avg = _project_back(state["exp_avg"], left, right)  # to the parameter's basis
-        for dim, key in ((0, "L"), (1, "R")):
-            if key in state:
-                basis, order = self._refreshed_eigenbasis(state[key], state[f"Q{key}"])
-                state[f"Q{key}"] = basis
-                state["exp_avg_sq"] = state["exp_avg_sq"].index_select(dim, order)
-        state["exp_avg"] = _project(exp_avg, state.get("QL"), state.get("QR"))
+    def _rule(self, group: dict[str, Any], route: str) -> Any:
+        if route == "adamw":
+            return super()._rule(group, route)
+        return SOAPRule(group, type(self).__name__, initial_eigenbasis=self._initial_eigenbasis,
+                        refreshed_eigenbasis=self._refreshed_eigenbasis)

@@ -2,7 +2,8 @@
 
 [Note: update-rule protocol]
 Every ``matrixfsdp.optim`` optimizer steps each parameter with one *rule*: its matrix rule (Muon,
-Shampoo, SOAP) or the AdamW fallback (see the routing in ``optim/_base.py``).
+Shampoo, SOAP) or the AdamW fallback (see the routing in ``optim/routing.py``; the rules are
+classes, [Note: update rules as classes] in ``optim/rules/base.py``).
 ``opt.rule_for(p)`` returns it as an object that implements :class:`UpdateRule`, bound to ``p``'s
 param group: hyperparameters (``lr``, ``weight_decay``, betas, ...) are read from the group at
 every call, so LR schedulers drive it. The optimizer's own per-parameter step
@@ -76,7 +77,9 @@ class UpdateRule(Protocol):
 
     def update(self, grad: Tensor, state: dict[str, Any], *, dtype: torch.dtype | None = None) -> Tensor:
         """The additive update of a whole matrix with gradient ``grad`` (a new tensor of
-        ``dtype``, default ``grad``'s), before decay; advances ``state`` as :meth:`step` does."""
+        ``dtype``, default ``grad``'s), before decay; advances ``state`` as :meth:`step` does.
+        (matrixfsdp's own rules also take ``splits=k``: a stack of matrices, each with its own
+        update and state; [Note: update rules as classes] in ``optim/rules/base.py``.)"""
         ...
 
     def decay(self) -> tuple[Any, Any]:

@@ -43,9 +43,13 @@ plain tensor in a single process), so optimizer state follows its parameter.
 
 State whose *keys* depend on history would not survive that template-driven load (DCP only loads
 keys the loading side presents): Shampoo's inverse roots appear only once preconditioning starts.
-``_state_placeholders`` (a class attribute, ``{key: key it accompanies}``) makes ``state_dict()``
-present such keys as zeros when absent, and ``load_state_dict`` drops them again when they are
-still all zero (a real inverse root is positive definite, never zero).
+``_state_placeholders`` (the rule class's ``state_placeholders``, ``{key: key it accompanies}``)
+makes ``state_dict()`` present such keys as zeros when absent, and ``load_state_dict`` drops them
+again when they are still all zero (a real inverse root is positive definite, never zero).
+
+The optimizers' ``state_dict``/``load_state_dict`` are :func:`optimizer_state_dict` and
+:func:`load_optimizer_state_dict` here: each param group records the rule of each of its
+parameters (``"routes"``), checked at load.
 """
 
 from __future__ import annotations
@@ -59,6 +63,10 @@ from torch import Tensor
 from ..placement.experts import expert_rows, wrap_expert_tensor
 from ..placement.owned_tensor import empty_local, local_tensor, owned_of, wrap_dtensor
 from ..placement.owner import owner_of, tp_mesh_of
+from ..placement.stepping import stepping_of
+from .routing import routes
+from .rules.base import wide_dtype
+from .step_modes import sync_host_steps
 
 if TYPE_CHECKING:
     from ._base import MatrixOptimizer
@@ -68,7 +76,8 @@ try:
 except ImportError:  # pragma: no cover - torch without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["present_state", "accept_state"]
+__all__ = ["present_state", "accept_state", "optimizer_state_dict", "load_optimizer_state_dict", "state_schema",
+           "note_remote"]
 
 
 def _replicated(p: Tensor) -> Any:
@@ -223,7 +232,7 @@ def _group_of(opt: "MatrixOptimizer", p: Tensor) -> dict[str, Any]:
 
 def _schema(opt: "MatrixOptimizer", p: Tensor) -> dict[str, Any]:
     """The optimizer's state schema of ``p`` (keys and global shapes, on ``meta``)."""
-    return opt._state_schema(p, _group_of(opt, p))
+    return state_schema(opt, p, _group_of(opt, p))
 
 
 def _replica_entry(opt: "MatrixOptimizer", p: Tensor, info: Any, st: dict[str, Any] | None) -> dict[str, Any]:
@@ -235,7 +244,7 @@ def _replica_entry(opt: "MatrixOptimizer", p: Tensor, info: Any, st: dict[str, A
     if not info.is_local:
         return _remote_entry(opt, p, info)
     if not st:
-        st = opt._state_schema(p, _group_of(opt, p), like=p.detach())
+        st = state_schema(opt, p, _group_of(opt, p), like=p.detach())
     mesh = info.owner_mesh
     return {k: wrap_dtensor(v, mesh, (Replicate(),), tuple(v.shape)) if isinstance(v, Tensor) else v
             for k, v in st.items()}
@@ -314,7 +323,7 @@ def _accept_expert_state(opt: "MatrixOptimizer", key: Any, p: Tensor, counts: tu
     n = local_tensor(p).shape[0]
     E = sum(counts)
     group = _group_of(opt, p)
-    schema = opt._state_schema(p, group)
+    schema = state_schema(opt, p, group)
     # rows per expert of state the schema does not list: the matrix rule's splits, or 1 (AdamW)
     f_route = opt._expert_splits(group, p) or 1
     out: dict[str, Any] = {}
@@ -370,3 +379,78 @@ def _check_local(name: str, key: Any, k: str, p: Tensor, v: Any, host_mesh: Any)
             f"{tuple(v.shape)} but the parameter has {tuple(p.shape)}"
         )
     return local
+
+
+# ----------------------------------------------------------------------------- the optimizers' own
+def optimizer_state_dict(opt: "MatrixOptimizer", sd: dict[str, Any]) -> dict[str, Any]:
+    """``MatrixOptimizer.state_dict()`` from torch's ``sd``: DTensor state presented, each
+    group's ``"routes"`` added, dtypes as strings."""
+    sd = present_state(opt, sd)
+    # dtypes (Muon's ns_dtype) as strings: DCP's full state dicts only carry plain values
+    sd["param_groups"] = [{**{k: str(v) if isinstance(v, torch.dtype) else v for k, v in g.items()},
+                           "routes": r} for g, r in zip(sd["param_groups"], routes(opt))]
+    return sd
+
+
+def load_optimizer_state_dict(opt: "MatrixOptimizer", state_dict: dict[str, Any], load: Any) -> None:
+    """``MatrixOptimizer.load_state_dict``: routes checked, dtypes restored, DTensor state
+    accepted, then torch's loader ``load``; wide (float32) matrix statistics keep their dtype."""
+    name, mine = type(opt).__name__, routes(opt)
+    for i, saved in enumerate(state_dict["param_groups"]):
+        got = saved.get("routes")
+        if got is not None and i < len(mine) and list(got) != mine[i]:
+            diff = [k for k, (a, b) in enumerate(zip(got, mine[i])) if a != b]
+            raise ValueError(
+                f"{name}.load_state_dict: param group {i} was saved with other "
+                f"update rules than this optimizer applies (parameter {diff[0] if diff else len(got)}: "
+                f"saved {got[diff[0]] if diff else len(got)!r}, now "
+                f"{mine[i][diff[0]] if diff else len(mine[i])!r}); build both optimizers the same way, "
+                "e.g. Optimizer(model), which routes a sharded and a plain model alike"
+            )
+
+    def restore(k: str, v: Any) -> Any:  # "torch.float32" -> torch.float32 (see optimizer_state_dict)
+        if isinstance(v, str) and v.startswith("torch.") and any(
+                isinstance(g.get(k), torch.dtype) for g in opt.param_groups):
+            dt = getattr(torch, v.removeprefix("torch."), None)
+            return dt if isinstance(dt, torch.dtype) else v
+        return v
+
+    state_dict = {**state_dict, "param_groups": [{k: restore(k, v) for k, v in g.items() if k != "routes"}
+                                                 for g in state_dict["param_groups"]]}
+    state_dict = accept_state(opt, state_dict)
+    load(state_dict)
+    sync_host_steps(opt)
+    if not opt.rule_class.wide_state:
+        return
+    id_map = dict(zip(chain.from_iterable(g["params"] for g in state_dict["param_groups"]), _param_list(opt)))
+    route_of = {id(p): route for _, _, p, route in opt._routed()}
+    for key, saved in state_dict["state"].items():
+        p = id_map.get(key)
+        if p is None or route_of[id(p)] == "adamw":
+            continue
+        device = local_tensor(p).device
+        for k, value in saved.items():
+            if k != "step" and isinstance(value, Tensor) and value.is_floating_point():
+                opt.state[p][k] = value.to(device=device, dtype=wide_dtype(p.dtype), copy=True)
+
+
+def state_schema(opt: "MatrixOptimizer", p: Tensor, group: dict[str, Any], *, like: Tensor | None = None
+                 ) -> dict[str, Any]:
+    """The state keys (and global shapes, on ``meta``) the owner of ``p`` holds, with the
+    placeholders its state dict adds; given ``like`` (``p``'s whole tensor), the state a first
+    step starts from, allocated like it."""
+    base = like if like is not None else torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
+    route = opt._route(group, p)
+    schema = opt._rule(group, route).init_state(base, splits=opt._expert_splits(group, p, route))
+    for key, dep in opt._state_placeholders.items():
+        if key not in schema and isinstance(schema.get(dep), Tensor):
+            schema[key] = torch.zeros_like(schema[dep])
+    return schema
+
+
+def note_remote(opt: "MatrixOptimizer", p: Tensor, st: Any = None) -> None:
+    """An owned parameter stepped on its owner, a TP-hosted one on its host (every rank sees
+    the same gradients, or under HSDP split its step replica's receipt): its state exists
+    there, and this rank presents its keys."""
+    if (st if st is not None else stepping_of(p)).single_keeper:
+        opt._remote_state.add(id(p))

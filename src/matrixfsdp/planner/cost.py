@@ -31,7 +31,7 @@ ELEMENTWISE_STATE = frozenset({"muon"})
 #: Built-in cost models; a callable ``f(ParamInfo) -> float`` is accepted too.
 COST_MODELS = ("flops", "bytes", "numel")
 
-_WIDE_ELEM = 4  # Shampoo's and SOAP's state: at least float32 (optim/_base.py wide_dtype)
+_WIDE_ELEM = 4  # Shampoo's and SOAP's state: at least float32 (optim/rules/base.py wide_dtype)
 _ADAMW_FLOPS_PER_ELEM = 12
 _EIGH_FLOPS = 10
 

@@ -54,7 +54,7 @@ plan placed as a matrix but that would be stepped element-wise (stored evenly wi
 internal error naming it and the plan, raised on every rank alike (same plan, same answer). A
 param group that asks for the matrix rule (by name, or ``"auto"`` with an explicit list) for a
 parameter the plan made element-wise is refused with a ``ValueError`` naming the fix
-(``optim/_base.py``); ``Optimizer(model)`` is the one-rule path. The property test
+(``optim/group_checks.py``); ``Optimizer(model)`` is the one-rule path. The property test
 (tests/planner/test_routing_property.py) checks it over generated models.
 """
 
