@@ -64,8 +64,8 @@ class MatrixOptimizer(Optimizer):
 
     def __init__(self, params: Any, defaults: dict[str, Any], adamw: dict[str, Any],
                  matrix_rule: Any = None) -> None:
-        defaults = {**defaults, "algorithm": "auto", "experts": None, **adamw}
-        check_hparams(self, defaults, "")  # constructor arguments first, so their errors name no group
+        defaults = {**defaults, "algorithm": "auto", "experts": None, "heads": None, **adamw}
+        check_hparams(self, defaults, "")  # constructor arguments first: their errors name no group
         params, from_module = module_params(self, params, matrix_rule)
         #: the groups being added were written by the user as dicts (see group_checks.py)
         self._explicit_groups = (not from_module and isinstance(params, list) and bool(params)
@@ -177,8 +177,7 @@ class MatrixOptimizer(Optimizer):
     # step is a collective between ranks, and a traced step around it (graph breaks inside the
     # loops) stepped other parameters wrongly (1e-3 off the eager step after 3 steps with an LR
     # scheduler, 4e-4 without; tests/fully_shard/test_hosted.py). Eager, it is the eager step.
-    _eager_step = torch._dynamo.disable(_step_all, recursive=True,
-                                        reason="matrixfsdp: an optimizer with hosted matrices steps eagerly")
+    _eager_step = torch._dynamo.disable(_step_all, recursive=True, reason="matrixfsdp: hosted matrices step eagerly")
 
     def _loop_step(self, index: int, group: dict[str, Any]) -> None:
         """The default step of one group: each parameter by its rule's ``step`` (``step_stack``: an expert
@@ -282,6 +281,7 @@ class MatrixOptimizer(Optimizer):
             for key in STEP_FLAGS:
                 group.setdefault(key, False)
             group.setdefault("experts", None)
+            group.setdefault("heads", None)
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's state dict; state of DTensor parameters is presented as DTensors (aliasing

@@ -39,6 +39,14 @@ def check_hparams(opt: "MatrixOptimizer", group: dict[str, Any], where: str) -> 
     if experts is not None and (isinstance(experts, bool) or not isinstance(experts, int) or experts < 1):
         fail(api, "experts must be None or the number of matrices per expert (an int >= 1) of the "
              f"group's 3-D expert stacks, got experts={experts!r}", where)
+    heads = group.get("heads")
+    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
+        fail(api, "heads must be None or the number of attention heads (an int >= 1) along the rows of "
+             f"the group's per-head matrices, got heads={heads!r}", where)
+    if heads is not None and heads > 1 and not getattr(rule, "per_head", False):
+        fail(api, f"heads={heads} asks for per-head matrices, which only Muon steps (its momentum is "
+             f"element-wise; {rule.name}'s statistics are whole-matrix); drop heads, or build the "
+             "optimizer with a MatrixRule without heads", where)
     rule.check_common(group, where, api)
     AdamWRule.check(group, where, api)
     rule.check(group, where, api)
@@ -60,6 +68,11 @@ def check_group(opt: "MatrixOptimizer", index: int) -> None:
         if splits:
             _check_stack(opt, p, splits, index, group)
             continue
+        heads = group.get("heads") or 1
+        if p.ndim == 2 and p.shape[0] % heads:
+            fail(api, f"param group {index} steps a parameter of shape {tuple(p.shape)} as {heads} per-head "
+                 f"matrices (heads={heads}), but its rows do not divide by {heads}; put it in a group with "
+                 "its own head count (MatrixRule.per_head(model) reads them from the model)", "")
         if p.ndim != 2:
             fail(api, f"param group {index} asks for the {opt.rule!r} rule, which takes 2D "
                  f"matrices and expert stacks, but holds a parameter of shape {tuple(p.shape)} "

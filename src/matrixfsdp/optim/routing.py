@@ -82,7 +82,10 @@ def routes(opt: "MatrixOptimizer") -> list[list[str]]:
     def label(g: dict[str, Any], p: Tensor) -> str:
         r = opt._route(g, p)
         splits = opt._expert_splits(g, p, r)
-        return route_name(r, splits) if splits else r
+        if splits:
+            return route_name(r, splits)
+        heads = g.get("heads") or 1
+        return f"{r}:heads/{heads}" if r != "adamw" and heads > 1 and p.ndim == 2 else r
 
     return [[label(g, p) for p in g["params"]] for g in opt.param_groups]
 
@@ -108,7 +111,8 @@ def _module_groups(opt: "MatrixOptimizer", model: torch.nn.Module, rule: Any) ->
     else AdamW. On a sharded model the owner plan's decision is used (the same rule unless the
     plan was built with another ``matrix_filter`` or ``matrix_rule``), so a plain reference run
     and a sharded run of the same model step every parameter alike, in the same param groups:
-    matrices, expert stacks (one group per ``splits``, key ``"experts"``), AdamW.
+    matrices, per-head matrices (one group per head count, key ``"heads"``), expert stacks (one
+    group per ``splits``, key ``"experts"``), AdamW.
     ``Optimizer(model.parameters())`` with ``algorithm="auto"`` cannot see modules: there a
     plain 2D tensor gets the matrix rule (embeddings and heads included)."""
     from ..planner.rules import head_rows_of, moe_structure
@@ -116,17 +120,23 @@ def _module_groups(opt: "MatrixOptimizer", model: torch.nn.Module, rule: Any) ->
     head_rows, structure = head_rows_of(model), moe_structure(model)
     matrix, rest = [], []
     stacks: dict[int, list[Tensor]] = {}
+    per_head: dict[int, list[Tensor]] = {}  # per-head matrices by head count ([Note: per-head Muon])
     for fqn, p in model.named_parameters():
         planned = planned_kind(p)  # owned, TP-hosted, an expert stack or evenly sharded: the plan decided
         if planned is not None:
             kind, splits = planned, expert_splits_of(p)
+            if kind == "matrix" and p.ndim == 2:  # the rule's heads: plan with the same rule
+                splits = rule.heads_of(fqn)
         else:
             kind, splits = rule.kind(fqn, p, model.get_submodule(fqn.rpartition(".")[0]), head_rows, structure)
         if kind == "experts":
             stacks.setdefault(splits, []).append(p)
+        elif kind == "matrix" and splits > 1:
+            per_head.setdefault(splits, []).append(p)
         else:
             (matrix if kind == "matrix" else rest).append(p)
     groups = [dict(params=matrix, algorithm=opt.rule)]
+    groups += [dict(params=per_head[h], algorithm=opt.rule, heads=h) for h in sorted(per_head)]
     groups += [dict(params=stacks[k], algorithm=opt.rule, experts=k) for k in sorted(stacks)]
     groups.append(dict(params=rest, algorithm="adamw"))
     return [g for g in groups if g["params"]]

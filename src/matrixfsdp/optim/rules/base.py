@@ -112,6 +112,8 @@ class Rule:
     shards_state: ClassVar[bool] = False
     #: ``step_stack`` takes capturable groups
     capturable_stacks: ClassVar[bool] = False
+    #: steps groups with ``heads`` (per-head matrices; Muon's momentum is element-wise)
+    per_head: ClassVar[bool] = False
     #: state keys that appear later in training, ``{key: key it accompanies}``; see
     #: [Note: optimizer state in state dicts] in ``optim/state_dict.py``
     state_placeholders: ClassVar[dict[str, str]] = {}

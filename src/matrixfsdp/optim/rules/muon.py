@@ -65,6 +65,7 @@ class MuonRule(Rule):
     # element-wise ones on blocks)
     shards_state = True
     capturable_stacks = True
+    per_head = True  # [Note: per-head Muon]
 
     @classmethod
     def check(cls, group: Mapping[str, Any], where: str, api: str) -> None:
@@ -97,17 +98,41 @@ class MuonRule(Rule):
         buf.lerp_(grad, 1 - momentum)
         return grad.lerp(buf, momentum) if self.group["nesterov"] else buf
 
+    # [Note: per-head Muon] A group with ``heads=H`` (``MatrixRule(heads=...)``, [Note: per-head
+    # matrices] in ``planner/heads.py``) steps each 2-D matrix ``[H * d, D]`` as ``H`` matrices
+    # ``[d, D]``. Momentum and decay are element-wise, so they run on the whole matrix and its
+    # state keeps the parameter's shape (a state dict presents and reshards it as any matrix's);
+    # Newton-Schulz runs per head, batched (``_orthos``), and the learning rate is the head
+    # shape's. That is ``torch.optim.Muon`` on ``H`` separate parameters, bitwise where the
+    # backend's batched GEMM is its GEMM (float32 on this CPU). Every path below goes through
+    # ``_orthogonalized``: per matrix, capturable, ``finish`` (hosts) and so ``update``.
+    def heads_of(self, t: Tensor) -> int:
+        """Heads of the per-head matrix ``t`` under this group (``0``: one matrix)."""
+        h = self.group.get("heads")
+        return h if h and h > 1 and t.ndim == 2 else 0
+
+    def _orthogonalized(self, u: Tensor, heads: int) -> tuple[Tensor, torch.Size]:
+        """Newton-Schulz of ``u``, per head with ``heads``, and the shape its lr ratio is of."""
+        if not heads:
+            return orthogonalize(u, self.group), u.shape
+        rows, cols = u.shape
+        mats = u.reshape(heads, rows // heads, cols)
+        out = torch.empty(mats.shape, dtype=self.group["ns_dtype"], device=u.device)
+        for chunk, ortho in self._orthos(mats):
+            out[chunk] = ortho
+        return out.view(rows, cols), mats.shape[1:]
+
     def increment(self, grad: Tensor, state: dict[str, Any], like: Tensor) -> Increment:
-        ortho = orthogonalize(self._momentum(grad, state), self.group)
         # The local tensor is the whole matrix here, so its shape is the global one.
-        return Increment(ortho, -adjusted_lr(self.group["lr"], self.group["adjust_lr_fn"], like.shape))
+        ortho, shape = self._orthogonalized(self._momentum(grad, state), self.heads_of(like))
+        return Increment(ortho, -adjusted_lr(self.group["lr"], self.group["adjust_lr_fn"], shape))
 
     def step_capturable(self, param: Tensor, grad: Tensor, state: dict[str, Any], count: StepCount = None) -> None:
-        ortho = orthogonalize(self._momentum(grad, state), self.group)
+        ortho, shape = self._orthogonalized(self._momentum(grad, state), self.heads_of(param))
         lr = lr_tensor(self.group["lr"], param)
         param.mul_(1 - lr * self.group["weight_decay"])
         # addcmul, not add(alpha=): no lr-dependent Python number reaches a kernel
-        param.addcmul_(ortho, lr * -lr_ratio(self.group["adjust_lr_fn"], param.shape))
+        param.addcmul_(ortho, lr * -lr_ratio(self.group["adjust_lr_fn"], shape))
 
     # ----------------------------------------------------------------------------- split update
     def prepare(self, grad: Tensor, state: dict[str, Any], *, splits: int = 0) -> Tensor:
@@ -118,6 +143,7 @@ class MuonRule(Rule):
     def finish(self, prepared: Tensor, *, dtype: torch.dtype | None = None, splits: int = 0) -> Tensor:
         dtype = dtype or prepared.dtype
         lr, fn = self.group["lr"], self.group["adjust_lr_fn"]
+        splits = splits or self.heads_of(prepared)  # a per-head matrix: a stack of one, H per slice
         if not splits:
             # as update() computes it: the same rounding as a whole-state host
             return Increment(orthogonalize(prepared, self.group), -adjusted_lr(lr, fn, prepared.shape)).update(dtype)
@@ -163,7 +189,8 @@ class MuonRule(Rule):
 
     def step_group(self, items: Sequence[tuple[Tensor, Tensor, dict[str, Any]]],
                    counts: Sequence[StepCount] | None = None) -> None:
-        if not self.group.get("batched", False):
+        if not self.group.get("batched", False) or self.group.get("heads"):
+            # (per-head matrices: Newton-Schulz batched across each matrix's heads instead)
             super().step_group(items, counts)
             return
         # [Note: batched Muon] the per-matrix op sequence, each element-wise op one foreach call
