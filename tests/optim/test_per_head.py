@@ -120,3 +120,16 @@ def test_errors_name_the_option():
     model = _decoder()
     with pytest.raises(ValueError, match=r"which only Muon steps"):
         Shampoo(model, matrix_rule=MatrixRule.per_head(model))
+
+
+def test_docs_example_runs(capsys):
+    """The example of docs/optimizers.md's "Per-head Muon" section runs as printed."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "optimizers.md").read_text()
+    section = text.split("## Per-head Muon", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.+?)\n```", section, flags=re.S)
+    assert code is not None
+    exec(compile(code.group(1), "docs/optimizers.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "['muon:heads/4', 'muon:heads/4']"

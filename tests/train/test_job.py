@@ -153,6 +153,8 @@ def test_resume_at_another_world_size(reference, tmp_path):
     (["--resume", "--overwrite"], "error: --resume and --overwrite exclude each other"),
     (["--stop-after", "9", "--steps", "5"], "error: --stop-after 9 must be below --steps 5"),
     (["--qk-clip", "0"], "error: --qk-clip must be a positive number, got 0.0"),
+    (["--per-head", "--optimizer", "shampoo"],
+     "error: --per-head is per-head Muon: it needs --optimizer muon, got --optimizer shampoo"),
 ])
 def test_bad_arguments(argv, msg, tmp_path, capsys):
     try:
@@ -267,14 +269,19 @@ def test_tiny_moe_trains_and_resumes(tmp_path):
         assert comparable(records(out, run)) == comparable(records(ref, run)), run
 
 
-def test_qk_clip_logs_each_steps_max_logit(tmp_path):
+def test_qk_clip_and_per_head_muon(tmp_path):
     """``--qk-clip TAU``: QK-clip after every step of the matrixfsdp run (its one MAX all-reduce is
-    the step's only collective, counted with the model's), each step's max logit in the log."""
+    the step's only collective, counted with the model's), each step's max logit in the log;
+    ``--per-head`` (one run with both: each costs a training run) plans and steps the q/k/v
+    projections per head, recorded in the config and the checkpoint's optimizer state."""
     out = tmp_path / "qk"
     train("--model", "nano", "--steps", "3", "--eval-every", "3", "--ckpt-every", "3", "--sample-bytes", "0",
-          "--max-corpus-bytes", "200000", "--threads", "1", "--no-compare", "--qk-clip", "1.0", "--out", str(out))
+          "--max-corpus-bytes", "200000", "--threads", "1", "--no-compare", "--qk-clip", "1.0", "--per-head",
+          "--out", str(out))
     recs = records(out, "matrixfsdp-muon")
-    assert recs[0]["config"]["qk_clip"] == 1.0
+    assert recs[0]["config"]["qk_clip"] == 1.0 and recs[0]["config"]["per_head"] is True
+    saved = [f for f in (out / "ckpt" / "matrixfsdp-muon").rglob("*") if f.is_file()]
+    assert any(b"muon:heads/4" in f.read_bytes() for f in saved)  # the param groups' routes
     steps = [r for r in recs if "loss" in r]
     assert len(steps) == 3 and all(0 < r["max_logit"] < 1e3 for r in steps), steps
     assert all(r["comm_calls"]["optimizer_step"] == 1 for r in steps), [r["comm_calls"] for r in steps]

@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "every head whose max logit exceeded TAU (Kimi K2: 100); logs each step's max_logit. The "
                         "built-in models normalize q/k per head (QK-norm), which bounds their logits already: the "
                         "clip then only reports (docs/optimizers.md, QK-clip)")
+    p.add_argument("--per-head", action="store_true",
+                   help="per-head Muon in the matrixfsdp run: each attention head's rows of the q/k/v projections "
+                        "orthogonalized as their own matrix (MatrixRule.per_head; docs/optimizers.md, Per-head Muon); "
+                        "--optimizer muon only")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="cuda: one GPU per rank, NCCL, bf16 mixed precision and bf16 Newton-Schulz; cpu: gloo, "
                         "fp32; auto: cuda where torch.cuda.is_available(), else cpu")
@@ -165,6 +169,8 @@ def config_from_args(args: argparse.Namespace, world: int) -> TrainConfig:
             raise TrainError(f"--{name.replace('_', '-')} must be a positive number, got {v}")
     if args.qk_clip is not None and not (0 < args.qk_clip < float("inf")):
         raise TrainError(f"--qk-clip must be a positive number, got {args.qk_clip}")
+    if args.per_head and args.optimizer != "muon":
+        raise TrainError(f"--per-head is per-head Muon: it needs --optimizer muon, got --optimizer {args.optimizer}")
     if args.sample_bytes < 0:
         raise TrainError(f"--sample-bytes must be >= 0, got {args.sample_bytes}")
     choice = choose_device(getattr(args, "device", "auto"))
@@ -180,7 +186,7 @@ def config_from_args(args: argparse.Namespace, world: int) -> TrainConfig:
                       lr=args.lr, adamw_lr=args.adamw_lr, compare=args.compare, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
                       sample_bytes=args.sample_bytes, resume=args.resume, stop_after=args.stop_after,
                       threads=threads, max_corpus_bytes=args.max_corpus_bytes, progress=args.progress,
-                      device=choice.device, qk_clip=args.qk_clip)
+                      device=choice.device, qk_clip=args.qk_clip, per_head=args.per_head)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise TrainError(f"--out {args.out!r} is a file, not a folder")

@@ -151,6 +151,7 @@ class TrainConfig:
     progress: bool | None = None  # None: when stderr is a terminal
     device: str = "cpu"  # resolved by choose_device: "cpu" (gloo, fp32) or "cuda" (nccl, bf16 mixed precision)
     qk_clip: float | None = None  # QK-clip's tau in the matrixfsdp run (matrixfsdp.qk_clip.QKClip), else off
+    per_head: bool = False  # per-head Muon in the matrixfsdp run (MatrixRule.per_head: plan and optimizer)
 
     def fingerprint(self) -> dict[str, Any]:
         """What a resumed run must share with the checkpoint's run. ``steps`` is not part of it:
@@ -160,6 +161,8 @@ class TrainConfig:
                                                "max_corpus_bytes", "lr", "adamw_lr")}
         if self.qk_clip is not None:  # absent when off: checkpoints from before the option still match
             got["qk_clip"] = self.qk_clip
+        if self.per_head:  # (likewise; the optimizer state's layout differs, "muon:heads/H")
+            got["per_head"] = True
         return got
 
     def lrs(self) -> tuple[float, float]:
@@ -278,8 +281,9 @@ def _build_matrixfsdp(cfg: TrainConfig) -> _Run:
 
     model = _build_model(cfg)
     mesh = _mesh(cfg)
+    rule = matrixfsdp.MatrixRule.per_head(model) if cfg.per_head else None  # one rule: plan and optimizer
     plan = matrixfsdp.plan_owners(model, mesh, block_types=(DecoderLayer, MoEDecoderLayer), optimizer=cfg.optimizer,
-                                  replica_step=cfg.replica_step)
+                                  replica_step=cfg.replica_step, matrix_rule=rule)
     choice = device_choice(cfg.device)
     kw: dict[str, Any] = {"collectives": cfg.collectives}
     if choice.param_dtype is not None:
@@ -291,7 +295,8 @@ def _build_matrixfsdp(cfg: TrainConfig) -> _Run:
     opt: torch.optim.Optimizer
     # the model, not its parameters: the optimizer routes by the plan's rule (one routing rule)
     if cfg.optimizer == "muon":
-        opt = matrixfsdp.optim.Muon(model, lr=lr, weight_decay=0.0, adamw_lr=adamw_lr, ns_dtype=choice.ns_dtype)
+        opt = matrixfsdp.optim.Muon(model, lr=lr, weight_decay=0.0, adamw_lr=adamw_lr, ns_dtype=choice.ns_dtype,
+                                    matrix_rule=rule)
     elif cfg.optimizer == "shampoo":
         opt = matrixfsdp.optim.Shampoo(model, lr=lr, adamw_lr=adamw_lr)
     elif cfg.optimizer == "soap":
