@@ -78,7 +78,8 @@ def _train(steps: int, dump_folder: str, optimizer: str, variant: str = "plain",
             layer.feed_forward.w1.param_init = None
         cfg.model_spec.model.norm.param_init = None
     cfg = mt.with_matrixfsdp(cfg, optimizer=optimizer, lr=0.02, adamw_lr=8e-4, replica_step=replica_step,
-                             optimizer_kwargs={"ns_dtype": torch.float32} if optimizer == "Muon" else {})
+                             optimizer_kwargs={"ns_dtype": torch.float32} if optimizer == "Muon" else {},
+                             per_head=variant == "per_head")
 
     def inspect(trainer) -> dict:
         model = trainer.model_parts[0]
@@ -97,6 +98,8 @@ def _train(steps: int, dump_folder: str, optimizer: str, variant: str = "plain",
                 if host.executor is not None:
                     executors[id(host.executor)] = host.executor
         algos = sorted({g["algorithm"] for opt in trainer.optimizers for g in opt.param_groups})
+        heads = sorted({(g["param_names"][0].rpartition(".")[0].rpartition(".")[2], g["heads"])
+                        for opt in trainer.optimizers for g in opt.param_groups if g.get("heads")})
         types_ = sorted({type(o).__name__ for o in trainer.optimizers})
         counter = comm_counter(model)
         before = (sum(counter.calls.values()), counter.bytes_sent)
@@ -104,7 +107,7 @@ def _train(steps: int, dump_folder: str, optimizer: str, variant: str = "plain",
         trainer.optimizers.step()  # the grads of the last step are still there
         after = (sum(counter.calls.values()), counter.bytes_sent)
         a2a = sum(e.calls["all_to_all"] for e in executors.values()) - a2a
-        return {"kinds": kinds, "meshes": sorted(meshes), "step_replicas": step_replicas, "algos": algos, "optimizer_types": types_, "step_comm": (before, after),
+        return {"heads": heads, "kinds": kinds, "meshes": sorted(meshes), "step_replicas": step_replicas, "algos": algos, "optimizer_types": types_, "step_comm": (before, after),
                 "tp_hosts": tp_hosts, "placements": placements, "tp_step_all_to_alls": a2a,
                 "tp_micro_groups": sum(len(e.groups) for e in executors.values()),
                 "model_class": type(model).__name__,
@@ -262,6 +265,19 @@ def test_titan_trainer_variants(tmp_path, variant):
     got = get_pool(2).run(_train, STEPS, str(tmp_path), "Muon", variant, timeout=180)[0]
     assert _close(got["grad_norms"], ref["grad_norms"], RTOL), (got["grad_norms"], ref["grad_norms"])
     assert _close(got["losses"], ref["losses"], RTOL), (got["losses"], ref["losses"])
+
+
+def test_titan_trainer_per_head_muon(tmp_path):
+    """``with_matrixfsdp(per_head=True)``: torchtitan's fused ``wqkv`` (4 query + 2 key + 2 value
+    heads) planned and stepped per head at W=2, as one process does (world-size invariant), and
+    differently from whole-matrix Muon."""
+    ref = get_pool(1).run(_train, STEPS, str(tmp_path), "Muon", "per_head", timeout=180)[0]
+    got = get_pool(2).run(_train, STEPS, str(tmp_path), "Muon", "per_head", timeout=180)[0]
+    plain = get_pool(1).run(_train, STEPS, str(tmp_path), "Muon", "plain", timeout=180)[0]
+    assert got["inspected"]["heads"] == ref["inspected"]["heads"] == [("wqkv", 8)]
+    assert _close(got["grad_norms"], ref["grad_norms"], RTOL), (got["grad_norms"], ref["grad_norms"])
+    assert _close(got["losses"], ref["losses"], RTOL), (got["losses"], ref["losses"])
+    assert not _close(plain["losses"], ref["losses"], 1e-7)
 
 
 @pytest.mark.parametrize("variant", ["compile", "compile_ac"])

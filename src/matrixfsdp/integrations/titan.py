@@ -129,6 +129,7 @@ from ..placement.experts import adopt_expert_stack, expert_rows, expert_stack_of
 from ..placement.owned_tensor import owned_of, set_full_
 from ..placement.stepping import planned_kind
 from ..planner.owners import plan_owners
+from ..planner.heads import head_splits
 from ..planner.rules import DEFAULT_RULE, MatrixRule
 from .._fully_shard import MatrixFSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -170,6 +171,7 @@ def parallelize_matrixfsdp(
     plan_optimizer: str = "muon",
     collectives: str = "all_to_all",
     replica_step: str = "auto",
+    per_head: bool = False,
 ) -> nn.Module:
     """torchtitan ``ModelSpec.parallelize_fn`` applying matrixfsdp's ``fully_shard``.
 
@@ -237,8 +239,11 @@ def parallelize_matrixfsdp(
     # them) and fully_shard leaves them alone: their gradients are complete after backward (the
     # token all-to-alls bring every token of an expert to its rank), nothing to reduce.
     # block_types None: a pipeline stage without decoder layers is planned as its root alone
+    rule = _stage_rule(model) if parallel_dims.pp_enabled else DEFAULT_RULE
+    if per_head:  # the attention projections per head (the optimizer container splits them alike)
+        rule = dataclasses.replace(rule, heads=head_splits(model))
     plan = plan_owners(model, plan_mesh, block_types=block_types or None, policy=policy, optimizer=plan_optimizer,
-                       replica_step=replica_step, matrix_rule=_stage_rule(model) if parallel_dims.pp_enabled else None)
+                       replica_step=replica_step, matrix_rule=rule)
     ep_stacks = {n: p for n, p in model.named_parameters() if ep and isinstance(p, DTensor)
                  and plan[n].placement == "experts"}
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[training.mixed_precision_param],
@@ -661,6 +666,8 @@ class MatrixOptimizersContainer(OptimizersContainer):
                 continue
             split_groups, split_patterns = [], []
             for g, pat in zip(groups[name], patterns[name]):
+                # with_matrixfsdp(per_head=True): per-head matrices in groups of their head count
+                heads_rule = MatrixRule(heads=head_splits(model)) if g.pop("per_head", False) else None
                 sharded = any(isinstance(m, MatrixFSDPModule) for m in model.modules())
                 kinds = DEFAULT_RULE.kinds(model) if not sharded else {}
                 lost = [n for n, p in zip(g["param_names"], g["params"])
@@ -673,21 +680,26 @@ class MatrixOptimizersContainer(OptimizersContainer):
                         "model as parallelize_matrixfsdp (and torch's to_empty/to) left it")
                 is_matrix = [planned_kind(p) in ("matrix", "experts") if sharded
                              else kinds[n].kind in ("matrix", "experts") for n, p in zip(g["param_names"], g["params"])]
-                for want, algo in ((True, "auto"), (False, "adamw")):
-                    idx = [i for i, m in enumerate(is_matrix) if m == want]
+                heads = [heads_rule.heads_of(n) if heads_rule is not None and m and p.ndim == 2 else 1
+                         for n, p, m in zip(g["param_names"], g["params"], is_matrix)]
+                for want, algo, h in [(True, "auto", h) for h in sorted(set(heads))] + [(False, "adamw", 1)]:
+                    idx = [i for i, m in enumerate(is_matrix) if m == want and (not want or heads[i] == h)]
                     if not idx:
                         continue
                     ng = {k: v for k, v in g.items() if k not in ("params", "param_names")}
                     ng["params"] = [g["params"][i] for i in idx]
                     ng["param_names"] = [g["param_names"][i] for i in idx]
                     ng["algorithm"] = algo
+                    if h > 1:
+                        ng["heads"] = h
                     if algo == "adamw":
                         for key in ("lr", "weight_decay"):
                             if ng.get(f"adamw_{key}") is not None:
                                 ng[key] = ng.pop(f"adamw_{key}")
                             ng.pop(f"adamw_{key}", None)
                     split_groups.append(ng)
-                    split_patterns.append(f"{pat} [{'matrices' if want else 'element-wise (AdamW)'}]")
+                    split_patterns.append(f"{pat} [{'element-wise (AdamW)' if not want else 'matrices'}"
+                                          f"{f', {h} heads' if h > 1 else ''}]")
             groups[name], patterns[name] = split_groups, split_patterns
         return groups, patterns
 
@@ -705,6 +717,7 @@ def with_matrixfsdp(
     policy: str = "balanced",
     collectives: str = "all_to_all",
     replica_step: str = "auto",
+    per_head: bool = False,
 ) -> Any:
     """Return ``config`` (a torchtitan ``Trainer.Config``) converted to train with matrixfsdp: a
     ``MatrixTrainer.Config``, which builds a :class:`MatrixTrainer`.
@@ -716,8 +729,11 @@ def with_matrixfsdp(
     ``optimizer_kwargs`` adds further keyword arguments (e.g. ``{"ns_dtype": torch.float32}``).
     ``policy`` and ``collectives`` go to ``plan_owners`` and ``fully_shard``; ``replica_step``
     (``"auto"``, ``"repeat"`` or ``"split"``) to ``plan_owners`` for HSDP configs
-    (``parallelism.data_parallel_replicate_degree > 1``; unused otherwise). See the module
-    documentation for every field this changes.
+    (``parallelism.data_parallel_replicate_degree > 1``; unused otherwise). ``per_head=True``
+    (Muon only): per-head Muon on the attention projections, head counts from the model's
+    attention modules (``MatrixRule(heads=head_splits(model))`` in the plan and the optimizer's
+    groups; docs/optimizers.md, "Per-head Muon"). See the module documentation for every field
+    this changes.
 
     Example::
 
@@ -730,6 +746,9 @@ def with_matrixfsdp(
         raise ValueError(f"{API}.with_matrixfsdp: the config has no model_spec")
     from ..planner.owners import REPLICA_STEPS
 
+    if per_head and optimizer != "Muon":
+        raise ValueError(f"{API}.with_matrixfsdp: per_head=True is per-head Muon; it needs optimizer='Muon', "
+                         f"got {optimizer=!r}")
     if replica_step not in REPLICA_STEPS:
         raise ValueError(f"{API}.with_matrixfsdp: replica_step must be one of {list(REPLICA_STEPS)}, "
                          f"got {replica_step=!r}")
@@ -754,10 +773,12 @@ def with_matrixfsdp(
     config.model_spec = dataclasses.replace(
         config.model_spec,
         parallelize_fn=functools.partial(parallelize_matrixfsdp, policy=policy, plan_optimizer=plan_opt,
-                                         collectives=collectives, replica_step=replica_step),
+                                         collectives=collectives, replica_step=replica_step, per_head=per_head),
     )
     kw: dict[str, Any] = {"lr": lr, "weight_decay": weight_decay, "adamw_lr": adamw_lr,
                           "adamw_weight_decay": adamw_weight_decay, **(optimizer_kwargs or {})}
+    if per_head:  # read (and removed) by MatrixOptimizersContainer._build_param_groups
+        kw["per_head"] = True
     config.optimizer = MatrixOptimizersContainer.Config(
         param_groups=[ParamGroupConfig(pattern=".*", optimizer_name=optimizer, optimizer_kwargs=kw)],
     )
