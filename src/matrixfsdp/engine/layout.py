@@ -215,7 +215,7 @@ class BlockLayout:
         for p in self.params:
             for lo, hi, _, _ in p.rows.runs:
                 cuts.update((lo, hi))
-            if p.owner is not None:  # an owner alone in its span, rows or not (usage flags)
+            if p.owner is not None and 0 <= p.owner < W:  # an owner alone in its span, rows or not (usage flags)
                 cuts.update((p.owner, p.owner + 1))
         edges = sorted(cuts)
         at = [0] * len(self.params)  # per parameter, its first run not yet left behind
