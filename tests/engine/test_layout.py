@@ -244,3 +244,85 @@ def test_owned_matrix_layout_example():
     assert lay.gather_splits(1).input_splits == (10, 0, 10)
     assert lay.single_piece(0).rank == 1 and lay.assembled_offset(1) == 0
     assert lay.assembled_numel == 5
+
+
+@st.composite
+def any_placement_params(draw):
+    """Blocks of every placement, experts and hosted matrices included, over up to 40 ranks."""
+    W = draw(st.integers(1, 40))
+    params = []
+    for i in range(draw(st.integers(0, 6))):
+        placement = draw(st.sampled_from(["even", "hosted", "matrix", "tail", "experts"]))
+        if placement == "experts":
+            E = draw(st.integers(1, 12))
+            counts = [0] * W  # E experts dealt to random ranks: runs of equal counts, zeros between
+            for _ in range(E):
+                counts[draw(st.integers(0, W - 1))] += 1
+            shape, extra = (E, draw(st.integers(1, 4)), 3), {"experts": tuple(counts)}
+        else:
+            ndim = 2 if placement in ("matrix", "hosted") else draw(st.integers(1, 3))
+            shape = tuple(draw(st.integers(1 if placement in ("even", "hosted") and d == 0 else 0, 90))
+                          for d in range(ndim))
+            extra = {"host": draw(st.integers(0, W - 1))} if placement == "hosted" else {}
+        owner = draw(st.integers(0, W - 1)) if placement in ("matrix", "tail") else None
+        params.append(ParamPlan(fqn=f"p{i}", placement=placement, owner=owner, block="b", shape=shape,
+                                dtype="float32", nbytes=4 * math.prod(shape), state_nbytes=0, cost=0.0, **extra))
+    return W, params
+
+
+def _pieces_rank_by_rank(params, W):
+    """The layout's pieces the way they were listed before spans: every (rank, parameter)."""
+    out = []
+    for r in range(W):
+        offset = 0
+        for i, p in enumerate(params):
+            start, end = p.local_rows(r, W)
+            rn = math.prod(p.shape[1:]) if p.shape else 1
+            if end == start or rn == 0:
+                continue
+            out.append((i, r, start, end, start * rn, (end - start) * rn, offset))
+            offset += (end - start) * rn
+    return out
+
+
+@given(any_placement_params())
+@settings(max_examples=200, deadline=None)
+def test_spans_list_exactly_the_pieces_of_every_rank(case):
+    """[Note: spans]: the runs and spans describe every rank's rows, pieces and chunk as listing them
+    rank by rank does (every placement), with spans cut where the ranks' chunks differ."""
+    import dataclasses
+
+    W, params = case
+    lay = BlockLayout.from_plans(params, W)
+    for i, p in enumerate(params):
+        assert tuple(lay.params[i].rows) == tuple(p.local_rows(r, W) for r in range(W))
+        assert lay.params[i].rows[W - 1] == p.local_rows(W - 1, W)
+    ref = _pieces_rank_by_rank(params, W)
+    assert [dataclasses.astuple(q) for q in lay.pieces] == ref
+    for r in range(W):
+        assert [dataclasses.astuple(q) for q in lay.pieces_of_rank(r)] == [q for q in ref if q[1] == r]
+    for i in range(len(params)):
+        mine = [q for q in ref if q[0] == i]
+        assert [dataclasses.astuple(q) for q in lay.pieces_of_param(i)] == mine
+        assert lay.piece_count(i) == len(mine)
+        assert sum(s.hi - s.lo for s, _ in lay.param_spans(i)) == len(mine)
+    spans = lay.spans
+    assert spans[0].lo == 0 and spans[-1].hi == W and all(a.hi == b.lo for a, b in zip(spans, spans[1:]))
+    for s in spans:
+        assert all(lay.chunk_numel[d] == s.chunk for d in range(s.lo, s.hi))
+        assert lay.span_of(s.lo) is s and lay.span_of(s.hi - 1) is s
+
+
+def test_spans_of_a_large_world_stay_few():
+    """An evenly sharded block at W=4096 is a handful of spans, not 4096 pieces per parameter."""
+    W = 4096
+    specs = [("q", "hosted", (4096, 4096)), ("n", "even", (128,)), ("e", "even", (151936, 64)),
+             ("o", "matrix", (64, 64))]
+    ps = [ParamPlan(fqn=f, placement=pl, owner=7 if pl == "matrix" else None, block="b", shape=sh,
+                    dtype="float32", nbytes=4 * math.prod(sh), state_nbytes=0, cost=0.0,
+                    **({"host": 3} if pl == "hosted" else {})) for f, pl, sh in specs]
+    lay = BlockLayout.from_plans(ps, W)
+    assert len(lay.spans) <= 2 * len(ps) + 1, lay.spans
+    # torch.chunk: 38 rows on ranks 0..3997, 12 on 3998, none after
+    assert lay.piece_count(2) == 3999 and lay.piece_count(1) == 128 and lay.piece_count(3) == 1
+    assert lay.chunk_numel[7] == 4096 + 1 + 38 * 64 + 64 * 64 and sum(lay.chunk_numel) == lay.numel

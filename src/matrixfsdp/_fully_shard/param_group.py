@@ -174,20 +174,25 @@ class ParamGroup:
         receive buffer is freed after copy-out (see [Note: receive buffer after copy-out]); 0 when
         it is kept."""
         lay, r = self.layout, self.rank
+        mine = {q.param: q.numel for q in lay.pieces_of_rank(r)}
         single = multi = 0
         for i, p in enumerate(lay.params):
-            for q in lay.pieces_of_param(i):
-                if q.rank == r:
-                    continue
-                if lay.assembled_offset(i) is None:
-                    single += q.numel
-                else:
-                    multi += q.numel
+            n = lay.piece_count(i)
+            if n == 0:
+                continue
+            peers = p.numel - mine.get(i, 0)  # the pieces tile the parameter
+            if n == 1:
+                single += peers
+            else:
+                multi += peers
         self._free_recv = multi > 0 and single <= multi
         return single if self._free_recv else 0
 
     def _build_views(self) -> None:
-        """Unsharded leaves and the copy lists of copy-in / copy-out (storage must exist)."""
+        """Unsharded leaves and the copy lists of copy-in / copy-out (storage must exist). Peers'
+        pieces of a multi-piece parameter are copied out one span of alike peers at a time (a
+        strided view of their chunks, see [Note: spans] in ``engine/layout.py``), not one per
+        rank: the lists grow with the block's spans, not with ``W``."""
         lay, offs = self.layout, self._splits.recv_offsets
         r = self.rank
         kept = 0  # next free element of the compact buffer
@@ -195,20 +200,30 @@ class ParamGroup:
         own_src: list[torch.Tensor] = []
         out_dst: list[torch.Tensor] = []  # copy-out: peers' pieces of multi-piece params
         out_src: list[torch.Tensor] = []
+        own = {q.param: q for q in lay.pieces_of_rank(r)}
         for i, p in enumerate(lay.params):
             mp = self.params[i]
-            local = mp.local.reshape(-1)
             off = lay.assembled_offset(i)
             if off is not None:
-                for q in lay.pieces_of_param(i):
-                    dst = self._assembled[off + q.flat_start: off + q.flat_start + q.numel]
-                    if q.rank == r:
-                        own_dst.append(dst)
-                        # mixed precision: from the chunk cast once for the send (unshard)
-                        own_src.append(self._cast_buf[q.offset: q.offset + q.numel] if self._cast else local)
-                    else:
-                        out_dst.append(dst)
-                        out_src.append(self._recv[offs[q.rank] + q.offset: offs[q.rank] + q.offset + q.numel])
+                for s, q in lay.param_spans(i):
+                    # the span's peers before this rank and after it (its chunk is not received)
+                    for lo, hi in ((s.lo, min(s.hi, r)), (max(s.lo, r + 1), s.hi)):
+                        if lo >= hi:
+                            continue
+                        k = hi - lo
+                        start = off + q.flat_start + (lo - s.lo) * q.numel
+                        dst = self._assembled[start: start + k * q.numel]
+                        # peers lo..hi-1's chunks lie back to back: a k x chunk view, its piece columns
+                        src = self._recv[offs[lo]: offs[lo] + k * s.chunk].view(k, s.chunk)
+                        out_dst.append(dst.view(k, q.numel) if k > 1 else dst)
+                        out_src.append(src[:, q.offset: q.offset + q.numel] if k > 1 else
+                                       src[0, q.offset: q.offset + q.numel])
+                q = own.get(i)
+                if q is not None:
+                    own_dst.append(self._assembled[off + q.flat_start: off + q.flat_start + q.numel])
+                    # mixed precision: from the chunk cast once for the send (unshard)
+                    own_src.append(self._cast_buf[q.offset: q.offset + q.numel] if self._cast
+                                   else mp.local.reshape(-1))
                 mp.set_unsharded(self._assembled[off: off + p.numel].view(p.shape))
                 continue
             q = lay.single_piece(i)
@@ -229,7 +244,10 @@ class ParamGroup:
                 data = mp.local.view(p.shape)
             mp.set_unsharded(data)
         self._own_copy = (own_dst, own_src)
-        self._out_copy = (out_dst, out_src)
+        # contiguous pairs apart from strided ones: a foreach copy fuses only the former
+        flat = [k for k, t in enumerate(out_src) if t.dim() == 1]
+        rest = [k for k, t in enumerate(out_src) if t.dim() != 1]
+        self._out_copy = tuple(([out_dst[k] for k in ks], [out_src[k] for k in ks]) for ks in (flat, rest))
 
     def refresh_trainable(self) -> None:
         """(Re)build the reduction layout from the parameters' current ``requires_grad``.
@@ -334,10 +352,11 @@ class ParamGroup:
         handle, _send = self._pending_gather  # type: ignore[misc]
         self._pending_gather = None
         handle.wait()
-        dst, src = self._out_copy
-        if dst:
-            with torch.no_grad(), _preserve(self._assembled, self._kept):
-                torch._foreach_copy_(dst, src)  # one fused copy-out for all peers' pieces
+        for dst, src in self._out_copy:
+            if dst:
+                with torch.no_grad(), _preserve(self._assembled, self._kept):
+                    # one fused copy-out of the contiguous pieces, one copy per strided span
+                    torch._foreach_copy_(dst, src)
         if self._free_recv:
             _free(self._recv)  # on the compute stream, after it waited for the gather
         self.held_bytes_peak = max(self.held_bytes_peak, self.held_bytes)

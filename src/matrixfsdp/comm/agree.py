@@ -83,17 +83,22 @@ def all_gather_strings(msg: str | None, group: Any = None, device: torch.device 
     # receive buffers start as this rank's own entry: a collective that moves no data (torch's
     # fake process group, see [Note: dry runs]) then shows every peer agreeing with this rank,
     # and this rank's own error still raises
-    sizes = [size.clone() for _ in range(world)]
+    # (the receive tensors are views of one buffer, decoded at once: the same collectives as
+    # one tensor per rank, without W tensor copies and reads at thousands of ranks)
+    all_sizes = size.repeat(world)
+    sizes = list(all_sizes.split(1))
     dist.all_gather(sizes, size, group=group)
-    lengths = torch.cat(sizes).cpu().tolist()
+    lengths = all_sizes.cpu().tolist()
     n = max(1, max(lengths))
     buf = torch.zeros(n, dtype=torch.uint8)
     if data:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     buf = buf.to(device)
-    outs = [buf.clone() for _ in range(world)]
+    everything = buf.repeat(world)
+    outs = list(everything.split(n))
     dist.all_gather(outs, buf, group=group)
-    rows = [None if k == 0 else bytes(o[1:k].cpu().tolist()).decode() for k, o in zip(lengths, outs)]
+    blob = everything.cpu().numpy().tobytes()
+    rows = [None if k == 0 else blob[i * n + 1: i * n + k].decode() for i, k in enumerate(lengths)]
     _wait_released([size, *sizes, buf, *outs])
     return rows
 

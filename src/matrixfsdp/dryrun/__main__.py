@@ -8,7 +8,8 @@
 
 Per sampled rank (the plan's most loaded, a median one, rank 0): local parameter, gradient and
 optimizer-state bytes against FSDP2's even share, peak tensor memory, collective bytes per phase,
-and planning / sharding time. No data moves: see [Note: dry runs] in matrixfsdp/dryrun/rank.py.
+and the init time per phase (planning, sharding, to_empty). No data moves: see [Note: dry runs]
+in matrixfsdp/dryrun/rank.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 import torch
 
 from . import FRONT_ENDS, OPTIMIZERS, ROLES, RankReport, dry_run
-from .rank import PHASES
+from .rank import INIT_PHASES, PHASES
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 _MIB = 2.0**20
@@ -65,14 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
 def format_table(reports: list[RankReport]) -> str:
     hsdp = any(r.replicas > 1 for r in reports)
     head = ("role", "rank", "params MiB", "/even", "grads MiB", "state MiB", "held/FSDP2", "peak MiB",
-            "fwd MiB", "bwd MiB", "step MiB", *(("across MiB",) if hsdp else ()), "plan s", "shard s")
+            "fwd MiB", "bwd MiB", "step MiB", *(("across MiB",) if hsdp else ()), "plan s", "shard s",
+            "to_empty s")
     rows = [head]
     for r in reports:
         across = (f"{sum(r.phase_bytes(ph, across=True) for ph in PHASES) / _MIB:.2f}",) if hsdp else ()
         rows.append((r.role, str(r.rank), f"{r.param_bytes / _MIB:.2f}", f"{r.param_ratio:.2f}",
                      f"{r.grad_bytes / _MIB:.2f}", f"{r.state_bytes / _MIB:.2f}", f"{r.held_ratio:.2f}",
                      f"{r.peak_bytes / _MIB:.2f}", *(f"{r.phase_bytes(ph) / _MIB:.2f}" for ph in PHASES),
-                     *across, f"{r.seconds['plan']:.3f}", f"{r.seconds['shard']:.3f}"))
+                     *across, *(f"{r.seconds.get(k, float('nan')):.3f}" for k in INIT_PHASES)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])

@@ -27,12 +27,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["RankReport", "run_rank", "tensor_parallel", "FRONT_ENDS", "OPTIMIZERS", "PHASES", "ACROSS", "MLP_TP"]
+__all__ = ["RankReport", "run_rank", "tensor_parallel", "FRONT_ENDS", "OPTIMIZERS", "PHASES", "INIT_PHASES", "ACROSS", "MLP_TP"]
 
 FRONT_ENDS = ("fully_shard", "replicate")
 OPTIMIZERS = ("muon", "adamw", "shampoo", "soap")
 #: the phases of a training step, as the report's ``comm`` and ``seconds`` name them
 PHASES = ("forward", "backward", "step")
+#: the phases of one rank's initialization, as the report's ``seconds`` names them: planning,
+#: sharding (the front-end's calls) and ``to_empty`` (with the dry run's own initialization)
+INIT_PHASES = ("plan", "shard", "to_empty")
 #: prefix of the collectives an HSDP rank makes across replicas (the ``"replicate"`` role) in
 #: :attr:`RankReport.comm`; those within its shard group (and the hosted step's) are unprefixed
 ACROSS = "replicate/"
@@ -63,7 +66,8 @@ class RankReport:
     #: per phase, per collective: ``{"calls": n, "sent": bytes, "recv": bytes}``; the collectives
     #: across HSDP replicas are named with the prefix ``ACROSS`` (``"replicate/all_reduce"``)
     comm: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
-    #: seconds: planning, sharding (front-end calls), ``to_empty``, and each phase on this CPU
+    #: seconds: planning, sharding (front-end calls), ``to_empty`` (``INIT_PHASES``), and each
+    #: phase of the last step on this CPU
     seconds: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -24,6 +24,19 @@ ranks' chunks) is contiguous in whichever buffer holds that piece, so the runtim
 place; a parameter with several pieces (even placement) is assembled by copying its pieces into
 a parameter-major buffer (``assembled_offset``).
 
+[Note: spans]
+An evenly sharded parameter has a piece on (nearly) every rank, so listing pieces costs ``W`` per
+parameter, and so did every view and copy built from them. Rows are described by runs instead
+([Note: row runs] in ``engine/rows.py``), and the ranks are cut at every run's ends into
+:class:`Span` s: within a span every rank's chunk has the same size and the same pieces at the
+same offsets, each parameter's rows advancing from rank to rank by its piece. A block has
+``O(runs)`` spans whatever ``W`` (a decoder block: a handful), so the runtime builds one view
+per (span, parameter): the chunks of a span's ranks lie back to back in the receive buffer
+(``W``-rank stride: the chunk size) and their pieces back to back in the parameter, which makes
+a span's copy one strided copy (``_fully_shard/param_group.py``, ``engine/reducer.py``). The
+per-rank tuples a collective takes (``chunk_numel``, ``gather_splits``) stay ``W`` long; what
+``pieces`` and ``pieces_of_param`` list is still one entry per rank, for tests and small worlds.
+
 [Note: aligned reduce chunks]
 The reduce-scatter input is ``W`` destination chunks back to back, each followed by ``extra``
 usage flags (see [Note: unused parameters] in ``engine/reducer.py``). With ``F`` flags, chunk
@@ -40,14 +53,17 @@ block). ``replicate``'s gradient buffer pads each rank's interval by the same ru
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Sequence
 
 from ..planner.owner_plan import ParamPlan
+from .rows import RowSplit
 
-__all__ = ["Piece", "ParamLayout", "BlockLayout", "GatherSplits", "ALIGN_BYTES", "aligned_numel"]
+__all__ = ["Piece", "ParamLayout", "Span", "BlockLayout", "GatherSplits", "RowSplit", "ALIGN_BYTES", "aligned_numel"]
 
 #: every reduce-scatter destination chunk starts at a multiple of this many bytes (see
 #: [Note: aligned reduce chunks])
@@ -80,12 +96,18 @@ class Piece:
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """The row split of one parameter (``rows[r]`` = the ``[start, end)`` rank ``r`` stores)."""
+    """The row split of one parameter (``rows[r]`` = the ``[start, end)`` rank ``r`` stores; a
+    :class:`~matrixfsdp.engine.rows.RowSplit`, built from a tuple of ``W`` pairs when given one)."""
 
     fqn: str
     shape: tuple[int, ...]
     owner: int | None
-    rows: tuple[tuple[int, int], ...]
+    rows: RowSplit
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rows, RowSplit):
+            n = self.shape[0] if self.shape else 1
+            object.__setattr__(self, "rows", RowSplit.explicit(self.rows, n, f"BlockLayout: {self.fqn!r}"))
 
     @property
     def numel(self) -> int:
@@ -102,6 +124,28 @@ class ParamLayout:
         if not self.shape:
             return () if end > start else (0,)
         return (end - start, *self.shape[1:])
+
+
+@dataclass(frozen=True)
+class Span:
+    """Ranks ``[lo, hi)`` whose chunks are alike (see [Note: spans]): ``chunk`` elements each,
+    every parameter's piece at the same chunk offset with the same size. ``pieces`` are rank
+    ``lo``'s; rank ``d``'s piece of a parameter starts ``(d - lo) * numel`` elements (``(d - lo)
+    * rows``) further into it."""
+
+    lo: int
+    hi: int
+    chunk: int
+    pieces: tuple[Piece, ...]
+
+    def piece_at(self, q: Piece, rank: int) -> Piece:
+        """Rank ``rank``'s piece of ``q``'s parameter (``q`` one of :attr:`pieces`)."""
+        if rank == q.rank:
+            return q
+        step = rank - self.lo
+        k = q.row_end - q.row_start
+        return Piece(q.param, rank, q.row_start + step * k, q.row_end + step * k,
+                     q.flat_start + step * q.numel, q.numel, q.offset)
 
 
 @dataclass(frozen=True)
@@ -133,6 +177,7 @@ class BlockLayout:
         layout.chunk_numel        # elements each rank stores for the block
         layout.gather_splits(r)   # all-to-all split sizes for rank r
         layout.reduce_splits(extra=len(layout.params))  # reduce-scatter sizes, one flag per param
+        layout.spans              # the ranks in stretches of alike chunks (see [Note: spans])
     """
 
     world_size: int
@@ -146,13 +191,7 @@ class BlockLayout:
             if len(p.rows) != W:
                 raise ValueError(f"BlockLayout: {p.fqn!r} has {len(p.rows)} row ranges for W={W}")
             n = p.shape[0] if p.shape else 1
-            pos = 0
-            for start, end in p.rows:
-                # Row ranges are in rank order and tile [0, n); an empty range may sit anywhere.
-                if end < start or (end > start and start != pos):
-                    raise ValueError(f"BlockLayout: {p.fqn!r} rows {p.rows} do not tile [0, {n})")
-                pos = max(pos, end)
-            if pos != n:
+            if p.rows.n != n:  # a RowSplit tiles [0, rows.n) by construction
                 raise ValueError(f"BlockLayout: {p.fqn!r} rows {p.rows} do not tile [0, {n})")
 
     # ----------------------------------------------------------------------------- construction
@@ -161,60 +200,104 @@ class BlockLayout:
         """The layout of ``plans`` (in the given order) over ``world_size`` ranks."""
         return cls(
             world_size=world_size,
-            params=tuple(
-                ParamLayout(
-                    fqn=p.fqn,
-                    shape=tuple(p.shape),
-                    owner=p.owner,
-                    rows=tuple(p.local_rows(r, world_size) for r in range(world_size)),
-                )
-                for p in plans
-            ),
+            params=tuple(ParamLayout(fqn=p.fqn, shape=tuple(p.shape), owner=p.owner,
+                                     rows=RowSplit.of_plan(p, world_size)) for p in plans),
         )
+
+    # ----------------------------------------------------------------------------- spans
+    @functools.cached_property
+    def spans(self) -> tuple[Span, ...]:
+        """The ranks cut into stretches of alike chunks, in rank order (see [Note: spans]): cut
+        at every run's ends, so within a span each parameter's row count per rank is constant
+        (zero or not), rows advancing by it from rank to rank."""
+        W = self.world_size
+        cuts = {0, W}
+        for p in self.params:
+            for lo, hi, _, _ in p.rows.runs:
+                cuts.update((lo, hi))
+            if p.owner is not None and 0 <= p.owner < W:  # an owner alone in its span, rows or not (usage flags)
+                cuts.update((p.owner, p.owner + 1))
+        edges = sorted(cuts)
+        at = [0] * len(self.params)  # per parameter, its first run not yet left behind
+        out = []
+        for lo, hi in zip(edges, edges[1:]):
+            pieces, offset = [], 0
+            for i, p in enumerate(self.params):
+                runs, j = p.rows.runs, at[i]
+                while j < len(runs) and runs[j][1] <= lo:
+                    j += 1
+                at[i] = j
+                rn = p.row_numel
+                if j == len(runs) or runs[j][0] > lo or rn == 0:
+                    continue
+                r_lo, _, start, k = runs[j]
+                row = start + (lo - r_lo) * k
+                pieces.append(Piece(i, lo, row, row + k, row * rn, k * rn, offset))
+                offset += k * rn
+            out.append(Span(lo, hi, offset, tuple(pieces)))
+        return tuple(out)
+
+    def span_of(self, rank: int) -> Span:
+        """The span holding ``rank``."""
+        spans = self.spans
+        return spans[bisect.bisect_right(self._span_starts, rank) - 1]
+
+    @functools.cached_property
+    def _span_starts(self) -> list[int]:
+        return [s.lo for s in self.spans]
 
     # ----------------------------------------------------------------------------- pieces
     @functools.cached_property
     def pieces(self) -> tuple[Piece, ...]:
-        """All non-empty pieces, rank-major (the wire order), parameters in order within a rank."""
-        out = []
-        for r in range(self.world_size):
-            offset = 0
-            for i, p in enumerate(self.params):
-                start, end = p.rows[r]
-                if end == start or p.row_numel == 0:
-                    continue
-                numel = (end - start) * p.row_numel
-                out.append(Piece(i, r, start, end, start * p.row_numel, numel, offset))
-                offset += numel
-        return tuple(out)
-
-    @functools.cached_property
-    def _by_rank(self) -> tuple[tuple[Piece, ...], ...]:
-        # one pass (a scan per rank would make sharding O(W^2) at thousands of ranks)
-        out: list[list[Piece]] = [[] for _ in range(self.world_size)]
-        for q in self.pieces:
-            out[q.rank].append(q)
-        return tuple(map(tuple, out))
-
-    @functools.cached_property
-    def _by_param(self) -> tuple[tuple[Piece, ...], ...]:
-        out: list[list[Piece]] = [[] for _ in self.params]
-        for q in self.pieces:
-            out[q.param].append(q)
-        return tuple(map(tuple, out))
+        """All non-empty pieces, rank-major (the wire order), parameters in order within a rank.
+        ``W`` pieces per evenly sharded parameter: for tests and small worlds; the runtime works
+        on :attr:`spans`."""
+        return tuple(s.piece_at(q, d) for s in self.spans for d in range(s.lo, s.hi) for q in s.pieces)
 
     def pieces_of_rank(self, rank: int) -> tuple[Piece, ...]:
         """Rank ``rank``'s pieces in chunk order."""
-        return self._by_rank[rank]
+        cache = self._rank_pieces
+        got = cache.get(rank)
+        if got is None:
+            s = self.span_of(rank)
+            got = cache[rank] = tuple(s.piece_at(q, rank) for q in s.pieces)
+        return got
+
+    @functools.cached_property
+    def _rank_pieces(self) -> dict[int, tuple[Piece, ...]]:
+        return {}
 
     def pieces_of_param(self, index: int) -> tuple[Piece, ...]:
-        """Parameter ``index``'s pieces in rank (= row) order."""
+        """Parameter ``index``'s pieces in rank (= row) order (``W`` of an evenly sharded one)."""
+        return tuple(s.piece_at(q, d) for s, q in self.param_spans(index) for d in range(s.lo, s.hi))
+
+    def param_spans(self, index: int) -> tuple[tuple[Span, Piece], ...]:
+        """``(span, piece)`` of every span holding parameter ``index``, ``piece`` its rank ``lo``'s."""
         return self._by_param[index]
+
+    @functools.cached_property
+    def _by_param(self) -> tuple[tuple[tuple[Span, Piece], ...], ...]:
+        out: list[list[tuple[Span, Piece]]] = [[] for _ in self.params]
+        for s in self.spans:
+            for q in s.pieces:
+                out[q.param].append((s, q))
+        return tuple(map(tuple, out))
+
+    def piece_count(self, index: int) -> int:
+        """How many ranks hold a piece of parameter ``index``."""
+        return self._piece_counts[index]
+
+    @functools.cached_property
+    def _piece_counts(self) -> tuple[int, ...]:
+        return tuple(sum(s.hi - s.lo for s, _ in spans) for spans in self._by_param)
 
     @functools.cached_property
     def chunk_numel(self) -> tuple[int, ...]:
         """Elements rank ``r`` stores for this block (the size of its chunk)."""
-        return tuple(sum(q.numel for q in self._by_rank[r]) for r in range(self.world_size))
+        out: list[int] = []
+        for s in self.spans:
+            out += [s.chunk] * (s.hi - s.lo)
+        return tuple(out)
 
     @property
     def numel(self) -> int:
@@ -224,26 +307,25 @@ class BlockLayout:
     # ----------------------------------------------------------------------------- materialization
     def gather_splits(self, rank: int) -> GatherSplits:
         """Split sizes of the uneven all-to-all that materializes the block on ``rank``."""
-        W, chunk = self.world_size, self.chunk_numel
-        inp = tuple(chunk[rank] if d != rank else 0 for d in range(W))
-        out = tuple(chunk[s] if s != rank else 0 for s in range(W))
-        offs, acc = [], 0
-        for n in out:
-            offs.append(acc)
-            acc += n
-        return GatherSplits(chunk[rank], inp, out, tuple(offs))
+        chunk = self.chunk_numel
+        inp = [chunk[rank]] * self.world_size
+        inp[rank] = 0
+        out = list(chunk)
+        out[rank] = 0
+        offs = tuple(itertools.accumulate(out[:-1], initial=0))
+        return GatherSplits(chunk[rank], tuple(inp), tuple(out), offs)
 
     def single_piece(self, index: int) -> Piece | None:
         """The parameter's only piece if it has exactly one (then it is contiguous in place)."""
-        ps = self._by_param[index]
-        return ps[0] if len(ps) == 1 else None
+        spans = self._by_param[index]
+        return spans[0][1] if self._piece_counts[index] == 1 else None
 
     @functools.cached_property
     def _assembled(self) -> tuple[tuple[int | None, ...], int]:
         offs: list[int | None] = []
         acc = 0
         for i, p in enumerate(self.params):
-            if len(self._by_param[i]) > 1:
+            if self._piece_counts[i] > 1:
                 offs.append(acc)
                 acc += p.numel
             else:

@@ -81,6 +81,7 @@ step has no host sync at all, also when conditional layers or MoE experts go unu
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -286,19 +287,26 @@ class Reducer:
         W = self.world_size
         if flags_to == "all":
             flagged: tuple[tuple[int, ...], ...] = (tuple(range(F)),) * W
-        elif flags_to == "holders":
-            flagged = tuple(tuple(j for j, p in enumerate(layout.params)
-                                  if p.owner == d or p.rows[d][1] > p.rows[d][0]) for d in range(W))
+        elif flags_to == "holders":  # alike within a span (cut at every owner and run end)
+            per_rank: list[tuple[int, ...]] = []
+            for sp in layout.spans:
+                held = tuple(j for j, p in enumerate(layout.params) if p.owner == sp.lo or p.rows.holds(sp.lo))
+                per_rank += [held] * (sp.hi - sp.lo)
+            flagged = tuple(per_rank)
         else:
             raise ValueError(f"{api}: flags_to must be 'all' or 'holders', got {flags_to!r}")
         #: the parameters flagged to each destination, in layout order (see [Note: usage flags])
         self.flagged = flagged
         n = layout.chunk_numel
         self.splits = tuple(aligned_numel(n[d] + len(flagged[d]), reduce_dtype.itemsize) for d in range(W))
-        self.offsets = tuple(sum(self.splits[:d]) for d in range(W))
-        self.numel = sum(self.splits)
+        ends = tuple(itertools.accumulate(self.splits, initial=0))
+        self.offsets = ends[:-1]
+        self.numel = ends[-1]
         self.chunk = n[rank]
         self._pads = [self.splits[d] - n[d] - len(flagged[d]) for d in range(W)]
+        self._max_pad = max(self._pads, default=0)
+        #: where each destination's flags start in the flag block (see :meth:`_flag_block`)
+        self._flag_starts = tuple(itertools.accumulate((len(f) for f in flagged), initial=0))
         self.step_replicas = tuple(step_replicas) if step_replicas is not None else (None,) * F
         #: ``(m, splits, start)``: this rank's chunk begins with ``m`` elements of ``split``
         #: pieces, ``splits[q]`` stepped by replica ``q``, this replica's from ``start``
@@ -321,6 +329,9 @@ class Reducer:
         gradients, fp32 ``reduce_dtype``), one ``_foreach_copy_`` casts while it copies (a fused
         multi-tensor kernel on an accelerator, as FSDP2's ``chunk_cat`` casts), where
         ``torch.cat`` into a buffer of another dtype would fall back to one copy per part.
+
+        One kernel takes one part per (destination, piece): the parts are listed from the
+        layout's spans (see [Note: spans] in ``engine/layout.py``), without a piece object each.
         """
         lay, dt = self.layout, self.reduce_dtype
         flat = [None if g is None else g.reshape(-1) for g in grads]
@@ -329,19 +340,21 @@ class Reducer:
         used = tuple(g is not None for g in grads)
         flag_block = self._flag_block(used, src_dt, device)
         # as large as the largest missing piece or padding
-        n_zero = max([q.numel for q in lay.pieces if flat[q.param] is None] + self._pads + [1])
+        n_zero = max([q.numel for sp in lay.spans for q in sp.pieces if flat[q.param] is None]
+                     + [self._max_pad, 1])
         zeros = torch.zeros(n_zero, dtype=src_dt, device=device)
         parts: list[torch.Tensor] = []
-        start = 0  # of this destination's flags in flag_block
-        for d in range(self.world_size):
-            for q in lay.pieces_of_rank(d):
-                g = flat[q.param]
-                parts.append(zeros[: q.numel] if g is None else g[q.flat_start: q.flat_start + q.numel])
-            k = len(self.flagged[d])
-            parts.append(flag_block[start: start + k])
-            start += k
-            if self._pads[d]:
-                parts.append(zeros[: self._pads[d]])
+        starts = self._flag_starts  # of each destination's flags in flag_block
+        for sp in lay.spans:
+            for d in range(sp.lo, sp.hi):
+                step = d - sp.lo  # rank d's pieces lie this many pieces further into each parameter
+                for q in sp.pieces:
+                    g = flat[q.param]
+                    a = q.flat_start + step * q.numel
+                    parts.append(zeros[: q.numel] if g is None else g[a: a + q.numel])
+                parts.append(flag_block[starts[d]: starts[d + 1]])
+                if self._pads[d]:
+                    parts.append(zeros[: self._pads[d]])
         buf = torch.empty(self.numel, dtype=dt, device=device)
         if src_dt == dt:
             torch.cat(parts, out=buf)  # one copy-in kernel, on the compute stream

@@ -242,16 +242,29 @@ def rank_loads(params: Sequence[ParamPlan], W: int) -> tuple[list[float], list[f
                 state[p.host] += p.state_nbytes
             cost[p.host] += p.cost
             hosted[p.host] += 1
-        for r in range(W):
-            sh = p.share(r, W)
-            if not sh:
-                continue
-            nbytes[r] += p.nbytes * sh
-            if p.host is None or p.state_on_shards:
-                state[r] += p.state_nbytes * sh
-            if p.host is None:
-                cost[r] += p.cost * sh
+        for lo, hi, sh in _share_runs(p, W):
+            # the same products added in the same order as rank by rank with p.share (bitwise)
+            b, st, c = p.nbytes * sh, p.state_nbytes * sh, p.cost * sh
+            for r in range(lo, hi):
+                nbytes[r] += b
+                if p.host is None or p.state_on_shards:
+                    state[r] += st
+                if p.host is None:
+                    cost[r] += c
     return nbytes, state, cost, owned, hosted
+
+
+def _share_runs(p: ParamPlan, W: int) -> list[tuple[int, int, float]]:
+    """``(lo, hi, share)``: ranks ``[lo, hi)`` each hold ``share`` of a parameter that is not
+    owned (``p.share(r, W)``, the same float, without a call per rank; ranks left out hold none)."""
+    n = p.shape[0]
+    if p.placement == "experts":
+        return [(r, r + 1, k / n) for r, k in enumerate(p.experts) if k]
+    if not n:
+        return []
+    c = -(-n // W)  # torch.chunk: c rows on ranks [0, n // c), the rest on the next (even_rows)
+    full, rest = divmod(n, c)
+    return ([(0, full, c / n)] if full else []) + ([(full, full + 1, rest / n)] if rest else [])
 
 
 def rank_held_bytes(params: Sequence[ParamPlan], W: int) -> list[float]:
@@ -293,11 +306,13 @@ def spread_rows(load: list[float], n: int, nbytes: float, W: int) -> None:
     """Add ``nbytes`` over ``torch.chunk(n, W)`` rows (only ranks with rows are touched)."""
     if not n:
         return
-    for r in range(W):
-        start, end = even_rows(n, W, r)
-        if start >= end:
-            break
-        load[r] += nbytes * (end - start) / n
+    c = -(-n // W)  # torch.chunk (even_rows): c rows on ranks [0, n // c), the rest on the next
+    full, rest = divmod(n, c)
+    x = nbytes * c / n
+    for r in range(full):
+        load[r] += x
+    if rest:
+        load[full] += nbytes * rest / n
 
 
 @dataclass(frozen=True, kw_only=True)
