@@ -28,8 +28,8 @@ from matrixfsdp.placement.owned_tensor import local_tensor
 from matrixfsdp.placement.rows import local_slices
 from matrixfsdp.qk_clip import QKClip
 
-from qk_clip._reference import (Recorder, attention_class, batch, clip_mha, decoder, decoder_logits, hf_mha_logits,
-                                hf_model, lm_loss, max_rel_diff)
+from qk_clip._reference import (Recorder, attention_class, batch, clip_mha, clip_mla, decoder, decoder_logits,
+                                hf_mha_logits, hf_mla_logits, hf_model, lm_loss, max_rel_diff)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -59,7 +59,7 @@ def _compare(model, ref) -> tuple[float, float]:
     return local, full
 
 
-def _loop(model, ref, opt, ref_opt, qk, rec, slices, steps, micro=1, x_of=None, tau=TAU):
+def _loop(model, ref, opt, ref_opt, qk, rec, slices, steps, micro=1, x_of=None, tau=TAU, clip=clip_mha):
     """Train both; returns per-step (python collectives in step(), max-logit diff, clipped heads)."""
     out = {"step_calls": [], "max": 0.0, "clipped": 0, "qk_calls": []}
     W = len(slices)
@@ -76,7 +76,7 @@ def _loop(model, ref, opt, ref_opt, qk, rec, slices, steps, micro=1, x_of=None, 
         out["step_calls"].append(spy["python"])
         out["qk_calls"].append(qk.counter.calls.get("all_reduce_max", 0) - before)
         ref_opt.step()
-        out["clipped"] += clip_mha(rec, tau, 0.5)
+        out["clipped"] += clip(rec, tau, 0.5)
         opt.zero_grad()
         ref_opt.zero_grad()
         out["max"] = max(out["max"], max_rel_diff(qk.max_logits(per_head=True), maxes))
@@ -158,6 +158,38 @@ def test_hsdp_2x2(mode):
     replicas' owners receive the scaled values by the exchange (their own scaled stale copies
     are overwritten with the same result)."""
     _check(get_pool(4).run(fully_shard_parity, 2, 2, mode=mode))
+
+
+def mla_parity(R, S, mode="repeat", steps=2):
+    """DeepSeek-V3's MLA (query LoRA, shared rotary key) under ``fully_shard``: q_nope rows by
+    gamma ** alpha, q_rope rows by gamma, kv_b_proj's k_nope rows by gamma ** (1 - alpha), V and
+    the rotary key untouched, as the reference's ``clip_mla``."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    W = R * S
+    model = hf_model("deepseek_v3", "sdpa")
+    ref = copy.deepcopy(model)
+    mesh = _mesh(R, S)
+    plan = matrixfsdp.plan_owners(model, mesh, block_types=(DeepseekV3DecoderLayer,), replica_step=mode)
+    for layer in model.model.layers:
+        matrixfsdp.fully_shard(layer, mesh=mesh, plan=plan)
+    matrixfsdp.fully_shard(model, mesh=mesh, plan=plan)
+    opt = matrixfsdp.optim.Muon(model, lr=0.02, ns_dtype=torch.float32, adamw_lr=1e-3)
+    ref_opt = matrixfsdp.optim.Muon(ref, lr=0.02, ns_dtype=torch.float32, adamw_lr=1e-3)
+    qk = QKClip(model, opt, tau=1.0)
+    rec = Recorder(ref, attention_class(ref), hf_mla_logits)
+    per = BATCH // W
+    slices = [slice(r * per, (r + 1) * per) for r in range(W)]
+    out = _loop(model, ref, opt, ref_opt, qk, rec, slices, steps, tau=1.0, clip=clip_mla)
+    model.sync_params()
+    out["local"], out["full"] = _compare(model, ref)
+    return out
+
+
+@pytest.mark.parametrize("R, S, mode", [(1, 2, "repeat"), (1, 3, "repeat"), (2, 2, "split")],
+                         ids=["w2", "w3", "hsdp2x2_split"])
+def test_mla(R, S, mode):
+    _check(get_pool(R * S).run(mla_parity, R, S, mode))
 
 
 def replicate_parity(steps=2):
