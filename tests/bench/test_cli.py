@@ -52,8 +52,8 @@ def test_step_bench_zero_rows_run_and_match_ddp(tmp_path):
     out = tmp_path / "sb"
     _bench("step_bench.py", "--world", "2", "--impls", "ddp_muon,replicate_a0.5,replicate_naive,zero_redundancy_muon",
            "--repeats", "1", "--warmup", "2", "--steps", "1", "--parity-steps", "2", "--retries", "0",
-           "--max-foreign", "1.0", "--hidden", "64", "--intermediate", "128", "--layers", "2", "--vocab", "256",
-           "--seq", "32", "--heads", "2", "--kv-heads", "1", "--out", str(out))
+           "--max-foreign", "1.0", "--quiet-wait", "0", "--hidden", "64", "--intermediate", "128", "--layers", "2",
+           "--vocab", "256", "--seq", "32", "--heads", "2", "--kv-heads", "1", "--out", str(out))
     rows = {r["impl"]: r for r in map(json.loads, (tmp_path / "sb.jsonl").read_text().splitlines()) if "impl" in r}
     assert all(r["status"] == "ok" for r in rows.values()), rows
     for name in ("replicate_a0.5", "replicate_naive", "zero_redundancy_muon"):
@@ -70,6 +70,16 @@ def test_plot_zero_reads_step_bench_results(tmp_path):
     assert (tmp_path / "z.png").stat().st_size > 10_000
     assert {r["impl"] for r in rows} >= {"replicate_a0.5", "zero1_owner", "zero_redundancy_muon"}
     assert all(r["limit"] > 0 and r["balance"] >= 1.0 for r in rows)
+
+
+def _step_bench():
+    """benchmarks/step_bench.py as a module, in this process (for what needs no ranks)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import step_bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return step_bench
 
 
 def _hsdp_api() -> bool:
@@ -91,7 +101,7 @@ def hsdp_run(tmp_path_factory):
     lines = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
     rows = {r["impl"]: r for r in lines if "impl" in r}
     md = out.with_suffix(".md").read_text()
-    _bench("step_bench.py", "--render", str(out.with_suffix(".jsonl")))  # rewrites the same report
+    assert _step_bench().main(["--render", str(out.with_suffix(".jsonl"))]) == 0  # rewrites the same report
     assert out.with_suffix(".md").read_text() == md
     return lines[0]["meta"], rows, md
 
@@ -223,11 +233,7 @@ def test_step_bench_tp_dp_rows_well_formed(tmp_path):
 
 def test_step_bench_tp_world_must_be_multiple(capsys):
     """``--tp T --world W`` needs W = dp * T (checked before any rank starts)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import step_bench
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    step_bench = _step_bench()
     with pytest.raises(SystemExit) as e:
         step_bench.parse_args(["--tp", "2", "--world", "3"])
     assert e.value.code == 2 and "dp * T" in capsys.readouterr().err
@@ -261,11 +267,7 @@ def test_step_bench_moe_rows_run_and_match_ddp(tmp_path):
 
 
 def test_step_bench_moe_refuses_decoder_rows(capsys):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import step_bench
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    step_bench = _step_bench()
     assert step_bench._impl_list(step_bench.parse_args(["--model", "moe"])) == list(step_bench.MOE_DEFAULT_IMPLS)
     with pytest.raises(SystemExit, match="need --model moe"):
         step_bench._impl_list(step_bench.parse_args(["--impls", "moe_owners"]))
