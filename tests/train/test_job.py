@@ -245,8 +245,9 @@ def test_tiny_moe_trains_and_resumes(tmp_path):
     matrixfsdp + Muon (expert stacks owned whole per rank, stepped per expert) next to FSDP2 +
     AdamW: losses fall, the step communicates nothing, and a resume from the step-3 checkpoint
     (per-expert optimizer state included) reproduces the run bitwise."""
+    # 4 x 32 bytes a step (the default 16 x 128 cost ~4 s CPU more per command for nothing pinned here)
     argv = ["--model", "tiny-moe", "--steps", "6", "--ckpt-every", "3", "--eval-every", "6", "--sample-bytes", "0",
-            "--max-corpus-bytes", "200000", "--threads", "1"]
+            "--max-corpus-bytes", "200000", "--threads", "1", "--batch", "4", "--seq-len", "32"]
     ref = tmp_path / "ref"
     train(*argv, "--out", str(ref))
     recs = records(ref, "matrixfsdp-muon")
