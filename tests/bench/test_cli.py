@@ -1,8 +1,16 @@
 """Benchmark scripts: headers record the command actually run, --out keeps stdout to a summary,
-planner_quality writes rows as it goes, step_balance measures (no committed results read)."""
+planner_quality writes rows as it goes, step_balance measures (no committed results read).
+
+step_bench's driver and planner_quality run their ``main(argv)`` in this process (``_main``): a
+benchmark interpreter pays a torch + matrixfsdp import (~4.5 s CPU) before any work. step_bench's
+ranks are still processes of their own, started by the driver as from the command line; the
+scripts that set process-wide state (step_balance and expert_ns_bench set torch's thread count)
+run as subprocesses (``_bench``)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -12,6 +20,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _import_bench(name: str):
+    """benchmarks/<name>.py as a module of this process."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def _main(script: str, *args: str) -> str:
+    """``python benchmarks/<script> *args`` as its ``main(args)`` in this process (which must
+    return 0); what it printed on stdout."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = _import_bench(script.removesuffix(".py")).main(list(args))
+    assert status == 0, out.getvalue()[-3000:]
+    return out.getvalue()
 
 
 def _bench(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -24,12 +51,12 @@ def _bench(script: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_planner_quality_header_stdout_and_rows(tmp_path):
     out = tmp_path / "pq"
-    res = _bench("planner_quality.py", "--models", "tiny", "--worlds", "2", "3", "--out", str(out))
+    stdout = _main("planner_quality.py", "--models", "tiny", "--worlds", "2", "3", "--out", str(out))
     md = (tmp_path / "pq.md").read_text()
     assert md.splitlines()[0] == (f"<!-- produced by: python benchmarks/planner_quality.py --models tiny "
                                   f"--worlds 2 3 --out {out} -->")
-    assert not any(line.startswith("{") for line in res.stdout.splitlines())  # summary only
-    assert "| tiny | 2 |" in res.stdout
+    assert not any(line.startswith("{") for line in stdout.splitlines())  # summary only
+    assert "| tiny | 2 |" in stdout
     rows = [json.loads(line) for line in (tmp_path / "pq.jsonl").read_text().splitlines()]
     assert [r["world"] for r in rows] == [2, 3]
 
@@ -50,7 +77,7 @@ def test_step_bench_zero_rows_run_and_match_ddp(tmp_path):
     """The issue-12 rows of step_bench on a small model: they run, match ddp_muon's parameters,
     make no collective in the optimizer step (replicate) and report their step balance."""
     out = tmp_path / "sb"
-    _bench("step_bench.py", "--world", "2", "--impls", "ddp_muon,replicate_a0.5,replicate_naive,zero_redundancy_muon",
+    _main("step_bench.py", "--world", "2", "--impls", "ddp_muon,replicate_a0.5,replicate_naive,zero_redundancy_muon",
            "--repeats", "1", "--warmup", "2", "--steps", "1", "--parity-steps", "2", "--retries", "0",
            "--max-foreign", "1.0", "--quiet-wait", "0", "--hidden", "64", "--intermediate", "128", "--layers", "2",
            "--vocab", "256", "--seq", "32", "--heads", "2", "--kv-heads", "1", "--out", str(out))
@@ -72,16 +99,6 @@ def test_plot_zero_reads_step_bench_results(tmp_path):
     assert all(r["limit"] > 0 and r["balance"] >= 1.0 for r in rows)
 
 
-def _step_bench():
-    """benchmarks/step_bench.py as a module, in this process (for what needs no ranks)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import step_bench
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return step_bench
-
-
 def _hsdp_api() -> bool:
     import inspect
 
@@ -94,14 +111,14 @@ def _hsdp_api() -> bool:
 def hsdp_run(tmp_path_factory):
     """step_bench --mesh 2,2 on localhost gloo (no netns), one tiny config, every HSDP row."""
     out = tmp_path_factory.mktemp("hsdp") / "hb"
-    _bench("step_bench.py", "--world", "4", "--mesh", "2,2", "--repeats", "1", "--warmup", "2", "--steps", "1",
+    _main("step_bench.py", "--world", "4", "--mesh", "2,2", "--repeats", "1", "--warmup", "2", "--steps", "1",
            "--parity-steps", "2", "--retries", "0", "--max-foreign", "1.0", "--quiet-wait", "0",
            "--link-check-mb", "0.25", "--hidden", "64", "--intermediate", "128", "--layers", "2", "--vocab", "256",
            "--seq", "32", "--heads", "2", "--kv-heads", "1", "--out", str(out))
     lines = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
     rows = {r["impl"]: r for r in lines if "impl" in r}
     md = out.with_suffix(".md").read_text()
-    assert _step_bench().main(["--render", str(out.with_suffix(".jsonl"))]) == 0  # rewrites the same report
+    assert _import_bench("step_bench").main(["--render", str(out.with_suffix(".jsonl"))]) == 0  # rewrites the same report
     assert out.with_suffix(".md").read_text() == md
     return lines[0]["meta"], rows, md
 
@@ -152,7 +169,7 @@ def test_step_bench_tp_rows_well_formed(tmp_path):
     two all-to-alls per micro-group in the step (unfused: one group per matrix) and match the
     redundant baseline, which all-gathers every TP-sharded matrix; the report states the targets."""
     out = tmp_path / "tp"
-    _bench("step_bench.py", "--tp", "2", "--repeats", "1", "--warmup", "2", "--steps", "1", "--parity-steps", "2",
+    _main("step_bench.py", "--tp", "2", "--repeats", "1", "--warmup", "2", "--steps", "1", "--parity-steps", "2",
            "--retries", "0", "--max-foreign", "1.0", "--quiet-wait", "0", "--hidden", "64", "--intermediate", "128",
            "--layers", "1", "--vocab", "384", "--seq", "8", "--global-batch", "2", "--out", str(out))
     lines = [json.loads(line) for line in (tmp_path / "tp.jsonl").read_text().splitlines()]
@@ -190,7 +207,7 @@ def test_step_bench_tp_dp_rows_well_formed(tmp_path):
     out = tmp_path / "tpdp"
     names = ["tp_redundant", "tp_microgroups", "tp_sequential", "tp_unfused", "tp_shard_local", "tp_unfused_lpt",
              "ddp_muon"]
-    _bench("step_bench.py", "--tp", "2", "--world", "4", "--impls", ",".join(names), "--repeats", "1",
+    _main("step_bench.py", "--tp", "2", "--world", "4", "--impls", ",".join(names), "--repeats", "1",
            "--warmup", "2", "--steps", "1", "--parity-steps", "2", "--retries", "0", "--max-foreign", "1.0",
            "--quiet-wait", "0", "--hidden", "64", "--intermediate", "128", "--layers", "1", "--vocab", "384",
            "--seq", "8", "--global-batch", "4", "--out", str(out))
@@ -233,7 +250,7 @@ def test_step_bench_tp_dp_rows_well_formed(tmp_path):
 
 def test_step_bench_tp_world_must_be_multiple(capsys):
     """``--tp T --world W`` needs W = dp * T (checked before any rank starts)."""
-    step_bench = _step_bench()
+    step_bench = _import_bench("step_bench")
     with pytest.raises(SystemExit) as e:
         step_bench.parse_args(["--tp", "2", "--world", "3"])
     assert e.value.code == 2 and "dp * T" in capsys.readouterr().err
@@ -248,7 +265,7 @@ def test_step_bench_moe_rows_run_and_match_ddp(tmp_path):
     expert matrix a 2-D parameter), moe_owners makes no collective in its step and has its
     per-rank alone times, and the report states the goals."""
     out = tmp_path / "moe"
-    _bench("step_bench.py", "--world", "2", "--model", "moe", "--impls",
+    _main("step_bench.py", "--world", "2", "--model", "moe", "--impls",
            "moe_ddp,moe_owners,moe_distmuon,moe_gather_muon,moe_tt_distmuon", "--repeats", "1", "--warmup", "2",
            "--steps", "1", "--parity-steps", "2", "--retries", "0", "--max-foreign", "1.0", "--quiet-wait", "0",
            "--alone-reps", "1", "--hidden", "32", "--moe-ffn", "24", "--experts", "5", "--layers", "2",
@@ -267,7 +284,7 @@ def test_step_bench_moe_rows_run_and_match_ddp(tmp_path):
 
 
 def test_step_bench_moe_refuses_decoder_rows(capsys):
-    step_bench = _step_bench()
+    step_bench = _import_bench("step_bench")
     assert step_bench._impl_list(step_bench.parse_args(["--model", "moe"])) == list(step_bench.MOE_DEFAULT_IMPLS)
     with pytest.raises(SystemExit, match="need --model moe"):
         step_bench._impl_list(step_bench.parse_args(["--impls", "moe_owners"]))
