@@ -118,7 +118,8 @@ def hsdp_run(tmp_path_factory):
     lines = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
     rows = {r["impl"]: r for r in lines if "impl" in r}
     md = out.with_suffix(".md").read_text()
-    assert _import_bench("step_bench").main(["--render", str(out.with_suffix(".jsonl"))]) == 0  # rewrites the same report
+    # --render rewrites the same report
+    assert _import_bench("step_bench").main(["--render", str(out.with_suffix(".jsonl"))]) == 0
     assert out.with_suffix(".md").read_text() == md
     return lines[0]["meta"], rows, md
 
