@@ -3,9 +3,10 @@ planner_quality writes rows as it goes, step_balance measures (no committed resu
 
 step_bench's driver and planner_quality run their ``main(argv)`` in this process (``_main``): a
 benchmark interpreter pays a torch + matrixfsdp import (~4.5 s CPU) before any work. step_bench's
-ranks are still processes of their own, started by the driver as from the command line; the
-scripts that set process-wide state (step_balance and expert_ns_bench set torch's thread count)
-run as subprocesses (``_bench``)."""
+ranks are still processes of their own, started by the driver as from the command line.
+expert_ns_bench runs here too (its thread count restored after); step_balance, which sets the
+thread count and then forks its ranks from its own process, and plot_zero run as subprocesses
+(``_bench``)."""
 
 from __future__ import annotations
 
@@ -294,9 +295,15 @@ def test_step_bench_moe_refuses_decoder_rows(capsys):
 
 
 def test_expert_ns_bench_rows_and_parity(tmp_path):
+    import torch
+
     out = tmp_path / "ens"
-    _bench("expert_ns_bench.py", "--experts", "3", "--dims", "24,16", "--reps", "1", "--warmup", "1",
-           "--quiet-wait", "0", "--retries", "0", "--out", str(out))
+    threads = torch.get_num_threads()
+    try:  # in this process: the one state it sets process-wide, torch's thread count, is restored
+        _main("expert_ns_bench.py", "--experts", "3", "--dims", "24,16", "--reps", "1", "--warmup", "1",
+              "--quiet-wait", "0", "--retries", "0", "--out", str(out))
+    finally:
+        torch.set_num_threads(threads)
     rows = [json.loads(line) for line in (tmp_path / "ens.jsonl").read_text().splitlines()][1:]
     assert [(r["stack"], r["ns_dtype"]) for r in rows] == [
         (s, d) for s in ("w1", "w2", "gate_up_proj") for d in ("float32", "bfloat16")]
