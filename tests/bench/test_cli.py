@@ -42,6 +42,64 @@ def _main(script: str, *args: str) -> str:
     return out.getvalue()
 
 
+def _step_bench_rank(argv: list[str], env: dict[str, str], log: str) -> None:
+    """A step_bench rank forked from the harness's forkserver: the launcher's environment, output
+    to ``log``, then the script's worker; ends the process as the script's ``__main__`` does."""
+    f = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(f, 1)
+    os.dup2(f, 2)
+    os.environ.update(env)
+    code = _import_bench("step_bench").main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _forked_launch_ranks(world: int, worker_argv: list[str], *, store_path: str, threads: int, timeout_s: float,
+                         netns_prefix: str | None = None, gloo_ifname: str | None = None,
+                         extra_env: dict[str, str] | None = None) -> list[int]:
+    """``_bench_common.launch_ranks`` for step_bench in this process: the same rank environment
+    and worker argv, the ranks forked from the harness's forkserver (torch and matrixfsdp
+    imported, nothing run) instead of fresh interpreters; a failed rank's output is printed."""
+    import time
+
+    from _harness import forkserver_context
+
+    assert netns_prefix is None and gloo_ifname is None and list(worker_argv[1:3]) == [
+        str(ROOT / "benchmarks" / "step_bench.py"), "--_worker"], worker_argv
+    ctx = forkserver_context()
+    logs = [f"{store_path}.rank{r}.log" for r in range(world)]
+    procs = []
+    for r in range(world):
+        env = {"MFB_RANK": str(r), "MFB_WORLD": str(world), "MFB_STORE": store_path, "OMP_NUM_THREADS": str(threads),
+               **(extra_env or {})}
+        argv = list(worker_argv[2:]) + ["--_rank", str(r)]
+        procs.append(ctx.Process(target=_step_bench_rank, args=(argv, env, logs[r])))
+        procs[-1].start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    codes = [p.exitcode for p in procs]
+    for r, code in enumerate(codes):
+        if code:
+            print(f"----- step_bench rank {r} exited with {code} -----\n{Path(logs[r]).read_text()}", file=sys.stderr)
+    return codes
+
+
+def _step_bench(*args: str) -> str:
+    """``python benchmarks/step_bench.py *args`` (the driver, which must succeed) in this process,
+    its ranks forked from the harness's forkserver by ``_forked_launch_ranks``; its stdout.
+    test_step_bench_zero_rows_run_and_match_ddp runs the script's own launcher."""
+    bc = _import_bench("_bench_common")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(bc, "launch_ranks", _forked_launch_ranks)
+        return _main("step_bench.py", *args)
+
+
 def _bench(script: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
@@ -112,10 +170,10 @@ def _hsdp_api() -> bool:
 def hsdp_run(tmp_path_factory):
     """step_bench --mesh 2,2 on localhost gloo (no netns), one tiny config, every HSDP row."""
     out = tmp_path_factory.mktemp("hsdp") / "hb"
-    _main("step_bench.py", "--world", "4", "--mesh", "2,2", "--repeats", "1", "--warmup", "2", "--steps", "1",
-           "--parity-steps", "2", "--retries", "0", "--max-foreign", "1.0", "--quiet-wait", "0",
-           "--link-check-mb", "0.25", "--hidden", "64", "--intermediate", "128", "--layers", "2", "--vocab", "256",
-           "--seq", "32", "--heads", "2", "--kv-heads", "1", "--out", str(out))
+    _step_bench("--world", "4", "--mesh", "2,2", "--repeats", "1", "--warmup", "2", "--steps", "1",
+                "--parity-steps", "2", "--retries", "0", "--max-foreign", "1.0", "--quiet-wait", "0",
+                "--link-check-mb", "0.25", "--hidden", "64", "--intermediate", "128", "--layers", "2", "--vocab", "256",
+                "--seq", "32", "--heads", "2", "--kv-heads", "1", "--out", str(out))
     lines = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
     rows = {r["impl"]: r for r in lines if "impl" in r}
     md = out.with_suffix(".md").read_text()
@@ -171,9 +229,9 @@ def test_step_bench_tp_rows_well_formed(tmp_path):
     two all-to-alls per micro-group in the step (unfused: one group per matrix) and match the
     redundant baseline, which all-gathers every TP-sharded matrix; the report states the targets."""
     out = tmp_path / "tp"
-    _main("step_bench.py", "--tp", "2", "--repeats", "1", "--warmup", "2", "--steps", "1", "--parity-steps", "2",
-           "--retries", "0", "--max-foreign", "1.0", "--quiet-wait", "0", "--hidden", "64", "--intermediate", "128",
-           "--layers", "1", "--vocab", "384", "--seq", "8", "--global-batch", "2", "--out", str(out))
+    _step_bench("--tp", "2", "--repeats", "1", "--warmup", "2", "--steps", "1", "--parity-steps", "2",
+                "--retries", "0", "--max-foreign", "1.0", "--quiet-wait", "0", "--hidden", "64", "--intermediate", "128",
+                "--layers", "1", "--vocab", "384", "--seq", "8", "--global-batch", "2", "--out", str(out))
     lines = [json.loads(line) for line in (tmp_path / "tp.jsonl").read_text().splitlines()]
     meta, rows = lines[0]["meta"], {r["impl"]: r for r in lines[1:]}
     assert meta["tp"] == 2 and meta["dp"] == 1 and meta["world"] == 2
@@ -209,10 +267,10 @@ def test_step_bench_tp_dp_rows_well_formed(tmp_path):
     out = tmp_path / "tpdp"
     names = ["tp_redundant", "tp_microgroups", "tp_sequential", "tp_unfused", "tp_shard_local", "tp_unfused_lpt",
              "ddp_muon"]
-    _main("step_bench.py", "--tp", "2", "--world", "4", "--impls", ",".join(names), "--repeats", "1",
-           "--warmup", "2", "--steps", "1", "--parity-steps", "2", "--retries", "0", "--max-foreign", "1.0",
-           "--quiet-wait", "0", "--hidden", "64", "--intermediate", "128", "--layers", "1", "--vocab", "384",
-           "--seq", "8", "--global-batch", "4", "--out", str(out))
+    _step_bench("--tp", "2", "--world", "4", "--impls", ",".join(names), "--repeats", "1",
+                "--warmup", "2", "--steps", "1", "--parity-steps", "2", "--retries", "0", "--max-foreign", "1.0",
+                "--quiet-wait", "0", "--hidden", "64", "--intermediate", "128", "--layers", "1", "--vocab", "384",
+                "--seq", "8", "--global-batch", "4", "--out", str(out))
     lines = [json.loads(line) for line in (tmp_path / "tpdp.jsonl").read_text().splitlines()]
     meta, rows = lines[0]["meta"], {r["impl"]: r for r in lines[1:]}
     assert meta["tp"] == 2 and meta["dp"] == 2 and meta["world"] == 4
@@ -267,11 +325,11 @@ def test_step_bench_moe_rows_run_and_match_ddp(tmp_path):
     expert matrix a 2-D parameter), moe_owners makes no collective in its step and has its
     per-rank alone times, and the report states the goals."""
     out = tmp_path / "moe"
-    _main("step_bench.py", "--world", "2", "--model", "moe", "--impls",
-           "moe_ddp,moe_owners,moe_distmuon,moe_gather_muon,moe_tt_distmuon", "--repeats", "1", "--warmup", "2",
-           "--steps", "1", "--parity-steps", "2", "--retries", "0", "--max-foreign", "1.0", "--quiet-wait", "0",
-           "--alone-reps", "1", "--hidden", "32", "--moe-ffn", "24", "--experts", "5", "--layers", "2",
-           "--vocab", "128", "--seq", "16", "--out", str(out))
+    _step_bench("--world", "2", "--model", "moe", "--impls",
+                "moe_ddp,moe_owners,moe_distmuon,moe_gather_muon,moe_tt_distmuon", "--repeats", "1", "--warmup", "2",
+                "--steps", "1", "--parity-steps", "2", "--retries", "0", "--max-foreign", "1.0", "--quiet-wait", "0",
+                "--alone-reps", "1", "--hidden", "32", "--moe-ffn", "24", "--experts", "5", "--layers", "2",
+                "--vocab", "128", "--seq", "16", "--out", str(out))
     rows = {r["impl"]: r for r in map(json.loads, (tmp_path / "moe.jsonl").read_text().splitlines()) if "impl" in r}
     assert set(rows) == {"moe_ddp", "moe_owners", "moe_distmuon", "moe_gather_muon", "moe_tt_distmuon"}
     assert all(r["status"] == "ok" for r in rows.values()), {n: r.get("reason") for n, r in rows.items()}
