@@ -124,11 +124,11 @@ def test_step_balance_measures(tmp_path):
     src = (ROOT / "benchmarks" / "step_balance.py").read_text()
     assert "step_cpu_w" not in src and "results" not in src.split('"""', 2)[2]  # reads no committed results
     out = tmp_path / "sb"
-    res = _bench("step_balance.py", "--worlds", "2", "--out", str(out))
+    res = _bench("step_balance.py", "--worlds", "2", "--reps", "1", "--out", str(out))  # measures; 1 rep is enough
     row = json.loads((tmp_path / "sb.jsonl").read_text())
     assert row["world"] == 2 and row["distributed_step_s"] > 0 and len(row["distributed_local_step_s"]) == 2
     assert (tmp_path / "sb.md").read_text().startswith(
-        f"<!-- produced by: python benchmarks/step_balance.py --worlds 2 --out {out} -->")
+        f"<!-- produced by: python benchmarks/step_balance.py --worlds 2 --reps 1 --out {out} -->")
     assert not any(line.startswith("{") for line in res.stdout.splitlines())
 
 
