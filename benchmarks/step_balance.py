@@ -5,7 +5,7 @@
 The optimizer step under matrixfsdp is purely local, so each rank's step can be timed in one
 process: for the step benchmark's model (``step_bench.py`` defaults) and the plan its matrixfsdp
 slot uses, this times every parameter's Muon/AdamW update in isolation (one thread, fp32
-Newton-Schulz, median of 7 after 2 warm-ups), sums them per rank, and reports:
+Newton-Schulz, median of ``--reps`` (7) after 2 warm-ups), sums them per rank, and reports:
 
 * the *balance limit*: the largest per-rank local optimizer compute (what no schedule of these
   owners can beat), next to perfect balance (total / W);
@@ -13,7 +13,7 @@ Newton-Schulz, median of 7 after 2 warm-ups), sums them per rank, and reports:
   cost imbalance (FLOP model) -- the cost model's calibration on this CPU;
 * the distributed step, measured here: W gloo ranks on this machine hold the model sharded by
   the same plan, one backward fills the gradients, then ``optimizer.step()`` is timed between
-  barriers (median of 7 after 2 warm-ups; the barrier-to-barrier time is the slowest rank's),
+  barriers (median of ``--reps`` after 2 warm-ups; the barrier-to-barrier time is the slowest rank's),
   divided by the balance limit. With W ranks on fewer cores, ranks share cores and the
   distributed time is compared with (W / cores) times the limit.
 """
@@ -109,6 +109,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="matrixfsdp's optimizer step against its balance limit.")
     ap.add_argument("--out", default=None, help="write OUT.jsonl and OUT.md; stdout then gets only the summary")
     ap.add_argument("--worlds", nargs="*", type=int, default=[2, 4], help="world sizes to measure")
+    ap.add_argument("--reps", type=int, default=7,
+                    help="timed repetitions per measurement, after 2 warm-ups; the median is kept (default: %(default)s)")
     args = ap.parse_args(argv)
     command = bc.command_line(__file__, argv)
     torch.set_num_threads(1)
@@ -128,11 +130,11 @@ def main(argv=None) -> int:
                     continue
                 key = (shape, matrix)
                 if key not in cache:
-                    cache[key] = time_update(shape, matrix)
+                    cache[key] = time_update(shape, matrix, args.reps)
                 per_rank[r] += cache[key]
         limit = max(per_rank)
         avg = sum(per_rank) / W
-        measured = measured_step(W)
+        measured = measured_step(W, args.reps)
         dist = measured["step_s"]
         share = max(1.0, W / cores)  # ranks per core in the distributed run
         row = {

@@ -1119,7 +1119,9 @@ def emit(result: dict[str, Any], args: argparse.Namespace, command: str) -> None
 
 
 # ================================================================================ driver side
-def driver_main(args: argparse.Namespace) -> int:
+def driver_main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """Start the ranks, collect their rows, write the report; ``argv``: the arguments ``main``
+    parsed, for the report's header (``None``: ``sys.argv[1:]``)."""
     world = args.world
     impls = _impl_list(args)
     try:  # one node: every rank needs its own GPU under nccl; say so now rather than hang later
@@ -1176,7 +1178,7 @@ def driver_main(args: argparse.Namespace) -> int:
         qd = subprocess.run(["tc", "qdisc", "show", "dev", "mfbla"], capture_output=True, text=True).stdout.strip()
         result["meta"]["link_qdisc"] = qd or "mfbla absent (not the setup_two_level.sh network)"
     shutil.rmtree(tmp, ignore_errors=True)
-    command = "python benchmarks/step_bench.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = bc.command_line(__file__, argv)
     emit(result, args, command)
     return 0
 
@@ -1333,7 +1335,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(args)
     if not args.world:
         raise SystemExit("give --world W (driver mode) or run under torchrun")
-    return driver_main(args)
+    return driver_main(args, argv)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
-__all__ = ["DistPool", "DistributedTestError", "DistributedTestTimeout", "run_distributed", "get_pool"]
+__all__ = ["DistPool", "DistributedTestError", "DistributedTestTimeout", "run_distributed", "get_pool",
+           "forkserver_context"]
 
 # matrixfsdp imports torch._dynamo (via its hooks): preloading it once in the forkserver saves every
 # worker the import, which on a loaded 2-core box took longer than some tests' whole timeout
@@ -55,6 +56,13 @@ def _context() -> Any:
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(_PRELOAD)
     return _CTX
+
+
+def forkserver_context() -> Any:
+    """The pools' ``forkserver`` multiprocessing context: each process it starts is a fresh fork
+    of a server that has imported torch and matrixfsdp and run nothing, so a test that needs a new
+    process per run (no state carried over) gets one without a torch import each."""
+    return _context()
 
 
 class DistributedTestError(RuntimeError):

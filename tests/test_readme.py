@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,24 +33,17 @@ def test_readme_names_exactly_two_commands_and_ci_runs_the_test_one():
     assert "torch==2.15.0" in (ROOT / "constraints-torch2.15.txt").read_text().splitlines()
 
 
-def test_readme_main_job_runs(tmp_path):
-    """The README's main job, exactly as written, with smoke-size options appended (the full
-    ~2-minute run is measured and committed in benchmarks/results/train/default/)."""
+def test_readme_main_job_is_the_train_command_and_ci_installs_its_extra():
+    """The README's main job: an install of an extra CI's [test] covers, then ``python -m
+    matrixfsdp.train``. tests/train/test_readme_commands.py runs it exactly as written (its first
+    command), with smoke-size options appended (the full ~2-minute run is measured and committed
+    in benchmarks/results/train/default/)."""
     main = _commands()[0]
     install, cli = (part.strip() for part in main.split("&&", 1))
     extras = _extras()
     wanted = install.split("-e", 1)[1].strip().strip('"').lstrip(".").strip("[]")  # "train"
     assert set(extras[wanted]) <= set(extras["test"]), "CI installs [test]: it must cover the main job's extra"
-    cli = cli.split()
-    assert cli[:3] == ["python", "-m", "matrixfsdp.train"]
-    smoke = ["--model", "nano", "--steps", "3", "--eval-every", "3", "--sample-bytes", "4",
-             "--max-corpus-bytes", "100000", "--out", str(tmp_path / "run")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, *cli[1:], *smoke], capture_output=True, text=True, timeout=300,
-                         env=env, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    assert "matrixfsdp-muon: 3 steps at W=2" in out.stdout and "fsdp2-adamw: 3 steps at W=2" in out.stdout
-    assert (tmp_path / "run" / "loss.png").exists()
+    assert cli.split() == ["python", "-m", "matrixfsdp.train"], cli
 
 
 def _extras() -> dict[str, list[str]]:

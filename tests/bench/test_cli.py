@@ -1,8 +1,17 @@
 """Benchmark scripts: headers record the command actually run, --out keeps stdout to a summary,
-planner_quality writes rows as it goes, step_balance measures (no committed results read)."""
+planner_quality writes rows as it goes, step_balance measures (no committed results read).
+
+step_bench's driver and planner_quality run their ``main(argv)`` in this process (``_main``): a
+benchmark interpreter pays a torch + matrixfsdp import (~4.5 s CPU) before any work. step_bench's
+ranks are still processes of their own, started by the driver as from the command line.
+expert_ns_bench runs here too (its thread count restored after); step_balance, which sets the
+thread count and then forks its ranks from its own process, and plot_zero run as subprocesses
+(``_bench``)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -12,6 +21,83 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _import_bench(name: str):
+    """benchmarks/<name>.py as a module of this process."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def _main(script: str, *args: str) -> str:
+    """``python benchmarks/<script> *args`` as its ``main(args)`` in this process (which must
+    return 0); what it printed on stdout."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = _import_bench(script.removesuffix(".py")).main(list(args))
+    assert status == 0, out.getvalue()[-3000:]
+    return out.getvalue()
+
+
+def _step_bench_rank(argv: list[str], env: dict[str, str], log: str) -> None:
+    """A step_bench rank forked from the harness's forkserver: the launcher's environment, output
+    to ``log``, then the script's worker; ends the process as the script's ``__main__`` does."""
+    f = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(f, 1)
+    os.dup2(f, 2)
+    os.environ.update(env)
+    code = _import_bench("step_bench").main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _forked_launch_ranks(world: int, worker_argv: list[str], *, store_path: str, threads: int, timeout_s: float,
+                         netns_prefix: str | None = None, gloo_ifname: str | None = None,
+                         extra_env: dict[str, str] | None = None) -> list[int]:
+    """``_bench_common.launch_ranks`` for step_bench in this process: the same rank environment
+    and worker argv, the ranks forked from the harness's forkserver (torch and matrixfsdp
+    imported, nothing run) instead of fresh interpreters; a failed rank's output is printed."""
+    import time
+
+    from _harness import forkserver_context
+
+    assert netns_prefix is None and gloo_ifname is None and list(worker_argv[1:3]) == [
+        str(ROOT / "benchmarks" / "step_bench.py"), "--_worker"], worker_argv
+    ctx = forkserver_context()
+    logs = [f"{store_path}.rank{r}.log" for r in range(world)]
+    procs = []
+    for r in range(world):
+        env = {"MFB_RANK": str(r), "MFB_WORLD": str(world), "MFB_STORE": store_path, "OMP_NUM_THREADS": str(threads),
+               **(extra_env or {})}
+        argv = list(worker_argv[2:]) + ["--_rank", str(r)]
+        procs.append(ctx.Process(target=_step_bench_rank, args=(argv, env, logs[r])))
+        procs[-1].start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    codes = [p.exitcode for p in procs]
+    for r, code in enumerate(codes):
+        if code:
+            print(f"----- step_bench rank {r} exited with {code} -----\n{Path(logs[r]).read_text()}", file=sys.stderr)
+    return codes
+
+
+def _step_bench(*args: str) -> str:
+    """``python benchmarks/step_bench.py *args`` (the driver, which must succeed) in this process,
+    its ranks forked from the harness's forkserver by ``_forked_launch_ranks``; its stdout.
+    test_step_bench_zero_rows_run_and_match_ddp runs the script's own launcher."""
+    bc = _import_bench("_bench_common")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(bc, "launch_ranks", _forked_launch_ranks)
+        return _main("step_bench.py", *args)
 
 
 def _bench(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -24,12 +110,12 @@ def _bench(script: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_planner_quality_header_stdout_and_rows(tmp_path):
     out = tmp_path / "pq"
-    res = _bench("planner_quality.py", "--models", "tiny", "--worlds", "2", "3", "--out", str(out))
+    stdout = _main("planner_quality.py", "--models", "tiny", "--worlds", "2", "3", "--out", str(out))
     md = (tmp_path / "pq.md").read_text()
     assert md.splitlines()[0] == (f"<!-- produced by: python benchmarks/planner_quality.py --models tiny "
                                   f"--worlds 2 3 --out {out} -->")
-    assert not any(line.startswith("{") for line in res.stdout.splitlines())  # summary only
-    assert "| tiny | 2 |" in res.stdout
+    assert not any(line.startswith("{") for line in stdout.splitlines())  # summary only
+    assert "| tiny | 2 |" in stdout
     rows = [json.loads(line) for line in (tmp_path / "pq.jsonl").read_text().splitlines()]
     assert [r["world"] for r in rows] == [2, 3]
 
@@ -38,11 +124,11 @@ def test_step_balance_measures(tmp_path):
     src = (ROOT / "benchmarks" / "step_balance.py").read_text()
     assert "step_cpu_w" not in src and "results" not in src.split('"""', 2)[2]  # reads no committed results
     out = tmp_path / "sb"
-    res = _bench("step_balance.py", "--worlds", "2", "--out", str(out))
+    res = _bench("step_balance.py", "--worlds", "2", "--reps", "1", "--out", str(out))  # measures; 1 rep is enough
     row = json.loads((tmp_path / "sb.jsonl").read_text())
     assert row["world"] == 2 and row["distributed_step_s"] > 0 and len(row["distributed_local_step_s"]) == 2
     assert (tmp_path / "sb.md").read_text().startswith(
-        f"<!-- produced by: python benchmarks/step_balance.py --worlds 2 --out {out} -->")
+        f"<!-- produced by: python benchmarks/step_balance.py --worlds 2 --reps 1 --out {out} -->")
     assert not any(line.startswith("{") for line in res.stdout.splitlines())
 
 
@@ -50,10 +136,10 @@ def test_step_bench_zero_rows_run_and_match_ddp(tmp_path):
     """The issue-12 rows of step_bench on a small model: they run, match ddp_muon's parameters,
     make no collective in the optimizer step (replicate) and report their step balance."""
     out = tmp_path / "sb"
-    _bench("step_bench.py", "--world", "2", "--impls", "ddp_muon,replicate_a0.5,replicate_naive,zero_redundancy_muon",
+    _main("step_bench.py", "--world", "2", "--impls", "ddp_muon,replicate_a0.5,replicate_naive,zero_redundancy_muon",
            "--repeats", "1", "--warmup", "2", "--steps", "1", "--parity-steps", "2", "--retries", "0",
-           "--max-foreign", "1.0", "--hidden", "64", "--intermediate", "128", "--layers", "2", "--vocab", "256",
-           "--seq", "32", "--heads", "2", "--kv-heads", "1", "--out", str(out))
+           "--max-foreign", "1.0", "--quiet-wait", "0", "--hidden", "64", "--intermediate", "128", "--layers", "2",
+           "--vocab", "256", "--seq", "32", "--heads", "2", "--kv-heads", "1", "--out", str(out))
     rows = {r["impl"]: r for r in map(json.loads, (tmp_path / "sb.jsonl").read_text().splitlines()) if "impl" in r}
     assert all(r["status"] == "ok" for r in rows.values()), rows
     for name in ("replicate_a0.5", "replicate_naive", "zero_redundancy_muon"):
@@ -84,14 +170,15 @@ def _hsdp_api() -> bool:
 def hsdp_run(tmp_path_factory):
     """step_bench --mesh 2,2 on localhost gloo (no netns), one tiny config, every HSDP row."""
     out = tmp_path_factory.mktemp("hsdp") / "hb"
-    _bench("step_bench.py", "--world", "4", "--mesh", "2,2", "--repeats", "1", "--warmup", "2", "--steps", "1",
-           "--parity-steps", "2", "--retries", "0", "--max-foreign", "1.0", "--quiet-wait", "0",
-           "--link-check-mb", "0.25", "--hidden", "64", "--intermediate", "128", "--layers", "2", "--vocab", "256",
-           "--seq", "32", "--heads", "2", "--kv-heads", "1", "--out", str(out))
+    _step_bench("--world", "4", "--mesh", "2,2", "--repeats", "1", "--warmup", "2", "--steps", "1",
+                "--parity-steps", "2", "--retries", "0", "--max-foreign", "1.0", "--quiet-wait", "0",
+                "--link-check-mb", "0.25", "--hidden", "64", "--intermediate", "128", "--layers", "2", "--vocab", "256",
+                "--seq", "32", "--heads", "2", "--kv-heads", "1", "--out", str(out))
     lines = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
     rows = {r["impl"]: r for r in lines if "impl" in r}
     md = out.with_suffix(".md").read_text()
-    _bench("step_bench.py", "--render", str(out.with_suffix(".jsonl")))  # rewrites the same report
+    # --render rewrites the same report
+    assert _import_bench("step_bench").main(["--render", str(out.with_suffix(".jsonl"))]) == 0
     assert out.with_suffix(".md").read_text() == md
     return lines[0]["meta"], rows, md
 
@@ -142,9 +229,9 @@ def test_step_bench_tp_rows_well_formed(tmp_path):
     two all-to-alls per micro-group in the step (unfused: one group per matrix) and match the
     redundant baseline, which all-gathers every TP-sharded matrix; the report states the targets."""
     out = tmp_path / "tp"
-    _bench("step_bench.py", "--tp", "2", "--repeats", "1", "--warmup", "2", "--steps", "1", "--parity-steps", "2",
-           "--retries", "0", "--max-foreign", "1.0", "--quiet-wait", "0", "--hidden", "64", "--intermediate", "128",
-           "--layers", "1", "--vocab", "384", "--seq", "8", "--global-batch", "2", "--out", str(out))
+    _step_bench("--tp", "2", "--repeats", "1", "--warmup", "2", "--steps", "1", "--parity-steps", "2",
+                "--retries", "0", "--max-foreign", "1.0", "--quiet-wait", "0", "--hidden", "64", "--intermediate", "128",
+                "--layers", "1", "--vocab", "384", "--seq", "8", "--global-batch", "2", "--out", str(out))
     lines = [json.loads(line) for line in (tmp_path / "tp.jsonl").read_text().splitlines()]
     meta, rows = lines[0]["meta"], {r["impl"]: r for r in lines[1:]}
     assert meta["tp"] == 2 and meta["dp"] == 1 and meta["world"] == 2
@@ -180,10 +267,10 @@ def test_step_bench_tp_dp_rows_well_formed(tmp_path):
     out = tmp_path / "tpdp"
     names = ["tp_redundant", "tp_microgroups", "tp_sequential", "tp_unfused", "tp_shard_local", "tp_unfused_lpt",
              "ddp_muon"]
-    _bench("step_bench.py", "--tp", "2", "--world", "4", "--impls", ",".join(names), "--repeats", "1",
-           "--warmup", "2", "--steps", "1", "--parity-steps", "2", "--retries", "0", "--max-foreign", "1.0",
-           "--quiet-wait", "0", "--hidden", "64", "--intermediate", "128", "--layers", "1", "--vocab", "384",
-           "--seq", "8", "--global-batch", "4", "--out", str(out))
+    _step_bench("--tp", "2", "--world", "4", "--impls", ",".join(names), "--repeats", "1",
+                "--warmup", "2", "--steps", "1", "--parity-steps", "2", "--retries", "0", "--max-foreign", "1.0",
+                "--quiet-wait", "0", "--hidden", "64", "--intermediate", "128", "--layers", "1", "--vocab", "384",
+                "--seq", "8", "--global-batch", "4", "--out", str(out))
     lines = [json.loads(line) for line in (tmp_path / "tpdp.jsonl").read_text().splitlines()]
     meta, rows = lines[0]["meta"], {r["impl"]: r for r in lines[1:]}
     assert meta["tp"] == 2 and meta["dp"] == 2 and meta["world"] == 4
@@ -223,11 +310,7 @@ def test_step_bench_tp_dp_rows_well_formed(tmp_path):
 
 def test_step_bench_tp_world_must_be_multiple(capsys):
     """``--tp T --world W`` needs W = dp * T (checked before any rank starts)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import step_bench
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    step_bench = _import_bench("step_bench")
     with pytest.raises(SystemExit) as e:
         step_bench.parse_args(["--tp", "2", "--world", "3"])
     assert e.value.code == 2 and "dp * T" in capsys.readouterr().err
@@ -242,11 +325,11 @@ def test_step_bench_moe_rows_run_and_match_ddp(tmp_path):
     expert matrix a 2-D parameter), moe_owners makes no collective in its step and has its
     per-rank alone times, and the report states the goals."""
     out = tmp_path / "moe"
-    _bench("step_bench.py", "--world", "2", "--model", "moe", "--impls",
-           "moe_ddp,moe_owners,moe_distmuon,moe_gather_muon,moe_tt_distmuon", "--repeats", "1", "--warmup", "2",
-           "--steps", "1", "--parity-steps", "2", "--retries", "0", "--max-foreign", "1.0", "--quiet-wait", "0",
-           "--alone-reps", "1", "--hidden", "32", "--moe-ffn", "24", "--experts", "5", "--layers", "2",
-           "--vocab", "128", "--seq", "16", "--out", str(out))
+    _step_bench("--world", "2", "--model", "moe", "--impls",
+                "moe_ddp,moe_owners,moe_distmuon,moe_gather_muon,moe_tt_distmuon", "--repeats", "1", "--warmup", "2",
+                "--steps", "1", "--parity-steps", "2", "--retries", "0", "--max-foreign", "1.0", "--quiet-wait", "0",
+                "--alone-reps", "1", "--hidden", "32", "--moe-ffn", "24", "--experts", "5", "--layers", "2",
+                "--vocab", "128", "--seq", "16", "--out", str(out))
     rows = {r["impl"]: r for r in map(json.loads, (tmp_path / "moe.jsonl").read_text().splitlines()) if "impl" in r}
     assert set(rows) == {"moe_ddp", "moe_owners", "moe_distmuon", "moe_gather_muon", "moe_tt_distmuon"}
     assert all(r["status"] == "ok" for r in rows.values()), {n: r.get("reason") for n, r in rows.items()}
@@ -261,11 +344,7 @@ def test_step_bench_moe_rows_run_and_match_ddp(tmp_path):
 
 
 def test_step_bench_moe_refuses_decoder_rows(capsys):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import step_bench
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    step_bench = _import_bench("step_bench")
     assert step_bench._impl_list(step_bench.parse_args(["--model", "moe"])) == list(step_bench.MOE_DEFAULT_IMPLS)
     with pytest.raises(SystemExit, match="need --model moe"):
         step_bench._impl_list(step_bench.parse_args(["--impls", "moe_owners"]))
@@ -274,9 +353,15 @@ def test_step_bench_moe_refuses_decoder_rows(capsys):
 
 
 def test_expert_ns_bench_rows_and_parity(tmp_path):
+    import torch
+
     out = tmp_path / "ens"
-    _bench("expert_ns_bench.py", "--experts", "3", "--dims", "24,16", "--reps", "1", "--warmup", "1",
-           "--quiet-wait", "0", "--retries", "0", "--out", str(out))
+    threads = torch.get_num_threads()
+    try:  # in this process: the one state it sets process-wide, torch's thread count, is restored
+        _main("expert_ns_bench.py", "--experts", "3", "--dims", "24,16", "--reps", "1", "--warmup", "1",
+              "--quiet-wait", "0", "--retries", "0", "--out", str(out))
+    finally:
+        torch.set_num_threads(threads)
     rows = [json.loads(line) for line in (tmp_path / "ens.jsonl").read_text().splitlines()][1:]
     assert [(r["stack"], r["ns_dtype"]) for r in rows] == [
         (s, d) for s in ("w1", "w2", "gate_up_proj") for d in ("float32", "bfloat16")]

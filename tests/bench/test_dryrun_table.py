@@ -1,7 +1,11 @@
 """benchmarks/dryrun_table.py and scaling_model.rank_bytes against the real code (issue 28): on
 the tiny preset, the bytes the scaling model prices for the sampled rank are exactly what its dry
 run sends, per phase, on a flat mesh with hosted matrices, on an HSDP mesh with split steps and on
-a (dp, tp) mesh with TP host steps."""
+a (dp, tp) mesh with TP host steps.
+
+The table's cells (a ``python -m matrixfsdp.dryrun`` command each) run in this process, their
+ranks forked from the harness's forkserver (``_dryrun_cli.py``); the command itself is tested as
+run in tests/dryrun/test_dryrun.py."""
 
 from __future__ import annotations
 
@@ -10,13 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from _dryrun_cli import in_process_subprocess
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 dt = pytest.importorskip("dryrun_table")
 
 
-def test_the_scaling_model_prices_exactly_what_the_dry_run_sends(tmp_path):
+def test_the_scaling_model_prices_exactly_what_the_dry_run_sends(tmp_path, monkeypatch):
+    monkeypatch.setattr(dt, "subprocess", in_process_subprocess(monkeypatch))
     out = tmp_path / "table"
     assert dt.main(["--models", "tiny", "--worlds", "64", "--roles", "most_loaded", "rank0",
                     "--out", str(out), "--timeout", "600"]) == 0

@@ -649,18 +649,17 @@ def test_export_import_roundtrip(saved, reference, tmp_path):
 
 
 def test_export_cli_decoder_names(tmp_path):
-    """The CLI on the built-in Decoder: HF Qwen3 names, no process group, errors exit 2."""
+    """The CLI on the built-in Decoder: HF Qwen3 names, no process group, errors exit 2. (Its
+    ``main`` runs here, with no process group in this process; ``python -m matrixfsdp.checkpoint``
+    itself is run by test_checkpoint_cli_prints_no_runpy_warning.)"""
     from safetensors.torch import load_file
 
     cfg = matrixfsdp.PRESETS["tiny"]
     model = matrixfsdp.Decoder(cfg)
     mckpt.save(tmp_path / "ck", model)
     out = tmp_path / "hf" / "model.safetensors"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "..", "src"),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "matrixfsdp.checkpoint", "export", "--src", str(tmp_path / "ck"),
-                        "--dst", str(out)], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0, r.stderr
+    assert not dist.is_initialized()
+    assert mckpt.main(["export", "--src", str(tmp_path / "ck"), "--dst", str(out)]) == 0
     got = load_file(str(out))
     assert "model.layers.0.self_attn.q_proj.weight" in got and "lm_head.weight" in got
     assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())

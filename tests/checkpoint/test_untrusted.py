@@ -15,8 +15,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from _harness import get_pool
+from _train_cli import train_in_process
 
 # torch's dcp.load puts a failed read_metadata's error into its own ("metadata is None; global
 # metadata read failed: ...") from 2.13 on; 2.11's swallows it (state_dict_loader.local_step)
@@ -383,15 +382,14 @@ def test_outside_rule(rel, outside):
 
 
 # ------------------------------------------------------------------ the main job's --resume
-ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["--model", "nano", "--steps", "4", "--ckpt-every", "2", "--eval-every", "2", "--sample-bytes", "0",
          "--max-corpus-bytes", "200000", "--threads", "1", "--no-compare"]
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "matrixfsdp.train", *args], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=ROOT)
+    """``python -m matrixfsdp.train *args``, its main in this process and its ranks forked from the
+    harness's forkserver (tests/_train_cli.py): the ranks' loading code is what is under test."""
+    return train_in_process(*args)
 
 
 def test_train_resume_refuses_crafted_checkpoints(tmp_path):

@@ -1,8 +1,12 @@
 """The dry run (issue 28): sampled ranks of W-rank jobs through the real code on torch's fake
-process group, as a user runs it (``python -m matrixfsdp.dryrun``, one process per command).
+process group, as a user runs it (``python -m matrixfsdp.dryrun``, a process per sampled rank).
 
 Anchored on the plan: what the sampled rank holds is what ``OwnerPlan.rank_stats`` predicts,
-its gradients match its parameters, and the step makes no collective."""
+its gradients match its parameters, and the step makes no collective.
+
+The command's ``main`` runs in this process, its ranks forked from the harness's forkserver
+(``_dryrun_cli.py``: the same code and a fresh process per rank, without a torch import each);
+``test_progress_per_sampled_rank_and_no_profiler_noise`` runs the real command, ranks spawned."""
 
 from __future__ import annotations
 
@@ -13,18 +17,29 @@ import sys
 
 import pytest
 import torch
+from _dryrun_cli import in_process_cli
 
 from matrixfsdp.planner.owner_plan import rank_held_bytes
 from matrixfsdp.dryrun import REPLICATE_PLAN, preset_builder, sample_ranks
 from matrixfsdp.planner.owners import plan_owners
 
 
-def _dryrun(*args: str, timeout: float = 300) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "matrixfsdp.dryrun", "--json", *args], capture_output=True,
-                         text=True, timeout=timeout, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return [json.loads(line) for line in out.stdout.splitlines()]
+@pytest.fixture
+def cli(monkeypatch):
+    """``cli(*argv)``: the exit status, stdout and stderr of ``python -m matrixfsdp.dryrun *argv``."""
+    return in_process_cli(monkeypatch)
+
+
+@pytest.fixture
+def dryrun(cli):
+    """``dryrun(*argv)``: the rows of ``python -m matrixfsdp.dryrun --json *argv`` (which must succeed)."""
+
+    def run(*argv: str) -> list[dict]:
+        status, out, err = cli("--json", *argv)
+        assert status == 0, err[-3000:]
+        return [json.loads(line) for line in out.splitlines()]
+
+    return run
 
 
 def _plan(world: int, replicas: int = 1, **kw):
@@ -35,8 +50,8 @@ def _plan(world: int, replicas: int = 1, **kw):
 
 
 @pytest.mark.parametrize("world, placement", [(64, "owned"), (64, "auto"), (1024, "auto")])
-def test_flat_fully_shard_holds_what_the_plan_says_and_steps_as_planned(world, placement):
-    rows = _dryrun("--world", str(world), "--dtype", "float32", "--placement", placement)
+def test_flat_fully_shard_holds_what_the_plan_says_and_steps_as_planned(world, placement, dryrun):
+    rows = dryrun("--world", str(world), "--dtype", "float32", "--placement", placement)
     plan = _plan(world, placement=placement)
     stats = plan.rank_stats
     max_block = max(sum(p.nbytes for p in plan.params_of_block(b)) for b in plan.blocks)
@@ -63,8 +78,8 @@ def test_flat_fully_shard_holds_what_the_plan_says_and_steps_as_planned(world, p
     assert worst["param_ratio"] == pytest.approx(stats[worst["rank"]].nbytes / (sum(p.nbytes for p in plan.params) / world))
 
 
-def test_hsdp_dry_run_matches_the_plan_per_shard_coordinate():
-    rows = _dryrun("--world", "64", "--replicas", "8", "--dtype", "float32")
+def test_hsdp_dry_run_matches_the_plan_per_shard_coordinate(dryrun):
+    rows = dryrun("--world", "64", "--replicas", "8", "--dtype", "float32")
     stats = _plan(64, 8).rank_stats
     for r in rows:
         assert r["replicas"] == 8 and r["param_bytes"] == stats[r["rank"] % 8].nbytes, r
@@ -72,8 +87,8 @@ def test_hsdp_dry_run_matches_the_plan_per_shard_coordinate():
         assert "all_gather_tensors" in r["comm"]["forward"] or r["comm"]["forward"], r
 
 
-def test_replicate_dry_run_holds_every_parameter_and_steps_without_collectives():
-    rows = _dryrun("--world", "8", "--front-end", "replicate", "--dtype", "float32", "--roles", "most_loaded")
+def test_replicate_dry_run_holds_every_parameter_and_steps_without_collectives(dryrun):
+    rows = dryrun("--world", "8", "--front-end", "replicate", "--dtype", "float32", "--roles", "most_loaded")
     plan = _plan(8, **REPLICATE_PLAN)
     total = sum(p.nbytes for p in plan.params)
     (r,) = rows
@@ -92,11 +107,10 @@ def test_sampled_ranks_follow_the_planned_load():
     assert sorted(load)[32] == load[picks["median"]]
 
 
-def test_bad_input_is_refused_with_the_value_seen():
-    out = subprocess.run([sys.executable, "-m", "matrixfsdp.dryrun", "--world", "64", "--replicas", "5"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    assert "world size must be a positive multiple of the replicas, got world_size=64, replicas=5" in out.stderr
+def test_bad_input_is_refused_with_the_value_seen(cli):
+    status, _, err = cli("--world", "64", "--replicas", "5")
+    assert status == 2
+    assert "world size must be a positive multiple of the replicas, got world_size=64, replicas=5" in err
     with pytest.raises(ValueError, match="unknown model 'qwen9'"):
         preset_builder("qwen9")
     with pytest.raises(ValueError, match=r"unknown roles \['slowest'\]"):
@@ -117,13 +131,13 @@ def test_a_dry_run_refuses_a_process_with_a_process_group():
         dist.destroy_process_group()
 
 
-def test_fsdp2_tp_dry_run_holds_its_tp_shards_of_the_owned_matrices():
+def test_fsdp2_tp_dry_run_holds_its_tp_shards_of_the_owned_matrices(dryrun):
     """``--tp 2``: a (dp_shard, tp) mesh, the preset's MLPs tensor-parallel; each sampled rank (TP
     rank 0 of its data-parallel rank) holds, to the byte, its TP shard of what its owner row is
     planned to hold, and the step makes only the TP host step's all-to-alls."""
     from matrixfsdp.dryrun import tp_fractions
 
-    rows = _dryrun("--world", "16", "--tp", "2", "--dtype", "float32")
+    rows = dryrun("--world", "16", "--tp", "2", "--dtype", "float32")
     with torch.device("meta"):
         model, layers, _ = preset_builder("tiny", torch.float32)()
     frac = tp_fractions(model, 2)
@@ -137,14 +151,12 @@ def test_fsdp2_tp_dry_run_holds_its_tp_shards_of_the_owned_matrices():
     assert any(r["comm"]["step"] for r in rows)  # some sampled owner row steps a TP matrix
 
 
-def test_bad_tp_input_is_refused_with_a_reason():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def test_bad_tp_input_is_refused_with_a_reason(cli):
     for args, needle in ((["--world", "16", "--tp", "3"], "tp must be an int >= 1 dividing the world size"),
                          (["--world", "16", "--tp", "2", "--replicas", "2"], "run HSDP and TP separately"),
                          (["--world", "16", "--tp", "2", "--front-end", "replicate"], "FSDP2 + TP")):
-        out = subprocess.run([sys.executable, "-m", "matrixfsdp.dryrun", *args], capture_output=True, text=True,
-                             timeout=120, env=env)
-        assert out.returncode == 2 and needle in out.stderr, (args, out.stderr[-2000:])
+        status, _, err = cli(*args)
+        assert status == 2 and needle in err, (args, err[-2000:])
 
 
 def test_progress_per_sampled_rank_and_no_profiler_noise():

@@ -230,8 +230,8 @@ def test_titan_moe_checkpoint_resume_across_ep(tmp_path):
 
 
 def _ep_refusals() -> dict:
-    """Pool worker (W=4): torchtitan's ParallelDims with real meshes for the EP layouts matrixfsdp
-    refuses; parallelize_matrixfsdp's message for each."""
+    """Rank 0 of a W=4 process group: torchtitan's ParallelDims with real meshes for the EP
+    layouts matrixfsdp refuses; parallelize_matrixfsdp's message for each."""
     from types import SimpleNamespace
 
     from _titan_cpu import cpu_patches
@@ -258,8 +258,17 @@ def _ep_refusals() -> dict:
 
 def test_titan_moe_refuses_unsupported_ep_layouts():
     """EP where an EP rank's experts would be sharded further (an expert-FSDP group,
-    efsdp = dp_shard * tp / ep > 1), EP with HSDP and EP with TP: ValueError naming the fix."""
-    got = get_pool(4).run(_ep_refusals, timeout=120)[0]
+    efsdp = dp_shard * tp / ep > 1), EP with HSDP and EP with TP: ValueError naming the fix.
+    The meshes are built in this process as rank 0 of 4 on torch's fake process group: the
+    refusals read their shapes only, and a 4-rank gloo pool would import torchtitan 4 times."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        got = _ep_refusals()
+    finally:
+        dist.destroy_process_group()
     pre = r"parallelize_matrixfsdp: expert parallelism is supported where every EP rank owns its experts whole: "
     efsdp, msg = got["efsdp"]
     assert efsdp == 2 and re.search(pre + r"expert_parallel_degree=2 leaves an expert-FSDP group of 2 ranks.*set "

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 
 import pytest
 
@@ -44,10 +43,8 @@ def _close(a: list[float], b: list[float], rtol: float) -> bool:
 
 
 def test_stock_trainer_world_size_invariant(tmp_path):
-    t0 = time.monotonic()
     w2 = get_pool(2).run(_train_stock, STEPS, str(tmp_path), timeout=120)
     w1 = get_pool(1).run(_train_stock, STEPS, str(tmp_path), timeout=120)
-    elapsed = time.monotonic() - t0
 
     for res in w2 + w1:
         assert len(res["losses"]) == STEPS
@@ -59,4 +56,3 @@ def test_stock_trainer_world_size_invariant(tmp_path):
     assert _close(got["losses"], ref["losses"], RTOL), (got["losses"], ref["losses"])
     assert _close(got["grad_norms"], ref["grad_norms"], RTOL), (got["grad_norms"], ref["grad_norms"])
     assert ref["losses"][-1] < ref["losses"][0], ref["losses"]  # the synthetic data is learnable
-    assert elapsed < 60, f"took {elapsed:.1f}s"

@@ -277,13 +277,44 @@ def test_digest_equal_iff_plans_equal(spec, W1, W2):
 @settings(max_examples=200, deadline=None)
 @given(loads=st.lists(st.integers(1, 50), min_size=1, max_size=9), W=st.integers(1, 4))
 def test_lower_bound_is_valid_against_brute_force(loads, W):
+    assert _tight_lower_bound([float(x) for x in loads], 0.0, W) <= _optimal_makespan(loads, W) + 1e-9
+
+
+def _optimal_makespan(loads: list[int], W: int) -> int:
+    """The least max rank load over every assignment of ``loads`` to ``W`` ranks, by exhaustive
+    search: ranks holding equal loads are interchangeable, so one of them is tried, and a branch
+    stops once its max reaches the best found (all W**n assignments took up to 25 s a run)."""
+    best = sum(loads)  # all on one rank: an assignment, so the optimum is at most this
+
+    def go(i: int, ranks: list[int]) -> None:
+        nonlocal best
+        if max(ranks) >= best:
+            return
+        if i == len(loads):
+            best = max(ranks)
+            return
+        tried = set()
+        for k in range(W):
+            if ranks[k] not in tried:
+                tried.add(ranks[k])
+                ranks[k] += loads[i]
+                go(i + 1, ranks)
+                ranks[k] -= loads[i]
+
+    go(0, [0] * W)
+    return best
+
+
+def test_optimal_makespan_is_the_brute_force_one():
+    """The search above against every assignment, on cases small enough to enumerate."""
     import itertools
 
-    best = min(
-        max(sum(l for l, r in zip(loads, a) if r == k) for k in range(W))
-        for a in itertools.product(range(W), repeat=len(loads))
-    )
-    assert _tight_lower_bound([float(x) for x in loads], 0.0, W) <= best + 1e-9
+    rng = random.Random(0)
+    for _ in range(30):
+        loads, W = [rng.randint(1, 50) for _ in range(rng.randint(1, 7))], rng.randint(1, 4)
+        brute = min(max(sum(l for l, r in zip(loads, a) if r == k) for k in range(W))
+                    for a in itertools.product(range(W), repeat=len(loads)))
+        assert _optimal_makespan(loads, W) == brute, (loads, W)
 
 
 # ------------------------------------------------------------------------------------ presets

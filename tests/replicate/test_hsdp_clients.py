@@ -298,7 +298,11 @@ def compiled_module_recompiles() -> dict:
 
     cfg = TinyConfig(vocab=32, dim=32, hidden=48, n_blocks=1, seq=4, heads=2, gated_block=-1)
     model = _replicate(TinyDecoder(cfg, seed=0), 2, 2, "split")
-    cmodel = torch.compile(model)  # the whole module, hooks included (DDP users' usual spelling)
+    # the whole module, hooks included (DDP users' usual spelling). Recompiles are dynamo's guards
+    # failing, whatever the backend: aot_eager traces as inductor does (dynamo, then AOTAutograd)
+    # without inductor's C++ code generation (~40 s on a loaded 2-core box); replicate under
+    # inductor is tests/fully_shard/test_compile_model.py's ("replicate", "model") case
+    cmodel = torch.compile(model, backend="aot_eager")
     opt = matrixfsdp.optim.Muon(model, **KW)
     dynamo.reset()
     recompiles = []

@@ -1,7 +1,9 @@
 """``python -m matrixfsdp.train`` (the main job) at smoke size: outputs, bitwise resume, bad input.
 
-Each command starts its own processes and costs ~5-10 s on a 2-core box, so the tests share one
-uninterrupted reference run (module fixture) and resume from copies of its folder.
+Each command starts its own processes, so the tests share one uninterrupted reference run (module
+fixture, the command run for real) and resume from copies of its folder. The other commands run
+the command's ``main`` in this process, their ranks forked from the test harness's forkserver
+(tests/_train_cli.py): the same rank code without a torch + matrixfsdp import per command.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _train_cli import train_in_process
 
 from matrixfsdp.train import main
 
@@ -23,10 +26,15 @@ SMOKE = ["--model", "nano", "--steps", "6", "--ckpt-every", "3", "--eval-every",
 RUNS = ("matrixfsdp-muon", "fsdp2-adamw")
 
 
-def train(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-m", "matrixfsdp.train", *args], capture_output=True, text=True,
-                         timeout=300, env=env, cwd=ROOT)
+def train(*args: str, check: bool = True, real: bool = False) -> subprocess.CompletedProcess:
+    """``python -m matrixfsdp.train *args``: run as typed (``real``), else in this process
+    (``train_in_process``, see the module docstring)."""
+    if real:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+        res = subprocess.run([sys.executable, "-m", "matrixfsdp.train", *args], capture_output=True, text=True,
+                             timeout=300, env=env, cwd=ROOT)
+    else:
+        res = train_in_process(*args)
     if check:
         assert res.returncode == 0, res.stdout + res.stderr
     return res
@@ -45,7 +53,7 @@ def comparable(recs: list[dict]) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("train") / "ref"
-    res = train(*SMOKE, "--out", str(out))
+    res = train(*SMOKE, "--out", str(out), real=True)
     (out / "stdout.txt").write_text(res.stdout)
     return out
 
@@ -248,8 +256,9 @@ def test_tiny_moe_trains_and_resumes(tmp_path):
     matrixfsdp + Muon (expert stacks owned whole per rank, stepped per expert) next to FSDP2 +
     AdamW: losses fall, the step communicates nothing, and a resume from the step-3 checkpoint
     (per-expert optimizer state included) reproduces the run bitwise."""
+    # 4 x 32 bytes a step (the default 16 x 128 cost ~4 s CPU more per command for nothing pinned here)
     argv = ["--model", "tiny-moe", "--steps", "6", "--ckpt-every", "3", "--eval-every", "6", "--sample-bytes", "0",
-            "--max-corpus-bytes", "200000", "--threads", "1"]
+            "--max-corpus-bytes", "200000", "--threads", "1", "--batch", "4", "--seq-len", "32"]
     ref = tmp_path / "ref"
     train(*argv, "--out", str(ref))
     recs = records(ref, "matrixfsdp-muon")
