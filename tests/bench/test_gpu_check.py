@@ -165,11 +165,13 @@ def test_nccl_sweep_requires_the_flight_recorder_dump(monkeypatch, capsys):
     assert e.value.code == 2 and "TORCH_NCCL_DUMP_ON_TIMEOUT=1" in capsys.readouterr().err
 
 
-def test_nccl_sweep_gloo_smoke_at_w2(tmp_path):
-    """The sweep's CPU form: flat, HSDP (2,1) both step modes and TP (1,2) against the reference."""
-    proc = subprocess.run([sys.executable, str(SWEEP), "--backend", "gloo", "--spawn", "2", "--steps", "2",
-                           "--out", str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_nccl_sweep_gloo_smoke_at_w2(tmp_path, monkeypatch):
+    """The sweep's CPU form: flat, HSDP (2,1) both step modes and TP (1,2) against the reference.
+    Its ``main`` runs in this process (its two ranks are spawned, as from the command line); what
+    it sets process-wide (the ranks' PYTHONPATH, this tree's src on sys.path) is put back after."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    assert sweep.main(["--backend", "gloo", "--spawn", "2", "--steps", "2", "--out", str(tmp_path)]) == 0
     rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert [r["mesh"] for r in rows] == ["flat", "hsdp-repeat", "hsdp-split", "tp"]
     for r in rows:

@@ -43,6 +43,18 @@ from matrixfsdp.optim import SOAP, Muon
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The single-process parts (the W=1 reference, Shampoo's roots, the reshards into one
+    process) run in the test's process: tiny matrices gain nothing from intra-op threads, and
+    spinning threads on a busy 2-core box made test_shampoo_roots_placeholders take 190 s instead
+    of 14 (as in tests/optim/test_muon.py); the setting is restored for other modules."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 BATCH = 12  # divisible by 1, 2, 3, 4
 SAVE_AT = 3
 MORE = 5

@@ -1,13 +1,12 @@
 """Planner tests for expert stacks: hypothesis properties on random MoE-like models (every expert
 placed once, contiguous rows, digests, JSON, balance against the bound), the two baselines of
-[Note: expert baselines], digests pinned across the planner's speed-ups, and planning time and
-quality on the real MoE presets."""
+[Note: expert baselines], digests pinned across the planner's speed-ups, and planning (its time
+measured, not bounded) and quality on the real MoE presets."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
-import time
 
 import pytest
 import torch
@@ -342,14 +341,12 @@ def moe_presets():
 
 
 @pytest.mark.parametrize("W", [8, 1024])
-def test_qwen3_30b_a3b_plans_in_under_30s(moe_presets, W):
+def test_qwen3_30b_a3b_plans(moe_presets, W):
     """12,288 expert roles (48 layers x 2 stacks x 128 experts) next to 240 dense matrices.
     Measured on this 2-core machine: about 0.5 s at W=8 and 1 s at W=1024 (39 s at W=1024 before
-    MULTIFIT's first fit resumed each role signature's scan)."""
-    t = time.perf_counter()
+    MULTIFIT's first fit resumed each role signature's scan). No bound on the time (issue 42: no
+    wall-clock assertion in the suite): a regression shows in the suite's time."""
     plan = plan_owners(moe_presets["qwen3-30b-a3b"], W, block_types=MoEDecoderLayer)
-    took = time.perf_counter() - t
-    assert took < 30, f"planning took {took:.1f} s"
     assert sum(plan.expert_matrices) == 48 * 128 * 3
 
 
